@@ -1,0 +1,23 @@
+"""peft-smear: Soft Merging of Experts with Adaptive Routing (SMEAR) as a PEFT method.
+
+Importing this package registers the PEFT type ``"SMEAR"``, after which ``get_peft_model``,
+``PeftModel.from_pretrained``, ``PeftConfig.from_pretrained`` and ``AutoPeftModel*`` handle SMEAR adapters.
+"""
+
+from .config import SmearConfig
+from .layer import SmearLinear
+from .model import SmearModel, get_routing_weights
+from .registration import SUPPORTED_PEFT_RANGE, SmearPeftType, register  # first: checks the PEFT version
+
+
+__version__ = "0.1.0"
+__all__ = [
+    "SUPPORTED_PEFT_RANGE",
+    "SmearConfig",
+    "SmearLinear",
+    "SmearModel",
+    "SmearPeftType",
+    "get_routing_weights",
+]
+
+register(SmearConfig, SmearModel, SmearModel.prefix)

@@ -1,0 +1,199 @@
+"""SmearModel: injects SMEAR layers into a model and keeps their routing context up to date."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import SmearConfig
+from .context import RoutingContext
+from .layer import MERGE_UNSUPPORTED, SUPPORTED_BASE_LAYERS, SmearLinear
+from .registration import DEFAULT_TARGET_MODULES, BaseTuner, adapter_state_dict_keys
+from .routing import masked_mean
+
+
+class SmearModel(BaseTuner):
+    """The PEFT tuner for SMEAR (``peft_type="SMEAR"``, parameter prefix ``smear_``).
+
+    Routing needs the padding mask of every batch, and the decoder of an encoder-decoder model needs the encoder's
+    output. Forward pre-hooks on the wrapped model record both into one :class:`RoutingContext` that every layer
+    reads; a hook rather than a ``forward`` override, because ``generate`` and the encoder call made inside it bypass
+    this class.
+    """
+
+    prefix: str = "smear_"
+    tuner_layer_cls = SmearLinear
+    target_module_mapping = DEFAULT_TARGET_MODULES
+
+    def _pre_injection_hook(self, model: nn.Module, config: SmearConfig, adapter_name: str) -> None:
+        self.routing_context = RoutingContext()
+        self._decoder_prefix: str | None = None
+        self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
+        if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+            encoder, decoder = model.get_encoder(), model.get_decoder()
+            self._decoder_prefix = next(name for name, module in model.named_modules() if module is decoder) + "."
+            self._hook(encoder, self._record_token_mask)
+            self._hook(decoder, self._record_encoder_summary)
+        else:
+            self._hook(model, self._record_token_mask)
+
+    def _hook(self, module: nn.Module, record) -> None:
+        signature = inspect.signature(module.forward)
+
+        def pre_hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+            record(signature.bind_partial(*args, **kwargs).arguments if args else kwargs)
+
+        self._hook_handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+
+    def _record_token_mask(self, arguments: dict[str, Any]) -> None:
+        self.routing_context.token_mask = _padding_mask(arguments.get("attention_mask"), "attention_mask")
+
+    def _record_encoder_summary(self, arguments: dict[str, Any]) -> None:
+        states = arguments.get("encoder_hidden_states")
+        mask = _padding_mask(arguments.get("encoder_attention_mask"), "encoder_attention_mask")
+        self.routing_context.encoder_summary = None if states is None else masked_mean(states, mask)
+
+    def _create_and_replace(
+        self,
+        config: SmearConfig,
+        adapter_name: str,
+        target: nn.Module,
+        target_name: str,
+        parent: nn.Module,
+        current_key: str,
+        **optional_kwargs: Any,
+    ) -> None:
+        router_source, router_features = "self", None
+        if self._decoder_prefix is not None and current_key.startswith(self._decoder_prefix):
+            router_source, router_features = "encoder", self.model.config.hidden_size
+
+        if isinstance(target, SmearLinear):
+            target.update_layer(
+                adapter_name,
+                config,
+                router_source=router_source,
+                router_features=router_features,
+                inference_mode=config.inference_mode,
+            )
+            return
+        if not isinstance(target, SUPPORTED_BASE_LAYERS):
+            supported = ", ".join(f"{cls.__module__}.{cls.__qualname__}" for cls in SUPPORTED_BASE_LAYERS)
+            raise TypeError(
+                f"SMEAR cannot wrap target module {current_key!r} of type {type(target).__name__}; "
+                f"supported types: {supported}. Adjust target_modules."
+            )
+        new_module = SmearLinear(
+            target,
+            adapter_name,
+            config,
+            self.routing_context,
+            router_source=router_source,
+            router_features=router_features,
+        )
+        if adapter_name not in self.active_adapters:
+            new_module.requires_grad_(False)  # an added, inactive adapter is not trainable until activated
+        self._replace_module(parent, target_name, new_module, target)
+
+    def merge_and_unload(self, *args: Any, **kwargs: Any) -> nn.Module:
+        raise TypeError(MERGE_UNSUPPORTED)
+
+    def merge_adapter(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(MERGE_UNSUPPORTED)
+
+    def unload(self) -> nn.Module:
+        """Remove every SMEAR layer and routing hook and return the unmodified base model."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+        return super().unload()
+
+    @classmethod
+    def _remap_adapter_state_dict_for_load(
+        cls, model: nn.Module, config: SmearConfig, adapter_name: str, state_dict: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """PEFT's key remapping, then a strict check: PEFT only warns about missing keys and ignores unexpected
+        ones, which would leave a silently half-initialised adapter."""
+        remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
+        _check_adapter_state_dict(model, adapter_name, remapped)
+        return remapped
+
+
+def _padding_mask(mask: torch.Tensor | None, name: str) -> torch.Tensor | None:
+    if mask is not None and mask.dim() != 2:
+        raise ValueError(
+            f"SMEAR routes on a [batch, tokens] padding mask, but {name} has shape {tuple(mask.shape)}. "
+            "Pass the 2-D padding mask to the model."
+        )
+    return mask
+
+
+def _check_adapter_state_dict(model: nn.Module, adapter_name: str, state_dict: dict[str, torch.Tensor]) -> None:
+    model_state = model.state_dict()
+    expected = adapter_state_dict_keys(model, adapter_name)
+    prefix = "base_model.model."
+    unexpected, provided, mismatched = [], set(), []
+    for key, tensor in state_dict.items():
+        model_key = key if key in model_state else prefix + key if prefix + key in model_state else None
+        if model_key is None:
+            unexpected.append(key)
+            continue
+        provided.add(model_key)
+        if model_key in expected and tuple(tensor.shape) != tuple(model_state[model_key].shape):
+            mismatched.append(f"{key}: checkpoint {tuple(tensor.shape)}, model {tuple(model_state[model_key].shape)}")
+    missing = sorted(expected - provided)
+    problems = []
+    if mismatched:
+        problems.append(
+            "shapes differ (was it trained on another base model, or with another num_experts / r?):\n  "
+            + "\n  ".join(mismatched)
+        )
+    if missing:
+        problems.append("missing from the checkpoint:\n  " + "\n  ".join(missing))
+    if unexpected:
+        problems.append("in the checkpoint but not in the model:\n  " + "\n  ".join(sorted(unexpected)))
+    if problems:
+        raise ValueError(
+            f"Cannot load SMEAR adapter {adapter_name!r}; its weights do not fit the model. " + "; ".join(problems)
+        )
+
+
+def get_routing_weights(
+    peft_model: nn.Module, adapter_name: str | None = None, **inputs: Any
+) -> dict[str, torch.Tensor]:
+    """Run ``peft_model(**inputs)`` in eval mode without gradients and return, for every SMEAR layer that ran, its
+    ``[batch, num_experts]`` routing weights, keyed by the layer's module name in the base model.
+
+    ``adapter_name`` defaults to the active adapter. Training mode of every module is restored afterwards.
+    """
+    tuner = getattr(peft_model, "base_model", None)
+    if not isinstance(tuner, SmearModel):
+        raise TypeError(
+            f"get_routing_weights needs a PeftModel with a SMEAR adapter, got {type(peft_model).__name__}."
+        )
+    if adapter_name is None:
+        if len(tuner.active_adapters) != 1:
+            raise ValueError(f"Several adapters are active ({tuner.active_adapters}); pass adapter_name.")
+        adapter_name = tuner.active_adapters[0]
+    if adapter_name not in tuner.peft_config:
+        raise ValueError(f"No adapter named {adapter_name!r}; adapters: {sorted(tuner.peft_config)}.")
+
+    training_modes = [(module, module.training) for module in peft_model.modules()]
+    context = tuner.routing_context
+    context.recorded = {}
+    try:
+        peft_model.eval()
+        with torch.no_grad():
+            peft_model(**inputs)
+        recorded = context.recorded
+    finally:
+        context.recorded = None
+        for module, training in training_modes:
+            module.training = training
+    return {
+        name: recorded[(module, adapter_name)]
+        for name, module in tuner.model.named_modules()
+        if (module, adapter_name) in recorded
+    }

@@ -1,0 +1,80 @@
+"""The one module that touches PEFT internals.
+
+PEFT 0.21 has no public way to register a method whose name is not already in its own ``PeftType`` enum
+(``register_peft_method`` refuses it), so we write PEFT's registries directly. Everything else peft-smear needs from
+PEFT beyond its top-level API is imported here too, so that a PEFT release that moves something breaks in exactly one
+place, with a message that says which range is supported.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import peft
+from packaging.version import Version
+
+
+SUPPORTED_PEFT_RANGE = ">=0.21,<0.22"
+_PEFT_MIN, _PEFT_MAX = Version("0.21"), Version("0.22")
+
+
+def check_peft_version(version: str) -> None:
+    """Refuse a PEFT outside the range whose internals this module was written against."""
+    parsed = Version(version)
+    if not (_PEFT_MIN <= Version(parsed.base_version) < _PEFT_MAX):
+        raise ImportError(
+            f"peft-smear supports peft{SUPPORTED_PEFT_RANGE}, but peft {version} is installed. "
+            f'Install a supported release, e.g. `pip install "peft{SUPPORTED_PEFT_RANGE}"`.'
+        )
+
+
+check_peft_version(peft.__version__)
+
+# These imports are below the version check on purpose: on an unsupported PEFT they may not exist.
+from peft import mapping as _peft_mapping  # noqa: E402
+from peft.config import PeftConfig  # noqa: E402
+from peft.tuners.tuners_utils import (  # noqa: E402
+    BaseTuner,
+    BaseTunerLayer,
+    _filter_state_dict_by_key_prefixes,
+    _get_tuner_state_dict_key_prefixes,
+)
+from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING  # noqa: E402
+
+
+__all__ = [
+    "DEFAULT_TARGET_MODULES",
+    "SUPPORTED_PEFT_RANGE",
+    "BaseTuner",
+    "BaseTunerLayer",
+    "PeftConfig",
+    "SmearPeftType",
+    "adapter_state_dict_keys",
+    "check_peft_version",
+    "register",
+]
+
+# SMEAR wraps the same projections LoRA does, so LoRA's per-architecture defaults are the sensible ones.
+DEFAULT_TARGET_MODULES: dict[str, list[str]] = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+
+class SmearPeftType(str, enum.Enum):
+    """Our own PEFT type. Name and value must be equal: PEFT looks configs up by the plain string ``"SMEAR"``, and a
+    ``str`` enum member only hashes like its string when its name is that string."""
+
+    SMEAR = "SMEAR"
+
+
+def adapter_state_dict_keys(model, adapter_name: str) -> set[str]:
+    """The state-dict keys of every tuner parameter of ``adapter_name`` in ``model`` (a PeftModel or injected model)."""
+    prefixes = _get_tuner_state_dict_key_prefixes(model, adapter_name=adapter_name)
+    return set(_filter_state_dict_by_key_prefixes(model.state_dict(), prefixes))
+
+
+def register(config_cls: type, tuner_cls: type, prefix: str) -> None:
+    """Make ``get_peft_model``, ``PeftModel.from_pretrained``, ``PeftConfig.from_pretrained`` and
+    ``AutoPeftModel*`` resolve ``"SMEAR"``. Idempotent, so re-importing (e.g. ``importlib.reload``) is harmless."""
+    key = SmearPeftType.SMEAR
+    _peft_mapping.PEFT_TYPE_TO_CONFIG_MAPPING[key] = config_cls
+    _peft_mapping.PEFT_TYPE_TO_TUNER_MAPPING[key] = tuner_cls
+    _peft_mapping.PEFT_TYPE_TO_PREFIX_MAPPING[key] = prefix
