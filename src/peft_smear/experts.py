@@ -11,7 +11,7 @@ def init_lora_experts(lora_A: torch.Tensor, lora_B: torch.Tensor, scheme: bool |
     """Initialise ``lora_A [N, r, in]`` and ``lora_B [N, out, r]`` in place, each expert independently so that the
     experts differ (SMEAR needs distinct experts to break symmetry). See ``SmearConfig.init_weights``."""
     with torch.no_grad():
-        for expert_A, expert_B in zip(lora_A, lora_B):
+        for expert_A, expert_B in zip(lora_A, lora_B, strict=True):
             if scheme == "gaussian":
                 torch.nn.init.normal_(expert_A, std=1 / lora_A.shape[1])
             elif scheme == "smear":

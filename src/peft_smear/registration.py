@@ -66,7 +66,7 @@ class SmearPeftType(str, enum.Enum):
 
 
 def adapter_state_dict_keys(model, adapter_name: str) -> set[str]:
-    """The state-dict keys of every tuner parameter of ``adapter_name`` in ``model`` (a PeftModel or injected model)."""
+    """State-dict keys of every tuner parameter of ``adapter_name`` in ``model`` (PeftModel or injected model)."""
     prefixes = _get_tuner_state_dict_key_prefixes(model, adapter_name=adapter_name)
     return set(_filter_state_dict_by_key_prefixes(model.state_dict(), prefixes))
 
