@@ -36,7 +36,16 @@ def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
 
 def tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=1,
+    )
     return GPT2LMHeadModel(config).eval()
 
 

@@ -78,6 +78,7 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         for name in self.adapter_layer_names:
             setattr(self, name, nn.ParameterDict())
         self._active_adapter = adapter_name
+        self.train(base_layer.training)  # wrapping a module must not switch an eval-mode model into training
         self.update_layer(adapter_name, config, router_source=router_source, router_features=router_features)
 
     def update_layer(

@@ -1,0 +1,235 @@
+"""The SMEAR forward pass against an independent per-example computation, on every supported architecture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import get_peft_model
+
+import peft_smear
+from peft_smear import SmearLinear
+from tiny_models import VOCAB, random_batch, tiny_bert, tiny_gpt2, tiny_llama, tiny_t5
+
+
+ARCHITECTURES = {"llama": tiny_llama, "gpt2": tiny_gpt2, "bert": tiny_bert, "t5": tiny_t5}
+
+
+def smear(model, **overrides):
+    config = {"num_experts": 3, "r": 2, "init_weights": False, "target_modules": "all-linear", **overrides}
+    return get_peft_model(model, peft_smear.SmearConfig(**config))
+
+
+def model_inputs(arch: str, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    inputs = dict(batch)
+    if arch == "t5":
+        generator = torch.Generator().manual_seed(1)
+        inputs["decoder_input_ids"] = torch.randint(2, VOCAB, (batch["input_ids"].shape[0], 4), generator=generator)
+    return inputs
+
+
+def reference_layer_output(
+    layer: SmearLinear, x: torch.Tensor, token_mask: torch.Tensor | None, encoder_summary: torch.Tensor | None
+) -> torch.Tensor:
+    """SMEAR written out one example at a time with explicit loops, in float64, sharing no code with the package."""
+    name = "default"
+    A, B = layer.smear_lora_A[name].double(), layer.smear_lora_B[name].double()
+    W = layer.smear_router_weight[name].double()
+    row_gain = layer.smear_router_row_norm_weight[name].double()
+    in_gain = layer.smear_router_input_norm_weight[name].double()
+    in_bias = layer.smear_router_input_norm_bias[name].double()
+    num_experts = A.shape[0]
+
+    def layer_norm(v):
+        return (v - v.mean()) / torch.sqrt(v.var(unbiased=False) + 1e-5)
+
+    outputs = []
+    for b in range(x.shape[0]):
+        xb = x[b].double()
+        if layer.router_source[name] == "encoder":
+            summary = encoder_summary[b].double()
+        elif xb.dim() == 1:
+            summary = xb
+        else:
+            real = [t for t in range(xb.shape[0]) if token_mask is None or token_mask[b, t] != 0]
+            summary = sum(xb[t] for t in real) / len(real)
+        normed = layer_norm(summary) * in_gain + in_bias
+        logits = torch.stack([normed @ (layer_norm(W[n]) * row_gain) for n in range(num_experts)])
+        p = torch.exp(logits - logits.max())
+        p = p / p.sum()
+        merged_A = sum(p[n] * A[n] for n in range(num_experts))
+        merged_B = sum(p[n] * B[n] for n in range(num_experts))
+        base = layer.get_base_layer()(x[b : b + 1]).double()[0]
+        outputs.append(base + (xb @ merged_A.T @ merged_B.T) * layer.scaling[name])
+    return torch.stack(outputs)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_output_equals_explicit_per_example_merge(arch):
+    model = smear(ARCHITECTURES[arch]())
+    batch = random_batch(3, 7, seed=2, lengths=[7, 4, 2])
+    inputs = model_inputs(arch, batch)
+    captured = []
+    hooks = [
+        module.register_forward_hook(lambda m, args, out: captured.append((m, args[0].detach(), out.detach())))
+        for module in model.modules()
+        if isinstance(module, SmearLinear)
+    ]
+    with torch.no_grad():
+        outputs = model(**inputs)
+    for hook in hooks:
+        hook.remove()
+
+    encoder_summary = None
+    if arch == "t5":
+        states, mask = outputs.encoder_last_hidden_state.double(), batch["attention_mask"]
+        encoder_summary = torch.stack([states[b][mask[b] == 1].mean(0) for b in range(states.shape[0])])
+    assert len(captured) == len(model.base_model.targeted_module_names)
+    for layer, x, out in captured:
+        # T5's encoder and Llama/GPT-2/BERT see the input tokens; the T5 decoder's self-routed nothing (all its
+        # layers route on the encoder), so the token mask is the input's attention mask throughout.
+        expected = reference_layer_output(layer, x, batch["attention_mask"], encoder_summary)
+        torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_forward_and_backward_reach_every_adapter_parameter(arch):
+    model = smear(ARCHITECTURES[arch]())
+    model.train()
+    batch = random_batch(2, 6, seed=3, lengths=[6, 3])
+    inputs = model_inputs(arch, batch)
+    if arch == "bert":
+        inputs["labels"] = torch.tensor([0, 2])
+    elif arch == "t5":
+        inputs["labels"] = inputs.pop("decoder_input_ids")
+    else:
+        inputs["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    loss = model(**inputs).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    adapter_params = {n: p for n, p in model.named_parameters() if "smear_" in n}
+    assert adapter_params and all(p.requires_grad for p in adapter_params.values())
+    without_grad = [n for n, p in adapter_params.items() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert without_grad == []
+    frozen_with_grad = [n for n, p in model.named_parameters() if "smear_" not in n and p.grad is not None]
+    assert frozen_with_grad == []
+
+
+def test_routing_weights_are_distributions_that_depend_on_the_input():
+    model = smear(tiny_llama())
+    first = peft_smear.get_routing_weights(model, **random_batch(4, 6, seed=0))
+    second = peft_smear.get_routing_weights(model, **random_batch(4, 6, seed=1))
+    assert set(first) == set(model.base_model.targeted_module_names)
+    for name, weights in first.items():
+        assert weights.shape == (4, 3) and weights.dtype == torch.float32
+        torch.testing.assert_close(weights.sum(-1), torch.ones(4))
+        assert (weights > 0).all()
+        assert not torch.allclose(weights, second[name])
+        assert not torch.allclose(weights[0], weights[1])
+
+
+def test_get_routing_weights_restores_training_mode_and_ignores_dropout():
+    model = smear(tiny_llama(), expert_dropout=0.5)
+    model.train()
+    batch = random_batch(4, 6)
+    first = peft_smear.get_routing_weights(model, **batch)
+    second = peft_smear.get_routing_weights(model, **batch)
+    assert model.training and all(m.training for m in model.modules())
+    for name in first:
+        torch.testing.assert_close(first[name], second[name], atol=0, rtol=0)
+
+
+def test_expert_dropout_only_in_training():
+    model = smear(tiny_llama(), expert_dropout=0.5, num_experts=6)
+    layer = next(m for m in model.modules() if isinstance(m, SmearLinear))
+    x = torch.randn(64, 5, layer.in_features)
+    model.base_model.routing_context.token_mask = None
+    layer.train()
+    dropped = layer.routing_weights("default", x)
+    torch.testing.assert_close(dropped.sum(-1), torch.ones(64))
+    zero_fraction = (dropped == 0).float().mean().item()
+    assert 0.35 < zero_fraction < 0.65
+    layer.eval()
+    assert (layer.routing_weights("default", x) > 0).all()
+
+
+def test_drop_experts_keeps_an_example_that_lost_every_expert():
+    from peft_smear.routing import drop_experts
+
+    probs = torch.full((2000, 2), 0.5)
+    dropped = drop_experts(probs, 0.9)
+    assert torch.isfinite(dropped).all()
+    torch.testing.assert_close(dropped.sum(-1), torch.ones(2000))
+
+
+def _alone_and_in_batch(model, arch, sequences, pad_left):
+    """Logits of each sequence run alone, and run inside one padded batch, at the sequence's own positions."""
+    longest = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, seq in enumerate(sequences):
+        cols = slice(longest - len(seq), longest) if pad_left else slice(0, len(seq))
+        ids[row, cols], mask[row, cols] = torch.tensor(seq), 1
+    extra = {}
+    if pad_left:
+        extra["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        batched = model(input_ids=ids, attention_mask=mask, **extra).logits
+        for row, seq in enumerate(sequences):
+            alone = model(input_ids=torch.tensor([seq]), attention_mask=torch.ones(1, len(seq), dtype=torch.long))
+            if arch == "bert":
+                torch.testing.assert_close(batched[row], alone.logits[0], atol=1e-5, rtol=1e-5)
+            else:
+                cols = slice(longest - len(seq), longest) if pad_left else slice(0, len(seq))
+                torch.testing.assert_close(batched[row, cols], alone.logits[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("arch", "pad_left"), [("llama", False), ("llama", True), ("gpt2", False), ("bert", False)])
+def test_example_output_is_the_same_alone_and_in_a_padded_batch(arch, pad_left):
+    model = smear(ARCHITECTURES[arch]())
+    generator = torch.Generator().manual_seed(5)
+    sequences = [torch.randint(2, VOCAB, (n,), generator=generator).tolist() for n in (8, 3, 5)]
+    _alone_and_in_batch(model, arch, sequences, pad_left)
+
+
+def test_padding_changes_nothing_but_ignoring_the_mask_would():
+    """Guards the test above: pooling padding tokens into the router does change the routing."""
+    model = smear(tiny_llama())
+    batch = random_batch(1, 8, seed=4)
+    padded = {k: torch.cat([v, torch.zeros(1, 4, dtype=v.dtype)], dim=1) for k, v in batch.items()}
+    alone = peft_smear.get_routing_weights(model, **batch)
+    with_mask = peft_smear.get_routing_weights(model, **padded)
+    without_mask = peft_smear.get_routing_weights(model, input_ids=padded["input_ids"])
+    for name in alone:
+        torch.testing.assert_close(with_mask[name], alone[name])
+    assert max((without_mask[name] - alone[name]).abs().max() for name in alone) > 1e-3
+
+
+def test_t5_decoder_routes_on_the_encoder_not_on_the_targets():
+    model = smear(tiny_t5())
+    batch = random_batch(2, 6, seed=6, lengths=[6, 3])
+    first = peft_smear.get_routing_weights(model, **batch, decoder_input_ids=torch.tensor([[0, 5, 6], [0, 7, 8]]))
+    second = peft_smear.get_routing_weights(model, **batch, decoder_input_ids=torch.tensor([[0, 9, 9], [0, 2, 3]]))
+    decoder_layers = [name for name in first if name.startswith("decoder.")]
+    assert decoder_layers
+    for name in decoder_layers:
+        torch.testing.assert_close(first[name], second[name], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_base_models(dtype):
+    reference = smear(tiny_llama())
+    model = smear(tiny_llama().to(dtype))
+    model.load_state_dict(reference.state_dict())
+    layer = next(m for m in model.modules() if isinstance(m, SmearLinear))
+    assert layer.smear_lora_A["default"].dtype == torch.float32  # PEFT's adapter autocast keeps experts in fp32
+    batch = random_batch(2, 6, lengths=[6, 4])
+    weights = peft_smear.get_routing_weights(model, **batch)
+    assert all(w.dtype == torch.float32 for w in weights.values())
+    with torch.no_grad():
+        logits = model(**batch).logits
+        expected = reference(**batch).logits
+    assert logits.dtype == dtype and torch.isfinite(logits).all()
+    torch.testing.assert_close(logits.float(), expected, atol=5e-2, rtol=5e-2)
+    model.train()
+    model(**batch, labels=batch["input_ids"]).loss.backward()
+    assert all(torch.isfinite(p.grad).all() for n, p in model.named_parameters() if "smear_" in n)
