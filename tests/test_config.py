@@ -1,0 +1,103 @@
+"""SmearConfig validates at construction and names the offending value."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from peft import get_peft_model
+
+from peft_smear import SmearConfig, SmearPeftType
+from tiny_models import tiny_bert, tiny_llama
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("r", 0, "r must be an integer >= 1, got 0"),
+        ("r", 2.5, "r must be an integer >= 1, got 2.5"),
+        ("num_experts", 0, "num_experts must be an integer >= 1, got 0"),
+        ("num_experts", True, "num_experts must be an integer >= 1, got True"),
+        ("lora_alpha", 0, "lora_alpha must be a number > 0, got 0"),
+        ("lora_alpha", "16", "lora_alpha must be a number > 0, got '16'"),
+        ("expert_dropout", 1.0, "expert_dropout must be a probability in [0, 1), got 1.0"),
+        ("expert_dropout", -0.1, "expert_dropout must be a probability in [0, 1), got -0.1"),
+        ("router_init_std", 0.0, "router_init_std must be a number > 0, got 0.0"),
+        ("init_weights", "kaiming", "init_weights must be one of True, False, 'gaussian', 'smear'; got 'kaiming'"),
+        ("init_weights", 1, "init_weights must be one of True, False, 'gaussian', 'smear'; got 1"),
+        ("layers_to_transform", [0, -1], "layers_to_transform must be layer indices >= 0, got [0, -1]"),
+        ("modules_to_save", "classifier", "modules_to_save must be a list of module names, got 'classifier'"),
+    ],
+)
+def test_invalid_value_is_named_in_the_error(field, value, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SmearConfig(**{field: value})
+
+
+def test_layers_pattern_without_layers_to_transform_is_rejected():
+    with pytest.raises(ValueError, match="layers_pattern='layers' only has an effect together with"):
+        SmearConfig(layers_pattern="layers")
+
+
+def test_regex_target_modules_cannot_be_combined_with_layer_selection():
+    with pytest.raises(ValueError, match="layers_to_transform cannot be combined with a regex target_modules"):
+        SmearConfig(target_modules=r".*q_proj", layers_to_transform=[0])
+
+
+def test_invalid_task_type_is_rejected():
+    with pytest.raises(ValueError, match="Invalid task type: 'TRANSLATE'"):
+        SmearConfig(task_type="TRANSLATE")
+
+
+def test_defaults_follow_the_paper():
+    config = SmearConfig()
+    assert config.peft_type is SmearPeftType.SMEAR
+    assert (config.num_experts, config.expert_dropout, config.router_init_std) == (8, 0.1, 1e-2)
+
+
+def test_default_target_modules_follow_the_architecture():
+    llama = get_peft_model(tiny_llama(), SmearConfig(num_experts=2, r=2))
+    assert sorted(llama.peft_config["default"].target_modules) == ["q_proj", "v_proj"]
+    bert = get_peft_model(tiny_bert(), SmearConfig(num_experts=2, r=2, task_type="SEQ_CLS"))
+    assert sorted(bert.peft_config["default"].target_modules) == ["query", "value"]
+
+
+def test_unsupported_target_module_type_names_module_and_supported_types():
+    with pytest.raises(TypeError) as error:
+        get_peft_model(tiny_llama(), SmearConfig(target_modules=["embed_tokens"]))
+    message = str(error.value)
+    assert "'model.embed_tokens'" in message and "Embedding" in message
+    assert "torch.nn.modules.linear.Linear" in message and "Conv1D" in message
+
+
+def test_layers_to_transform_restricts_the_wrapped_layers():
+    model = get_peft_model(
+        tiny_llama(), SmearConfig(num_experts=2, r=2, layers_to_transform=[1], layers_pattern="layers")
+    )
+    assert sorted(model.base_model.targeted_module_names) == [
+        "model.layers.1.self_attn.q_proj",
+        "model.layers.1.self_attn.v_proj",
+    ]
+
+
+def test_scaling_matches_lora_and_rslora():
+    plain = get_peft_model(tiny_llama(), SmearConfig(r=4, lora_alpha=16, num_experts=2))
+    rs = get_peft_model(tiny_llama(), SmearConfig(r=4, lora_alpha=16, num_experts=2, use_rslora=True))
+    layer = plain.base_model.model.model.layers[0].self_attn.q_proj
+    rs_layer = rs.base_model.model.model.layers[0].self_attn.q_proj
+    assert layer.scaling["default"] == 4.0 and rs_layer.scaling["default"] == 8.0
+
+
+@pytest.mark.parametrize("scheme", [True, "gaussian", "smear", False])
+def test_init_weights_schemes(scheme):
+    model = get_peft_model(tiny_llama(), SmearConfig(r=4, num_experts=3, init_weights=scheme))
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    A, B = layer.smear_lora_A["default"], layer.smear_lora_B["default"]
+    assert not torch.allclose(A[0], A[1]), "experts must be initialised independently"
+    if scheme in (True, "gaussian"):
+        assert torch.count_nonzero(B) == 0  # starts as the identity, like LoRA
+    else:
+        assert not torch.allclose(B[0], B[1])
+    if scheme == "smear":
+        assert 0.005 < A.std().item() < 0.02 and 0.005 < B.std().item() < 0.02
