@@ -20,17 +20,17 @@ VOCAB = 96
 
 def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        **overrides,
-    )
+    settings = {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "pad_token_id": 0,
+    }
+    config = LlamaConfig(**{**settings, **overrides})
     return LlamaForCausalLM(config).eval()
 
 

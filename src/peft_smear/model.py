@@ -147,17 +147,22 @@ def _check_adapter_state_dict(model: nn.Module, adapter_name: str, state_dict: d
     problems = []
     if mismatched:
         problems.append(
-            "shapes differ (was it trained on another base model, or with another num_experts / r?):\n  "
-            + "\n  ".join(mismatched)
+            "shapes differ (was it trained on another base model, or with another num_experts / r?):"
+            + _listing(mismatched)
         )
     if missing:
-        problems.append("missing from the checkpoint:\n  " + "\n  ".join(missing))
+        problems.append("missing from the checkpoint:" + _listing(missing))
     if unexpected:
-        problems.append("in the checkpoint but not in the model:\n  " + "\n  ".join(sorted(unexpected)))
+        problems.append("in the checkpoint but not in the model:" + _listing(sorted(unexpected)))
     if problems:
         raise ValueError(
             f"Cannot load SMEAR adapter {adapter_name!r}; its weights do not fit the model. " + "; ".join(problems)
         )
+
+
+def _listing(lines: list[str], limit: int = 8) -> str:
+    shown = "".join(f"\n  {line}" for line in lines[:limit])
+    return shown + (f"\n  ... and {len(lines) - limit} more" if len(lines) > limit else "")
 
 
 def get_routing_weights(
