@@ -203,6 +203,15 @@ def test_loading_under_a_second_adapter_name(tmp_path):
     assert torch.equal(logits(fresh, batch), expected)
 
 
+def test_low_cpu_mem_usage_loading_materialises_every_weight(tmp_path):
+    model = smear_llama().eval()
+    model.save_pretrained(tmp_path)
+    loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path, low_cpu_mem_usage=True).eval()
+    assert not any(p.is_meta for p in loaded.parameters())
+    batch = random_batch(2, 5)
+    assert torch.equal(logits(loaded, batch), logits(model, batch))
+
+
 def test_loading_onto_a_mismatched_base_model_fails_clearly(tmp_path):
     smear_llama().save_pretrained(tmp_path)
     wider = tiny_llama(hidden_size=48)
