@@ -34,8 +34,8 @@ def router_probabilities(
 ) -> torch.Tensor:
     """``softmax(LN(pooled) @ LN_rows(weight).T)`` in fp32: ``[batch, features]`` -> ``[batch, num_experts]``.
 
-    Normalising both the input and the weight rows keeps the logits from saturating the softmax (paper, section 4.1);
-    the router has no bias.
+    Normalising both the input and the weight rows helps keep the logits from saturating the softmax (paper, section
+    4.1); the row gain is learned, so routing can still become sharp when that helps. The router has no bias.
     """
     features = pooled.shape[-1]
     normed_input = F.layer_norm(pooled.float(), (features,), input_norm_weight.float(), input_norm_bias.float())
