@@ -3,11 +3,12 @@
 What SMEAR does
 ---------------
 SMEAR (Soft Merging of Experts with Adaptive Routing, Muqeeth et al.) replaces one LoRA adapter per linear layer by a
-bank of ``num_experts`` LoRA experts plus a small router. For every *example*, the router looks at the (padding-masked)
-mean of the layer's input over the sequence and produces a probability distribution over the experts; the experts'
-weights are then averaged with those probabilities into a single merged LoRA, which is applied to that example. The
-result is as cheap as one LoRA per example, yet different examples can use different adapters, and because merging is
-differentiable the router is trained by plain backpropagation (no discrete routing, no load-balancing tricks).
+bank of ``num_experts`` LoRA experts plus a small router. For every *example*, the router looks at the mean of the
+layer's input over the example's prompt (here: the tokens before the first label, so the answer never reaches the
+router) and produces a probability distribution over the experts; the experts' weights are then averaged with those
+probabilities into a single merged LoRA, which is applied to that example. The result is as cheap as one LoRA per
+example, yet different examples can use different adapters, and because merging is differentiable the router is
+trained by plain backpropagation (no discrete routing, no load-balancing tricks).
 
 The toy problem
 ---------------
@@ -99,10 +100,10 @@ def routing_table(model: PeftModel, generator: torch.Generator, layers: list[str
     for task in TASKS:
         batch = make_batch(64, generator, task=task)
         # get_routing_weights runs the model (in eval mode, without gradients) and returns, for every SMEAR layer,
-        # the [batch, num_experts] routing distribution that it used for each example.
-        weights = peft_smear.get_routing_weights(
-            model, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-        )
+        # the [batch, num_experts] routing distribution that it used for each example. Passing the labels lets the
+        # router find each prompt (the tokens before the first label) exactly as it did in training.
+        batch.pop("task_ids")
+        weights = peft_smear.get_routing_weights(model, **batch)
         mean_weights[task] = {layer: weights[layer].mean(dim=0) for layer in layers}
 
     num_experts = model.peft_config["default"].num_experts

@@ -103,6 +103,7 @@ def test_forward_and_backward_reach_every_adapter_parameter(arch):
         inputs["labels"] = inputs.pop("decoder_input_ids")
     else:
         inputs["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        inputs["labels"][:, :2] = -100  # the prompt the causal LMs route on
     loss = model(**inputs).loss
     loss.backward()
     assert torch.isfinite(loss)
@@ -231,5 +232,7 @@ def test_half_precision_base_models(dtype):
     assert logits.dtype == dtype and torch.isfinite(logits).all()
     torch.testing.assert_close(logits.float(), expected, atol=5e-2, rtol=5e-2)
     model.train()
-    model(**batch, labels=batch["input_ids"]).loss.backward()
+    labels = batch["input_ids"].clone()
+    labels[:, :2] = -100
+    model(**batch, labels=labels).loss.backward()
     assert all(torch.isfinite(p.grad).all() for n, p in model.named_parameters() if "smear_" in n)

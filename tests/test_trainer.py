@@ -126,7 +126,9 @@ def test_trainer_lowers_loss_causal_lm(tmp_path):
     # could move the loss far from log(vocab); a wider init gives the adapter room to show that it learns.
     base = tiny_llama(initializer_range=0.2)
     torch.manual_seed(0)
-    model = get_peft_model(base, peft_smear.SmearConfig(num_experts=4, r=4, task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        base, peft_smear.SmearConfig(num_experts=4, r=4, task_type="CAUSAL_LM", routing_prefix_length=2)
+    )
     trainable = {name for name, param in model.named_parameters() if param.requires_grad}
     assert trainable and all("smear_" in name for name in trainable)
     before = snapshot(model)
@@ -148,7 +150,7 @@ def _resume_trainer(output_dir, adapter_seed: int) -> Trainer:
     base = tiny_llama(seed=0, initializer_range=0.2)
     torch.manual_seed(adapter_seed)
     config = peft_smear.SmearConfig(
-        num_experts=4, r=4, expert_dropout=0.5, init_weights="smear", task_type="CAUSAL_LM"
+        num_experts=4, r=4, expert_dropout=0.5, init_weights="smear", task_type="CAUSAL_LM", routing_prefix_length=2
     )
     model = get_peft_model(base, config)
     # 32 examples in batches of 8: 4 steps per epoch, so 6 steps cross an epoch boundary and the checkpoint at step

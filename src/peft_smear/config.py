@@ -9,6 +9,7 @@ from .registration import PeftConfig, SmearPeftType
 
 
 INIT_WEIGHTS_SCHEMES = ("gaussian", "smear")
+ROUTER_INPUTS = ("auto", "self", "prompt", "encoder")
 
 
 @dataclass
@@ -26,6 +27,16 @@ class SmearConfig(PeftConfig):
         expert_dropout: During training, drop each expert of each example with this probability and renormalise the
             routing weights (the paper's expert dropout, 0.1). Never applied in eval mode.
         router_init_std: Std of the normal initialisation of the router weight rows.
+        router_input: What each router pools to route an example. ``"self"``: the layer's own input over the
+            example's real tokens (encoder-only models, encoder layers of encoder-decoders, classification heads on
+            decoder models); ``"encoder"``: the encoder's final hidden states (decoder layers of encoder-decoders,
+            as in the paper; the encoder layers still route on themselves); ``"prompt"``: the layer's input over the
+            prompt tokens only (causal LMs, so the response never reaches the router; see
+            :func:`peft_smear.routing.prompt_mask` for how the prompt is found). ``"auto"`` picks ``"encoder"`` for
+            encoder-decoder models, ``"prompt"`` for models that generate text, ``"self"`` otherwise.
+        routing_prefix_length: With prompt routing, route every example on its first ``routing_prefix_length``
+            real tokens instead of its prompt, in training and at inference alike. Needed for plain language-model
+            training, where labels mark no prompt.
         init_weights: ``True``: experts' A like PEFT LoRA (Kaiming-uniform), B zero, so the adapter starts as the
             identity; ``"gaussian"``: A normal with std ``1/r``, B zero; ``"smear"``: A and B normal with std 1e-2,
             as in the reference implementation (the model changes from the first step); ``False``: A and B
@@ -46,6 +57,12 @@ class SmearConfig(PeftConfig):
         default=0.1, metadata={"help": "Probability of dropping each expert per example during training."}
     )
     router_init_std: float = field(default=1e-2, metadata={"help": "Std of the router weight initialisation."})
+    router_input: Literal["auto", "self", "prompt", "encoder"] = field(
+        default="auto", metadata={"help": "Router input: 'auto', 'self', 'prompt' or 'encoder'."}
+    )
+    routing_prefix_length: int | None = field(
+        default=None, metadata={"help": "Prompt routing: route on the first k real tokens of every example."}
+    )
     init_weights: bool | Literal["gaussian", "smear"] = field(
         default=True, metadata={"help": "Expert initialisation: True, False, 'gaussian' or 'smear'."}
     )
@@ -86,6 +103,14 @@ class SmearConfig(PeftConfig):
             raise ValueError(f"expert_dropout must be a probability in [0, 1), got {self.expert_dropout!r}.")
         if not isinstance(self.router_init_std, (int, float)) or self.router_init_std <= 0:
             raise ValueError(f"router_init_std must be a number > 0, got {self.router_init_std!r}.")
+        if self.router_input not in ROUTER_INPUTS:
+            raise ValueError(f"router_input must be one of {ROUTER_INPUTS}, got {self.router_input!r}.")
+        if self.routing_prefix_length is not None:
+            _require_int("routing_prefix_length", self.routing_prefix_length, minimum=1)
+            if self.router_input not in ("auto", "prompt"):
+                raise ValueError(
+                    f"routing_prefix_length only applies to prompt routing, but router_input={self.router_input!r}."
+                )
         if not (isinstance(self.init_weights, bool) or self.init_weights in INIT_WEIGHTS_SCHEMES):
             raise ValueError(
                 f"init_weights must be one of True, False, 'gaussian', 'smear'; got {self.init_weights!r}."

@@ -2,28 +2,50 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from .routing import expand_rows, prompt_mask
 
 
 @dataclass
 class RoutingContext:
     """Per-batch state shared by a :class:`~peft_smear.model.SmearModel` and all of its layers.
 
-    The tuner's forward pre-hooks fill it on every call of the wrapped model; the layers only read it. It deliberately
-    outlives the forward call: gradient checkpointing re-runs layer forwards during backward, after any per-call hook
-    is gone, and must route exactly as the forward did.
+    The tuner fills it on every call of the wrapped model (from the call's own arguments and the ``smear_*`` inputs it
+    took off the PEFT model's call); the layers only read it. It deliberately outlives the call: gradient
+    checkpointing re-runs layer forwards during backward, after any per-call hook is gone, and must route exactly as
+    the forward did.
     """
 
-    token_mask: torch.Tensor | None = None
-    """``[batch, seq]``, nonzero at real tokens of the sequence that self-routed layers see (``None``: all real)."""
+    attention_mask: torch.Tensor | None = None
+    """``[batch, seq]`` padding mask of the current call, nonzero at real tokens (``None``: all real)."""
+
+    labels: torch.Tensor | None = None
+    """``[batch, seq]`` token labels of the current call, if any; ``-100`` marks positions without a target."""
+
+    routing_mask: torch.Tensor | None = None
+    """``[batch, seq]`` explicit ``smear_routing_mask``: the tokens prompt-routed layers pool over."""
+
+    task_ids: torch.Tensor | None = None
+    """``[batch]`` ``smear_task_ids`` of the current call, for tag routing and analysis."""
 
     encoder_summary: torch.Tensor | None = None
-    """``[batch, hidden]``, fp32 masked mean of the encoder's final hidden states (decoders of encoder-decoders)."""
+    """``[batch, hidden]`` fp32 masked mean of the encoder's final hidden states (decoders of encoder-decoders)."""
+
+    routing_cache: dict[tuple[torch.nn.Module, str], torch.Tensor] | None = None
+    """During ``generate``: the routing weights every layer computed at prefill, reused for every later step."""
 
     recorded: dict[tuple[torch.nn.Module, str], torch.Tensor] | None = None
     """When a dict, every layer stores its routing weights here under ``(layer, adapter_name)``."""
+
+    _prompt_masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict, repr=False)
+
+    def start_call(self, attention_mask: torch.Tensor | None, labels: torch.Tensor | None) -> None:
+        """Record the padding mask and token labels of a new call of the wrapped model."""
+        self.attention_mask, self.labels = attention_mask, labels
+        self._prompt_masks = {}
 
     def token_mask_for(self, batch_size: int, seq_len: int) -> torch.Tensor | None:
         """The padding mask of the ``seq_len`` tokens a layer sees now.
@@ -31,12 +53,35 @@ class RoutingContext:
         With a KV cache the model gets the mask of cached plus new tokens while layers see only the new ones, which
         are the trailing columns of the mask.
         """
-        mask = self.token_mask
+        mask = self.attention_mask
         if mask is None:
             return None
-        if mask.shape[0] != batch_size or mask.shape[1] < seq_len:
-            raise ValueError(
-                f"SMEAR cannot pool a layer input of batch {batch_size} and {seq_len} tokens with an attention_mask "
-                f"of shape {tuple(mask.shape)}: the mask must be [batch, tokens] and cover every token the layer sees."
-            )
+        _check_covers(mask, batch_size, seq_len, "attention_mask")
         return mask[:, mask.shape[1] - seq_len :]
+
+    def prompt_mask_for(self, batch_size: int, seq_len: int, prefix_length: int | None) -> torch.Tensor:
+        """The tokens a prompt-routed layer pools over; see :func:`peft_smear.routing.prompt_mask` for the rule."""
+        if prefix_length not in self._prompt_masks:
+            self._prompt_masks[prefix_length] = prompt_mask(
+                (batch_size, seq_len), self.attention_mask, self.labels, self.routing_mask, prefix_length
+            )
+        mask = self._prompt_masks[prefix_length]
+        if mask.shape != (batch_size, seq_len):
+            raise ValueError(
+                f"Prompt routing needs the whole prompt in the layer's input, but the layer sees batch {batch_size} "
+                f"and {seq_len} tokens while the prompt mask has shape {tuple(mask.shape)}. Call the model on the "
+                "full sequence, or use generate(), which routes once at prefill and reuses that routing."
+            )
+        return mask
+
+    def task_ids_for(self, batch_size: int) -> torch.Tensor | None:
+        """``smear_task_ids`` for a layer that sees ``batch_size`` rows (repeated per beam / returned sequence)."""
+        return expand_rows(self.task_ids, batch_size, "smear_task_ids")
+
+
+def _check_covers(mask: torch.Tensor, batch_size: int, seq_len: int, name: str) -> None:
+    if mask.shape[0] != batch_size or mask.shape[1] < seq_len:
+        raise ValueError(
+            f"SMEAR cannot pool a layer input of batch {batch_size} and {seq_len} tokens with a {name} of shape "
+            f"{tuple(mask.shape)}: the mask must be [batch, tokens] and cover every token the layer sees."
+        )

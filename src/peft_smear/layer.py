@@ -18,9 +18,9 @@ from .routing import ROW_NORM_INIT_GAIN, drop_experts, masked_mean, router_proba
 
 SUPPORTED_BASE_LAYERS = (nn.Linear, Conv1D)
 
-# Where a layer's router reads its input from: its own input ("self"), or the pooled final hidden states of the
-# encoder ("encoder"; decoder layers of encoder-decoder models, so that target tokens never reach the router).
-ROUTER_SOURCES = ("self", "encoder")
+# What a layer's router pools: its own input over real tokens ("self"), its own input over the prompt tokens
+# ("prompt"; causal LMs), or the encoder's final hidden states ("encoder"; decoder layers of encoder-decoders).
+ROUTER_SOURCES = ("self", "prompt", "encoder")
 
 MERGE_UNSUPPORTED = (
     "A SMEAR adapter cannot be merged into the base weights: its experts are merged per example by an "
@@ -53,7 +53,15 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         "smear_router_input_norm_weight",
         "smear_router_input_norm_bias",
     )
-    other_param_names = ("r", "lora_alpha", "scaling", "num_experts", "expert_dropout", "router_source")
+    other_param_names = (
+        "r",
+        "lora_alpha",
+        "scaling",
+        "num_experts",
+        "expert_dropout",
+        "router_source",
+        "routing_prefix_length",
+    )
 
     def __init__(
         self,
@@ -75,6 +83,7 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         self.num_experts: dict[str, int] = {}
         self.expert_dropout: dict[str, float] = {}
         self.router_source: dict[str, str] = {}
+        self.routing_prefix_length: dict[str, int | None] = {}
         for name in self.adapter_layer_names:
             setattr(self, name, nn.ParameterDict())
         self._active_adapter = adapter_name
@@ -100,6 +109,7 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         self.num_experts[adapter_name] = n
         self.expert_dropout[adapter_name] = config.expert_dropout
         self.router_source[adapter_name] = router_source
+        self.routing_prefix_length[adapter_name] = config.routing_prefix_length
 
         self.smear_lora_A[adapter_name] = nn.Parameter(torch.empty(n, r, self.in_features))
         self.smear_lora_B[adapter_name] = nn.Parameter(torch.empty(n, self.out_features, r))
@@ -115,7 +125,18 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         self.set_adapter(self.active_adapters, inference_mode=inference_mode)
 
     def routing_weights(self, adapter_name: str, x: torch.Tensor) -> torch.Tensor:
-        """``[batch, num_experts]`` fp32 routing distribution of ``adapter_name`` for the input ``x``."""
+        """``[batch, num_experts]`` fp32 routing distribution of ``adapter_name`` for the input ``x``.
+
+        Inside ``generate`` the distribution computed at prefill is reused for every later step: decode steps see
+        only the new token, and routing on it would both differ from training and change as the answer grows.
+        """
+        cache, key = self.routing_context.routing_cache, (self, adapter_name)
+        if cache is not None and key in cache:
+            if cache[key].shape[0] != x.shape[0]:
+                raise RuntimeError(
+                    f"Routing cached at prefill has batch {cache[key].shape[0]}; a generation step has {x.shape[0]}."
+                )
+            return cache[key]
         probs = router_probabilities(
             self._router_input(adapter_name, x),
             self.smear_router_input_norm_weight[adapter_name],
@@ -125,6 +146,8 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         )
         if self.training and self.expert_dropout[adapter_name] > 0:
             probs = drop_experts(probs, self.expert_dropout[adapter_name])
+        if cache is not None:
+            cache[key] = probs
         return probs
 
     def _router_input(self, adapter_name: str, x: torch.Tensor) -> torch.Tensor:
@@ -144,7 +167,13 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         if x.dim() == 2:  # one row per example (e.g. BERT's pooler): the row is the summary
             return x.float()
         tokens = x.reshape(batch_size, -1, x.shape[-1])
-        mask = self.routing_context.token_mask_for(batch_size, tokens.shape[1]) if x.dim() == 3 else None
+        if x.dim() > 3:  # no token mask describes these positions
+            mask = None
+        elif self.router_source[adapter_name] == "prompt":
+            prefix_length = self.routing_prefix_length[adapter_name]
+            mask = self.routing_context.prompt_mask_for(batch_size, tokens.shape[1], prefix_length)
+        else:
+            mask = self.routing_context.token_mask_for(batch_size, tokens.shape[1])
         return masked_mean(tokens, mask)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

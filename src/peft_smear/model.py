@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -15,13 +17,16 @@ from .registration import DEFAULT_TARGET_MODULES, BaseTuner, adapter_state_dict_
 from .routing import masked_mean
 
 
+ROUTING_INPUTS = ("smear_routing_mask", "smear_task_ids")
+
+
 class SmearModel(BaseTuner):
     """The PEFT tuner for SMEAR (``peft_type="SMEAR"``, parameter prefix ``smear_``).
 
-    Routing needs the padding mask of every batch, and the decoder of an encoder-decoder model needs the encoder's
-    output. Forward pre-hooks on the wrapped model record both into one :class:`RoutingContext` that every layer
-    reads; a hook rather than a ``forward`` override, because ``generate`` and the encoder call made inside it bypass
-    this class.
+    Routing needs, per batch, the padding mask, the token labels (to find the prompt of a causal LM), the optional
+    ``smear_*`` inputs, and for the decoder of an encoder-decoder model the encoder's output. Forward pre-hooks on the
+    wrapped model record them into one :class:`RoutingContext` that every layer reads: hooks, because ``generate``
+    calls the wrapped model (and its encoder) directly, bypassing this class.
     """
 
     prefix: str = "smear_"
@@ -30,15 +35,18 @@ class SmearModel(BaseTuner):
 
     def _pre_injection_hook(self, model: nn.Module, config: SmearConfig, adapter_name: str) -> None:
         self.routing_context = RoutingContext()
+        self._routing_inputs_armed = False
         self._decoder_prefix: str | None = None
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
-        if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        self._is_encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+        self._generates_text = bool(getattr(model, "can_generate", lambda: False)())
+        if self._is_encoder_decoder:
             encoder, decoder = model.get_encoder(), model.get_decoder()
             self._decoder_prefix = next(name for name, module in model.named_modules() if module is decoder) + "."
-            self._hook(encoder, self._record_token_mask)
+            self._hook(encoder, self._start_encoder_call)
             self._hook(decoder, self._record_encoder_summary)
         else:
-            self._hook(model, self._record_token_mask)
+            self._hook(model, self._start_call)
 
     def _hook(self, module: nn.Module, record) -> None:
         signature = inspect.signature(module.forward)
@@ -48,13 +56,77 @@ class SmearModel(BaseTuner):
 
         self._hook_handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
 
-    def _record_token_mask(self, arguments: dict[str, Any]) -> None:
-        self.routing_context.token_mask = _padding_mask(arguments.get("attention_mask"), "attention_mask")
+    def _start_call(self, arguments: dict[str, Any]) -> None:
+        labels = arguments.get("labels")
+        self.routing_context.start_call(_padding_mask(arguments.get("attention_mask"), "attention_mask"), labels)
+        self._forget_stale_routing_inputs()
+
+    def _start_encoder_call(self, arguments: dict[str, Any]) -> None:
+        self.routing_context.start_call(_padding_mask(arguments.get("attention_mask"), "attention_mask"), None)
+        self._forget_stale_routing_inputs()
+
+    def _forget_stale_routing_inputs(self) -> None:
+        """``smear_*`` inputs belong to the PEFT call that brought them (one forward, or a whole ``generate``); a
+        direct call of the wrapped model must not inherit them."""
+        if not self._routing_inputs_armed:
+            self.routing_context.routing_mask = self.routing_context.task_ids = None
 
     def _record_encoder_summary(self, arguments: dict[str, Any]) -> None:
         states = arguments.get("encoder_hidden_states")
         mask = _padding_mask(arguments.get("encoder_attention_mask"), "encoder_attention_mask")
         self.routing_context.encoder_summary = None if states is None else masked_mean(states, mask)
+
+    @contextmanager
+    def _routing_inputs(self, kwargs: dict[str, Any]) -> Iterator[None]:
+        """Take the ``smear_*`` inputs off a call's kwargs (the wrapped model would reject them) into the context."""
+        routing_mask, task_ids = (kwargs.pop(name, None) for name in ROUTING_INPUTS)
+        if task_ids is not None and (task_ids.dim() != 1 or task_ids.is_floating_point()):
+            raise ValueError(
+                f"smear_task_ids must be an integer tensor of shape [batch], got {tuple(task_ids.shape)}."
+            )
+        if routing_mask is not None and routing_mask.dim() != 2:
+            raise ValueError(f"smear_routing_mask must have shape [batch, tokens], got {tuple(routing_mask.shape)}.")
+        self.routing_context.routing_mask, self.routing_context.task_ids = routing_mask, task_ids
+        self._routing_inputs_armed = True
+        try:
+            yield
+        finally:
+            self._routing_inputs_armed = False
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self._routing_inputs(kwargs):
+            return self.model(*args, **kwargs)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """``generate`` of the wrapped model, routing every sequence once, on its prompt, at prefill."""
+        context = self.routing_context
+        with self._routing_inputs(kwargs):
+            context.routing_cache = {}
+            try:
+                return self.model.generate(*args, **kwargs)
+            finally:
+                context.routing_cache = None
+
+    def _router_source(self, config: SmearConfig, key: str) -> str:
+        in_decoder = self._decoder_prefix is not None and key.startswith(self._decoder_prefix)
+        choice = config.router_input
+        if choice == "auto":
+            if self._is_encoder_decoder:
+                return "encoder" if in_decoder else "self"
+            return "prompt" if self._generates_text else "self"
+        if choice == "encoder" and not self._is_encoder_decoder:
+            raise ValueError("router_input='encoder' needs an encoder-decoder model; use 'self' or 'prompt'.")
+        if choice == "prompt" and self._is_encoder_decoder:
+            raise ValueError(
+                "router_input='prompt' is for decoder-only models; the decoder of an encoder-decoder routes on the "
+                "encoder ('encoder'), which already excludes the targets."
+            )
+        if self._is_encoder_decoder and in_decoder and choice == "self":
+            raise ValueError(
+                f"router_input='self' would route decoder layer {key!r} on the target tokens it is predicting; "
+                "use 'encoder' (or 'auto')."
+            )
+        return "self" if self._is_encoder_decoder and not in_decoder else choice
 
     def _create_and_replace(
         self,
@@ -66,9 +138,8 @@ class SmearModel(BaseTuner):
         current_key: str,
         **optional_kwargs: Any,
     ) -> None:
-        router_source, router_features = "self", None
-        if self._decoder_prefix is not None and current_key.startswith(self._decoder_prefix):
-            router_source, router_features = "encoder", self.model.config.hidden_size
+        router_source = self._router_source(config, current_key)
+        router_features = self.model.config.hidden_size if router_source == "encoder" else None
 
         if isinstance(target, SmearLinear):
             target.update_layer(

@@ -52,3 +52,72 @@ def drop_experts(probs: torch.Tensor, p: float) -> torch.Tensor:
     keep |= ~keep.any(dim=-1, keepdim=True)
     kept = probs * keep
     return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def expand_rows(tensor: torch.Tensor | None, batch_size: int, name: str) -> torch.Tensor | None:
+    """Repeat per-example inputs the way ``generate`` expands a batch for beams and ``num_return_sequences``."""
+    if tensor is None or tensor.shape[0] == batch_size:
+        return tensor
+    if batch_size % tensor.shape[0]:
+        raise ValueError(f"{name} has {tensor.shape[0]} rows but the model runs on a batch of {batch_size}.")
+    return tensor.repeat_interleave(batch_size // tensor.shape[0], dim=0)
+
+
+def prompt_mask(
+    shape: tuple[int, int],
+    attention_mask: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    routing_mask: torch.Tensor | None,
+    prefix_length: int | None,
+) -> torch.Tensor:
+    """The tokens of each example a causal LM's layers route on: its prompt, never its response.
+
+    The first rule that applies, per call:
+
+    1. an explicit ``routing_mask`` (``smear_routing_mask``), restricted to real tokens; a mask shorter than the
+       sequence leaves the tokens after it out;
+    2. ``prefix_length`` (``SmearConfig.routing_prefix_length``): the first ``prefix_length`` real tokens;
+    3. token ``labels``: the real tokens before the first position that has a label (``!= -100``). An example whose
+       first real token already has a label has no prompt, and that is an error, never a silent fallback to the
+       whole sequence;
+    4. otherwise (a bare prompt, e.g. at generation) every real token.
+
+    Returns a bool mask of ``shape`` (``[batch, seq]``), or of the attention mask's shape when one is given.
+    """
+    if attention_mask is not None:
+        real = attention_mask.bool()
+        shape = tuple(real.shape)
+    else:
+        device = next((t.device for t in (labels, routing_mask) if t is not None), None)
+        real = torch.ones(shape, dtype=torch.bool, device=device)
+    batch_size, seq_len = shape
+
+    if routing_mask is not None:
+        explicit = expand_rows(routing_mask, batch_size, "smear_routing_mask").to(real.device).bool()
+        if explicit.dim() != 2 or explicit.shape[1] > seq_len:
+            raise ValueError(
+                f"smear_routing_mask must be [batch, tokens] with at most {seq_len} tokens, "
+                f"got shape {tuple(routing_mask.shape)}."
+            )
+        return real & F.pad(explicit, (0, seq_len - explicit.shape[1]), value=False)
+
+    if prefix_length is not None:
+        return real & (real.cumsum(dim=1) <= prefix_length)
+
+    if labels is not None and labels.dim() == 2:  # 1-D labels are per-example classes, not token labels
+        if tuple(labels.shape) != shape:
+            raise ValueError(f"labels of shape {tuple(labels.shape)} do not match the input's {shape}.")
+        supervised = (labels.to(real.device) != -100) & real
+        first_label = torch.where(supervised.any(dim=1), supervised.int().argmax(dim=1), seq_len)
+        prompt = real & (torch.arange(seq_len, device=real.device) < first_label.unsqueeze(1))
+        without_prompt = (~prompt.any(dim=1) & real.any(dim=1)).nonzero().flatten().tolist()
+        if without_prompt:
+            raise ValueError(
+                f"Prompt routing found no prompt in example(s) {without_prompt}: their labels are set from the first "
+                "real token on, so routing on anything would leak the targets into the router. Mark the prompt "
+                "with labels=-100, pass smear_routing_mask, or set SmearConfig(routing_prefix_length=k) to route "
+                "plain language-model training on the first k tokens."
+            )
+        return prompt
+
+    return real
