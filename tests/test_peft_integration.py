@@ -110,6 +110,7 @@ def test_unload_returns_the_untouched_base_model():
     base = smear_llama().unload()
     assert not any(isinstance(m, SmearLinear) for m in base.modules())
     assert not base._forward_pre_hooks, "routing hooks must be removed with the adapter"
+    assert "generate" not in vars(base), "the generate wrapper must be removed with the adapter"
     assert torch.equal(logits(base, batch), base_logits)
 
 

@@ -4,6 +4,7 @@ Importing this package registers the PEFT type ``"SMEAR"``, after which ``get_pe
 ``PeftModel.from_pretrained``, ``PeftConfig.from_pretrained`` and ``AutoPeftModel*`` handle SMEAR adapters.
 """
 
+from .collator import SmearDataCollator
 from .config import SmearConfig
 from .layer import SmearLinear
 from .model import SmearModel, get_routing_weights
@@ -14,6 +15,7 @@ __version__ = "0.1.0"
 __all__ = [
     "SUPPORTED_PEFT_RANGE",
     "SmearConfig",
+    "SmearDataCollator",
     "SmearLinear",
     "SmearModel",
     "SmearPeftType",

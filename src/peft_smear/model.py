@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,77 +35,74 @@ class SmearModel(BaseTuner):
 
     def _pre_injection_hook(self, model: nn.Module, config: SmearConfig, adapter_name: str) -> None:
         self.routing_context = RoutingContext()
-        self._routing_inputs_armed = False
+        self._generating = False
         self._decoder_prefix: str | None = None
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._is_encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
         self._generates_text = bool(getattr(model, "can_generate", lambda: False)())
+        self._hook(model, self._start_call)
+        if self._generates_text:
+            self._wrap_generate(model)
         if self._is_encoder_decoder:
             encoder, decoder = model.get_encoder(), model.get_decoder()
             self._decoder_prefix = next(name for name, module in model.named_modules() if module is decoder) + "."
             self._hook(encoder, self._start_encoder_call)
             self._hook(decoder, self._record_encoder_summary)
-        else:
-            self._hook(model, self._start_call)
 
-    def _hook(self, module: nn.Module, record) -> None:
+    def _hook(self, module: nn.Module, record: Callable[[dict[str, Any], dict[str, Any]], None]) -> None:
+        """Call ``record(arguments, routing_inputs)`` before every forward of ``module``, taking the ``smear_*``
+        inputs out of its kwargs: PEFT passes unknown kwargs on to the wrapped model, which must not see them."""
         signature = inspect.signature(module.forward)
 
-        def pre_hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
-            record(signature.bind_partial(*args, **kwargs).arguments if args else kwargs)
+        def pre_hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            routing_inputs = {name: kwargs.pop(name) for name in ROUTING_INPUTS if name in kwargs}
+            record(signature.bind_partial(*args, **kwargs).arguments if args else kwargs, routing_inputs)
+            return args, kwargs
 
         self._hook_handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
 
-    def _start_call(self, arguments: dict[str, Any]) -> None:
-        labels = arguments.get("labels")
-        self.routing_context.start_call(_padding_mask(arguments.get("attention_mask"), "attention_mask"), labels)
-        self._forget_stale_routing_inputs()
+    def _start_call(self, arguments: dict[str, Any], routing_inputs: dict[str, Any]) -> None:
+        """A call of the wrapped model. ``smear_*`` inputs belong to the call that brings them, or to the whole
+        ``generate`` that brought them; any other call must not inherit stale ones."""
+        if routing_inputs or not self._generating:
+            self._set_routing_inputs(**routing_inputs)
+        if not self._is_encoder_decoder:  # an encoder-decoder's mask is recorded when its encoder runs
+            mask = _padding_mask(arguments.get("attention_mask"), "attention_mask")
+            self.routing_context.start_call(mask, arguments.get("labels"))
 
-    def _start_encoder_call(self, arguments: dict[str, Any]) -> None:
+    def _start_encoder_call(self, arguments: dict[str, Any], routing_inputs: dict[str, Any]) -> None:
         self.routing_context.start_call(_padding_mask(arguments.get("attention_mask"), "attention_mask"), None)
-        self._forget_stale_routing_inputs()
 
-    def _forget_stale_routing_inputs(self) -> None:
-        """``smear_*`` inputs belong to the PEFT call that brought them (one forward, or a whole ``generate``); a
-        direct call of the wrapped model must not inherit them."""
-        if not self._routing_inputs_armed:
-            self.routing_context.routing_mask = self.routing_context.task_ids = None
-
-    def _record_encoder_summary(self, arguments: dict[str, Any]) -> None:
+    def _record_encoder_summary(self, arguments: dict[str, Any], routing_inputs: dict[str, Any]) -> None:
         states = arguments.get("encoder_hidden_states")
         mask = _padding_mask(arguments.get("encoder_attention_mask"), "encoder_attention_mask")
         self.routing_context.encoder_summary = None if states is None else masked_mean(states, mask)
 
-    @contextmanager
-    def _routing_inputs(self, kwargs: dict[str, Any]) -> Iterator[None]:
-        """Take the ``smear_*`` inputs off a call's kwargs (the wrapped model would reject them) into the context."""
-        routing_mask, task_ids = (kwargs.pop(name, None) for name in ROUTING_INPUTS)
-        if task_ids is not None and (task_ids.dim() != 1 or task_ids.is_floating_point()):
-            raise ValueError(
-                f"smear_task_ids must be an integer tensor of shape [batch], got {tuple(task_ids.shape)}."
-            )
-        if routing_mask is not None and routing_mask.dim() != 2:
-            raise ValueError(f"smear_routing_mask must have shape [batch, tokens], got {tuple(routing_mask.shape)}.")
-        self.routing_context.routing_mask, self.routing_context.task_ids = routing_mask, task_ids
-        self._routing_inputs_armed = True
-        try:
-            yield
-        finally:
-            self._routing_inputs_armed = False
+    def _set_routing_inputs(
+        self, smear_routing_mask: torch.Tensor | None = None, smear_task_ids: torch.Tensor | None = None
+    ) -> None:
+        if smear_task_ids is not None and (smear_task_ids.dim() != 1 or smear_task_ids.is_floating_point()):
+            raise ValueError(f"smear_task_ids must be an integer tensor [batch], got {tuple(smear_task_ids.shape)}.")
+        if smear_routing_mask is not None and smear_routing_mask.dim() != 2:
+            raise ValueError(f"smear_routing_mask must be [batch, tokens], got {tuple(smear_routing_mask.shape)}.")
+        self.routing_context.routing_mask, self.routing_context.task_ids = smear_routing_mask, smear_task_ids
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with self._routing_inputs(kwargs):
-            return self.model(*args, **kwargs)
+    def _wrap_generate(self, model: nn.Module) -> None:
+        """Route every sequence once, on its prompt, at prefill, and keep the ``smear_*`` inputs for every step
+        (``generate`` itself would reject them). Installed on the wrapped model, not on this class, because a plain
+        ``PeftModel`` calls the wrapped model's ``generate`` directly."""
+        original = model.generate
 
-    def generate(self, *args: Any, **kwargs: Any) -> Any:
-        """``generate`` of the wrapped model, routing every sequence once, on its prompt, at prefill."""
-        context = self.routing_context
-        with self._routing_inputs(kwargs):
-            context.routing_cache = {}
+        @functools.wraps(original)
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            self._set_routing_inputs(**{name: kwargs.pop(name) for name in ROUTING_INPUTS if name in kwargs})
+            self._generating, self.routing_context.routing_cache = True, {}
             try:
-                return self.model.generate(*args, **kwargs)
+                return original(*args, **kwargs)
             finally:
-                context.routing_cache = None
+                self._generating, self.routing_context.routing_cache = False, None
+
+        model.generate = generate
 
     def _router_source(self, config: SmearConfig, key: str) -> str:
         in_decoder = self._decoder_prefix is not None and key.startswith(self._decoder_prefix)
@@ -179,6 +176,7 @@ class SmearModel(BaseTuner):
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles.clear()
+        self.model.__dict__.pop("generate", None)
         return super().unload()
 
     @classmethod
