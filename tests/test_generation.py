@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import get_peft_model
-from tiny_models import VOCAB, tiny_gpt2, tiny_llama, tiny_t5
 
 import peft_smear
 from peft_smear import SmearConfig
+from tiny_models import VOCAB, tiny_gpt2, tiny_llama, tiny_t5
 
 
 DECODER_ONLY = {"llama": tiny_llama, "gpt2": tiny_gpt2}

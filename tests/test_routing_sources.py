@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import get_peft_model
-from tiny_models import VOCAB, random_batch, tiny_bert, tiny_gpt2, tiny_llama, tiny_t5
 from transformers import LlamaConfig, LlamaForSequenceClassification, Trainer, TrainingArguments
 
 import peft_smear
 from peft_smear import SmearConfig, SmearDataCollator, SmearLinear
+from tiny_models import VOCAB, random_batch, tiny_bert, tiny_gpt2, tiny_llama, tiny_t5
 
 
 def smear(model, **overrides):
@@ -38,14 +38,13 @@ def test_auto_source_follows_the_architecture():
     assert sources(smear(tiny_gpt2())) == {"prompt"}
     assert sources(smear(tiny_bert())) == {"self"}
     classifier = LlamaForSequenceClassification(
-        LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4
-        )
+        LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4)
     )
     assert sources(smear(classifier)) == {"self"}
     t5 = smear(tiny_t5())
     by_stack = {
-        (name.split(".")[0], m.router_source["default"]) for name, m in t5.base_model.model.named_modules()
+        (name.split(".")[0], m.router_source["default"])
+        for name, m in t5.base_model.model.named_modules()
         if isinstance(m, SmearLinear)
     }
     assert by_stack == {("encoder", "self"), ("decoder", "encoder")}
@@ -139,6 +138,13 @@ def test_labels_without_a_prompt_are_an_error_not_a_fallback():
     batch = random_batch(2, 6, seed=4)
     with pytest.raises(ValueError, match=r"found no prompt in example\(s\) \[0, 1\].*routing_prefix_length"):
         model(**batch, labels=batch["input_ids"])
+
+
+def test_training_without_any_prompt_information_warns():
+    model = smear(tiny_llama())
+    model.train()
+    with pytest.warns(UserWarning, match="routes on every real token, response included"):
+        model(**random_batch(2, 5))
 
 
 def test_prompt_routing_ignores_left_padding():
