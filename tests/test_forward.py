@@ -140,10 +140,10 @@ def test_get_routing_weights_restores_training_mode_and_ignores_dropout():
 
 
 def test_expert_dropout_only_in_training():
-    model = smear(tiny_llama(), expert_dropout=0.5, num_experts=6)
+    model = smear(tiny_llama(), expert_dropout=0.5, num_experts=6, router_input="self")
     layer = next(m for m in model.modules() if isinstance(m, SmearLinear))
     x = torch.randn(64, 5, layer.in_features)
-    model.base_model.routing_context.token_mask = None
+    model.base_model.routing_context.start_call(attention_mask=None, labels=None)
     layer.train()
     dropped = layer.routing_weights("default", x)
     torch.testing.assert_close(dropped.sum(-1), torch.ones(64))
