@@ -89,8 +89,13 @@ def test_add_set_and_delete_adapters():
     other_logits = logits(model, batch)
     assert not torch.allclose(other_logits, default_logits)
     assert all(p.requires_grad for n, p in model.named_parameters() if ".other" in n)
+    other_routing = peft_smear.get_routing_weights(model, **batch)
+    assert sorted(other_routing) == ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"]
+    assert all(weights.shape == (2, 2) for weights in other_routing.values())
     model.set_adapter("default")
     assert torch.equal(logits(model, batch), default_logits)
+    with pytest.raises(ValueError, match="Adapter 'other' is not active"):
+        peft_smear.get_routing_weights(model, adapter_name="other", **batch)
     model.delete_adapter("other")
     assert not any(".other" in n for n, _ in model.named_parameters())
     assert torch.equal(logits(model, batch), default_logits)

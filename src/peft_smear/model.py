@@ -240,7 +240,9 @@ def get_routing_weights(
     """Run ``peft_model(**inputs)`` in eval mode without gradients and return, for every SMEAR layer that ran, its
     ``[batch, num_experts]`` routing weights, keyed by the layer's module name in the base model.
 
-    ``adapter_name`` defaults to the active adapter. Training mode of every module is restored afterwards.
+    Routing follows the configured source: pass ``labels`` (or ``smear_routing_mask``) to route a causal LM on the
+    prompt exactly as in training. ``adapter_name`` defaults to the active adapter and must be active. Training mode
+    of every module is restored afterwards.
     """
     tuner = getattr(peft_model, "base_model", None)
     if not isinstance(tuner, SmearModel):
@@ -251,8 +253,11 @@ def get_routing_weights(
         if len(tuner.active_adapters) != 1:
             raise ValueError(f"Several adapters are active ({tuner.active_adapters}); pass adapter_name.")
         adapter_name = tuner.active_adapters[0]
-    if adapter_name not in tuner.peft_config:
-        raise ValueError(f"No adapter named {adapter_name!r}; adapters: {sorted(tuner.peft_config)}.")
+    if adapter_name not in tuner.active_adapters:
+        raise ValueError(
+            f"Adapter {adapter_name!r} is not active (active: {tuner.active_adapters}, "
+            f"all: {sorted(tuner.peft_config)}); set_adapter() it first."
+        )
 
     training_modes = [(module, module.training) for module in peft_model.modules()]
     context = tuner.routing_context
