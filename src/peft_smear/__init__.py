@@ -6,6 +6,7 @@ Importing this package registers the PEFT type ``"SMEAR"``, after which ``get_pe
 
 from .collator import SmearDataCollator
 from .config import SmearConfig
+from .export import export_merged_adapter
 from .layer import SmearLinear
 from .model import SmearModel, get_routing_weights
 from .registration import SUPPORTED_PEFT_RANGE, SmearPeftType, register  # first: checks the PEFT version
@@ -19,6 +20,7 @@ __all__ = [
     "SmearLinear",
     "SmearModel",
     "SmearPeftType",
+    "export_merged_adapter",
     "get_routing_weights",
 ]
 

@@ -1,0 +1,164 @@
+"""Export the merged expert of a fixed routing as a plain PEFT LoRA adapter that loads without peft-smear.
+
+A SMEAR layer applies ``(sum_n p_n B_n)(sum_n p_n A_n) x * scaling``. For one fixed distribution ``p`` per layer that
+is exactly a LoRA with ``A = sum_n p_n A_n`` and ``B = sum_n p_n B_n`` at the same rank and scaling, which vanilla
+PEFT, vLLM, TGI and LoRAX can load and which ``merge_and_unload`` can fold into the base weights.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig, get_peft_model_state_dict
+from safetensors.torch import save_file
+from transformers.pytorch_utils import Conv1D
+
+from .layer import SmearLinear
+from .model import SmearModel, get_routing_weights
+
+
+Routing = Mapping[str, torch.Tensor] | Iterable[Mapping[str, Any]]
+
+
+def export_merged_adapter(
+    peft_model: torch.nn.Module,
+    save_directory: str | os.PathLike,
+    *,
+    routing: Routing,
+    adapter_name: str = "default",
+    overwrite: bool = False,
+) -> LoraConfig:
+    """Write the merged expert of ``routing`` as a PEFT LoRA adapter directory and return its config.
+
+    ``routing`` is one of:
+
+    * the routing weights of one example, as returned by :func:`get_routing_weights` for a batch of size 1
+      (``{module name: [1, num_experts]}``): that example's merged expert, exactly;
+    * a fixed distribution per router, ``{module name: [num_experts]}`` (e.g. one-hot to extract one expert);
+    * a task: an iterable (not a mapping) of input batches. Each router gets the mean of its routing distributions
+      over all the task's examples, and the export is the merged expert *of that mean routing*. Because A and B are
+      merged separately, that is not the average of the examples' own merged experts.
+
+    The directory is written completely or not at all; an existing non-empty directory needs ``overwrite=True``.
+    """
+    tuner = getattr(peft_model, "base_model", None)
+    if not isinstance(tuner, SmearModel):
+        raise TypeError(
+            f"export_merged_adapter needs a PeftModel with a SMEAR adapter, got {type(peft_model).__name__}."
+        )
+    if adapter_name not in tuner.peft_config:
+        raise ValueError(f"No adapter named {adapter_name!r}; adapters: {sorted(tuner.peft_config)}.")
+    target = Path(save_directory)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:
+        raise FileExistsError(f"{target} exists and is not empty; pass overwrite=True to replace it.")
+
+    layers = {
+        name: module
+        for name, module in tuner.model.named_modules()
+        if isinstance(module, SmearLinear) and adapter_name in module.smear_lora_A
+    }
+    distributions = _routing_distributions(peft_model, layers, routing, adapter_name)
+    weights = {}
+    for name, layer in layers.items():
+        p = distributions[name]
+        lora_A, lora_B = layer.smear_lora_A[adapter_name], layer.smear_lora_B[adapter_name]
+        weights[f"base_model.model.{name}.lora_A.weight"] = torch.einsum("n,nri->ri", p.to(lora_A), lora_A.detach())
+        weights[f"base_model.model.{name}.lora_B.weight"] = torch.einsum("n,nor->or", p.to(lora_B), lora_B.detach())
+    # modules_to_save (e.g. a classification head) are stored exactly as PEFT stores them for LoRA.
+    for key, value in get_peft_model_state_dict(peft_model, adapter_name=adapter_name).items():
+        if ".smear_" not in key:
+            weights[key] = value
+
+    smear_config = tuner.peft_config[adapter_name]
+    lora_config = LoraConfig(
+        r=smear_config.r,
+        lora_alpha=smear_config.lora_alpha,
+        use_rslora=smear_config.use_rslora,
+        target_modules=sorted(layers),
+        fan_in_fan_out=any(isinstance(layer.get_base_layer(), Conv1D) for layer in layers.values()),
+        lora_dropout=0.0,
+        bias="none",
+        modules_to_save=smear_config.modules_to_save,
+        task_type=smear_config.task_type,
+        base_model_name_or_path=smear_config.base_model_name_or_path,
+        revision=smear_config.revision,
+    )
+    _write_atomically(target, lora_config, {k: v.detach().cpu().contiguous() for k, v in weights.items()})
+    return lora_config
+
+
+def _routing_distributions(
+    peft_model: torch.nn.Module, layers: dict[str, SmearLinear], routing: Routing, adapter_name: str
+) -> dict[str, torch.Tensor]:
+    if isinstance(routing, Mapping):
+        distributions = {}
+        for name, weights in routing.items():
+            weights = torch.as_tensor(weights).detach().float()
+            if weights.dim() == 2:
+                if weights.shape[0] != 1:
+                    raise ValueError(
+                        f"Routing weights for {name!r} have batch {weights.shape[0]}; export one example (batch 1) "
+                        "or pass a task's batches to export their mean routing."
+                    )
+                weights = weights[0]
+            distributions[name] = weights
+    elif isinstance(routing, Iterable):
+        distributions = _mean_routing(peft_model, routing, adapter_name)
+    else:
+        raise TypeError(f"routing must be a mapping of routing weights or an iterable of batches, got {routing!r}.")
+    _check_distributions(distributions, layers, adapter_name)
+    return {name: distributions[name].cpu() for name in layers}
+
+
+def _mean_routing(
+    peft_model: torch.nn.Module, batches: Iterable[Mapping[str, Any]], adapter_name: str
+) -> dict[str, torch.Tensor]:
+    totals: dict[str, torch.Tensor] = {}
+    examples = 0
+    for batch in batches:
+        for name, weights in get_routing_weights(peft_model, adapter_name=adapter_name, **batch).items():
+            totals[name] = totals.get(name, 0) + weights.sum(dim=0).cpu()
+        examples += next(iter(batch.values())).shape[0]
+    if not examples:
+        raise ValueError("The task has no examples: routing is an empty iterable of batches.")
+    return {name: total / examples for name, total in totals.items()}
+
+
+def _check_distributions(
+    distributions: dict[str, torch.Tensor], layers: dict[str, SmearLinear], adapter_name: str
+) -> None:
+    missing, unknown = sorted(set(layers) - set(distributions)), sorted(set(distributions) - set(layers))
+    if missing or unknown:
+        raise ValueError(
+            f"The routing must name exactly the SMEAR layers of adapter {adapter_name!r}. "
+            f"Missing: {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
+            f"not SMEAR layers: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}."
+        )
+    for name, p in distributions.items():
+        experts = layers[name].num_experts[adapter_name]
+        if p.shape != (experts,):
+            raise ValueError(f"Routing for {name!r} has shape {tuple(p.shape)}; that layer has {experts} experts.")
+        if (p < 0).any() or not torch.isclose(p.sum(), torch.tensor(1.0), atol=1e-4):
+            raise ValueError(f"Routing for {name!r} must be a distribution (>= 0, summing to 1), got {p.tolist()}.")
+
+
+def _write_atomically(target: Path, config: LoraConfig, weights: dict[str, torch.Tensor]) -> None:
+    """Write into a sibling temporary directory, then move it into place: a crash leaves no half-written adapter."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        staging.chmod(0o755)  # mkdtemp's private 0700 is not what a saved model directory should have
+        config.save_pretrained(staging)
+        save_file(weights, staging / "adapter_model.safetensors", metadata={"format": "pt"})
+        if target.exists():
+            shutil.rmtree(target) if target.is_dir() else target.unlink()
+        os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
