@@ -62,7 +62,6 @@ class SmearLinear(nn.Module, BaseTunerLayer):
     )
     other_param_names = (
         "r",
-        "lora_alpha",
         "scaling",
         "num_experts",
         "expert_dropout",
@@ -85,7 +84,6 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         self.routing_context = routing_context
         self.merged_adapters: list[str] = []  # own list: BaseTunerLayer's is shared at class level
         self.r: dict[str, int] = {}
-        self.lora_alpha: dict[str, float] = {}
         self.scaling: dict[str, float] = {}
         self.num_experts: dict[str, int] = {}
         self.expert_dropout: dict[str, float] = {}
@@ -111,7 +109,6 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         router_features = self.in_features if router_features is None else router_features
         n, r = config.num_experts, config.r
         self.r[adapter_name] = r
-        self.lora_alpha[adapter_name] = config.lora_alpha
         self.scaling[adapter_name] = config.lora_alpha / (math.sqrt(r) if config.use_rslora else r)
         self.num_experts[adapter_name] = n
         self.expert_dropout[adapter_name] = config.expert_dropout
