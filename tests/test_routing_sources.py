@@ -143,8 +143,9 @@ def test_labels_without_a_prompt_are_an_error_not_a_fallback():
 def test_training_without_any_prompt_information_warns():
     model = smear(tiny_llama())
     model.train()
-    with pytest.warns(UserWarning, match="routes on every real token, response included"):
+    with pytest.warns(UserWarning, match="routes on every real token, response included") as record:
         model(**random_batch(2, 5))
+    assert len(record) == 1, "one warning per call, not one per layer"
 
 
 def test_prompt_routing_ignores_left_padding():

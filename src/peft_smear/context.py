@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 
 from .routing import expand_rows, prompt_mask
+
+
+PROMPT_UNKNOWN_IN_TRAINING = (
+    "SMEAR prompt routing in training mode got neither token labels, nor smear_routing_mask, nor "
+    "routing_prefix_length, so it routes on every real token, response included. If your loop computes the loss "
+    "itself (e.g. Trainer with label_smoothing_factor), pass smear_routing_mask or set routing_prefix_length."
+)
 
 
 @dataclass
@@ -59,9 +67,17 @@ class RoutingContext:
         _check_covers(mask, batch_size, seq_len, "attention_mask")
         return mask[:, mask.shape[1] - seq_len :]
 
-    def prompt_mask_for(self, batch_size: int, seq_len: int, prefix_length: int | None) -> torch.Tensor:
-        """The tokens a prompt-routed layer pools over; see :func:`peft_smear.routing.prompt_mask` for the rule."""
+    def prompt_mask_for(
+        self, batch_size: int, seq_len: int, prefix_length: int | None, training: bool
+    ) -> torch.Tensor:
+        """The tokens a prompt-routed layer pools over; see :func:`peft_smear.routing.prompt_mask` for the rule.
+
+        Computed once per call and shared by every layer. A training call that marks no prompt at all (no labels,
+        no routing mask, no prefix length) would route on the response too, so it warns.
+        """
         if prefix_length not in self._prompt_masks:
+            if training and prefix_length is None and self.labels is None and self.routing_mask is None:
+                warnings.warn(PROMPT_UNKNOWN_IN_TRAINING, stacklevel=4)
             self._prompt_masks[prefix_length] = prompt_mask(
                 (batch_size, seq_len), self.attention_mask, self.labels, self.routing_mask, prefix_length
             )

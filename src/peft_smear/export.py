@@ -122,9 +122,10 @@ def _mean_routing(
     totals: dict[str, torch.Tensor] = {}
     examples = 0
     for batch in batches:
-        for name, weights in get_routing_weights(peft_model, adapter_name=adapter_name, **batch).items():
+        routing = get_routing_weights(peft_model, adapter_name=adapter_name, **batch)
+        for name, weights in routing.items():
             totals[name] = totals.get(name, 0) + weights.sum(dim=0).cpu()
-        examples += next(iter(batch.values())).shape[0]
+        examples += next(iter(routing.values())).shape[0]
     if not examples:
         raise ValueError("The task has no examples: routing is an empty iterable of batches.")
     return {name: total / examples for name, total in totals.items()}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 import torch
@@ -22,12 +21,6 @@ SUPPORTED_BASE_LAYERS = (nn.Linear, Conv1D)
 # What a layer's router pools: its own input over real tokens ("self"), its own input over the prompt tokens
 # ("prompt"; causal LMs), or the encoder's final hidden states ("encoder"; decoder layers of encoder-decoders).
 ROUTER_SOURCES = ("self", "prompt", "encoder")
-
-PROMPT_UNKNOWN_IN_TRAINING = (
-    "SMEAR prompt routing in training mode got neither token labels, nor smear_routing_mask, nor "
-    "routing_prefix_length, so it routes on every real token, response included. If your loop computes the loss "
-    "itself (e.g. Trainer with label_smoothing_factor), pass smear_routing_mask or set routing_prefix_length."
-)
 
 MERGE_UNSUPPORTED = (
     "A SMEAR adapter cannot be merged into the base weights: its experts are merged per example by an "
@@ -175,10 +168,7 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             mask = None
         elif self.router_source[adapter_name] == "prompt":
             prefix_length = self.routing_prefix_length[adapter_name]
-            context = self.routing_context
-            if self.training and prefix_length is None and context.labels is None and context.routing_mask is None:
-                warnings.warn(PROMPT_UNKNOWN_IN_TRAINING, stacklevel=2)
-            mask = context.prompt_mask_for(batch_size, tokens.shape[1], prefix_length)
+            mask = self.routing_context.prompt_mask_for(batch_size, tokens.shape[1], prefix_length, self.training)
         else:
             mask = self.routing_context.token_mask_for(batch_size, tokens.shape[1])
         return masked_mean(tokens, mask)
