@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 import peft_smear
 from peft_smear import SmearConfig, SmearLinear, export_merged_adapter
+from peft_smear.routing_methods import merged
 from tiny_models import random_batch, tiny_bert, tiny_gpt2, tiny_llama
 
 
@@ -45,7 +46,9 @@ def forced_logits(model, batch, distribution: dict[str, torch.Tensor]):
     context = model.base_model.routing_context
     layers = {name: m for name, m in model.base_model.model.named_modules() if isinstance(m, SmearLinear)}
     batch_size = batch["input_ids"].shape[0]
-    context.routing_cache = {(layers[n], "default"): p.expand(batch_size, -1) for n, p in distribution.items()}
+    context.routing_cache = {
+        (layers[n], "default"): merged(p.expand(batch_size, -1)) for n, p in distribution.items()
+    }
     try:
         return logits(model, batch)
     finally:

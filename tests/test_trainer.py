@@ -164,7 +164,9 @@ def smear_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
     params = {name: param.detach().clone() for name, param in trainer.model.named_parameters() if "smear_" in name}
     assert params
     for kind in SmearLinear.adapter_layer_names:
-        params[kind] = torch.cat([value.flatten() for name, value in params.items() if f".{kind}." in name])
+        of_kind = [value.flatten() for name, value in params.items() if f".{kind}." in name]
+        if of_kind:  # routing methods without a router have no router parameters
+            params[kind] = torch.cat(of_kind)
     return params
 
 

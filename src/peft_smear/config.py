@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from .registration import PeftConfig, SmearPeftType
@@ -10,6 +10,38 @@ from .registration import PeftConfig, SmearPeftType
 
 INIT_WEIGHTS_SCHEMES = ("gaussian", "smear")
 ROUTER_INPUTS = ("auto", "self", "prompt", "encoder")
+ROUTING_METHODS = (
+    "smear",
+    "ensemble",
+    "top_k",
+    "st_gumbel",
+    "reinforce",
+    "dselect_k",
+    "tag",
+    "hash",
+    "adamix",
+    "latent_skills",
+    "single",
+)
+# Methods whose router turns a probability distribution into the routing; only they can drop experts.
+PROBABILITY_ROUTERS = ("smear", "ensemble", "top_k", "st_gumbel", "reinforce")
+# The paper applies expert dropout where it helped (its table 1): SMEAR and Top-k; it hurt ST-Gumbel and REINFORCE.
+EXPERT_DROPOUT_BY_DEFAULT = ("smear", "ensemble", "top_k")
+# Each method's own options: setting one of them for another method is a mistake worth reporting.
+METHOD_OPTIONS = {
+    "top_k": ("top_k",),
+    "st_gumbel": ("gumbel_temperature", "gumbel_anneal_rate", "gumbel_min_temperature"),
+    "reinforce": (
+        "reinforce_policy_weight",
+        "reinforce_entropy_weight",
+        "reinforce_value_weight",
+        "reinforce_baseline_hidden_size",
+    ),
+    "dselect_k": ("dselect_k_selectors", "dselect_k_gamma", "dselect_k_entropy_weight"),
+    "tag": ("tag_experts",),
+    "adamix": ("adamix_consistency_weight",),
+    "latent_skills": ("latent_skills_temperature",),
+}
 
 
 @dataclass
@@ -18,14 +50,54 @@ class SmearConfig(PeftConfig):
     router that merges them into one expert per example (Muqeeth et al., *Soft Merging of Experts with Adaptive
     Routing*).
 
+    ``routing`` swaps SMEAR for one of the routing methods the paper compares it with, so they can be compared on the
+    same data with one switch; each method's options are validated only for that method.
+
     Args:
         r: Rank of each LoRA expert.
-        num_experts: Experts per wrapped module (the paper uses 8).
+        num_experts: Experts per wrapped module: 8 (the paper's choice) by default, 1 with ``routing="single"``.
+        routing: How experts are chosen and combined per example:
+
+            * ``"smear"``: the router's distribution merges the experts' parameters into one expert (default);
+            * ``"ensemble"``: every expert runs and their outputs are averaged by the router (N times the cost);
+            * ``"top_k"``: the ``top_k`` most probable experts run, each output scaled by its probability;
+            * ``"st_gumbel"``: one expert from a Gumbel-softmax sample, straight-through gradient; argmax at
+              inference;
+            * ``"reinforce"``: one sampled expert, trained by a policy gradient on minus the example's task loss
+              with a learned baseline; argmax at inference;
+            * ``"dselect_k"``: the DSelect-k gate (Hazimeh et al., 2021) selects ``dselect_k_selectors`` experts;
+            * ``"tag"``: the expert of the example's task id (``smear_task_ids``), optionally through
+              ``tag_experts``;
+            * ``"hash"``: a fixed pseudo-random expert per example and module, from a hash of its routing tokens;
+            * ``"adamix"``: a random expert per example plus a consistency loss between two passes in training;
+              the average of all experts at inference;
+            * ``"latent_skills"``: a learned task-by-expert matrix (Polytropon) merges the experts per task id;
+            * ``"single"``: one expert for everything (with ``num_experts=1``; ``r=N*r`` gives the parameter-matched
+              baseline).
+        top_k: Experts per example for ``routing="top_k"`` (1, as in the paper).
+        gumbel_temperature: Initial Gumbel-softmax temperature for ``"st_gumbel"`` (the paper's 10).
+        gumbel_anneal_rate: The temperature after ``t`` training calls is
+            ``max(gumbel_min_temperature, gumbel_temperature * exp(-gumbel_anneal_rate * t))`` (paper: 1e-6 for
+            T5, 1e-4 for ResNet). ``t`` counts calls of the model in training mode in this process.
+        gumbel_min_temperature: The floor of the annealed temperature.
+        reinforce_policy_weight: ``"reinforce"``'s policy-gradient weight alpha (1e-2).
+        reinforce_entropy_weight: Weight beta of the entropy bonus on the routing distribution (5e-4).
+        reinforce_value_weight: Weight gamma of the baseline's Huber loss (1e-2).
+        reinforce_baseline_hidden_size: Width of the one-hidden-layer baseline network.
+        dselect_k_selectors: Number of DSelect-k selectors k (1 in the paper, for the cost of one expert).
+        dselect_k_gamma: Width of DSelect-k's smooth-step (its gamma).
+        dselect_k_entropy_weight: Weight of the entropy regulariser that drives selections to one-hot (0.1).
+        num_tasks: Number of task ids, for ``"latent_skills"`` (required) and ``"tag"`` (optional check).
+        tag_experts: For ``"tag"``: the expert of each task id (``tag_experts[task_id]``), so several tasks can
+            share an expert. Default: expert = task id.
+        adamix_consistency_weight: Weight of Adamix's symmetric-KL consistency loss between its two passes.
+        latent_skills_temperature: Temperature of the relaxed-Bernoulli samples of ``"latent_skills"``.
         lora_alpha: LoRA scaling numerator; the merged expert's update is scaled by ``lora_alpha / r``
             (``lora_alpha / sqrt(r)`` with ``use_rslora``), exactly as a PEFT LoRA of the same rank.
         use_rslora: Rank-stabilised scaling, as in PEFT LoRA.
         expert_dropout: During training, drop each expert of each example with this probability and renormalise the
-            routing weights (the paper's expert dropout, 0.1). Never applied in eval mode.
+            routing weights (the paper's expert dropout). Default 0.1 for ``"smear"``, ``"ensemble"`` and
+            ``"top_k"``, 0 otherwise; only methods with a probability router accept it. Never applied in eval mode.
         router_init_std: Std of the normal initialisation of the router weight rows.
         router_input: What each router pools to route an example. ``"self"``: the layer's own input over the
             example's real tokens (encoder-only models, encoder layers of encoder-decoders, classification heads on
@@ -50,11 +122,13 @@ class SmearConfig(PeftConfig):
     """
 
     r: int = field(default=8, metadata={"help": "Rank of each LoRA expert."})
-    num_experts: int = field(default=8, metadata={"help": "Number of experts per wrapped module."})
+    num_experts: int | None = field(
+        default=None, metadata={"help": "Number of experts per wrapped module (8; 1 with routing='single')."}
+    )
     lora_alpha: float = field(default=8, metadata={"help": "LoRA scaling numerator (scaling = lora_alpha / r)."})
     use_rslora: bool = field(default=False, metadata={"help": "Use lora_alpha / sqrt(r) as scaling."})
-    expert_dropout: float = field(
-        default=0.1, metadata={"help": "Probability of dropping each expert per example during training."}
+    expert_dropout: float | None = field(
+        default=None, metadata={"help": "Probability of dropping each expert per example during training."}
     )
     router_init_std: float = field(default=1e-2, metadata={"help": "Std of the router weight initialisation."})
     router_input: Literal["auto", "self", "prompt", "encoder"] = field(
@@ -82,6 +156,22 @@ class SmearConfig(PeftConfig):
     modules_to_save: list[str] | None = field(
         default=None, metadata={"help": "Modules trained in full and saved with the adapter."}
     )
+    routing: str = field(default="smear", metadata={"help": f"Routing method, one of {ROUTING_METHODS}."})
+    top_k: int = field(default=1, metadata={"help": "top_k: experts per example."})
+    gumbel_temperature: float = field(default=10.0, metadata={"help": "st_gumbel: initial temperature."})
+    gumbel_anneal_rate: float = field(default=1e-6, metadata={"help": "st_gumbel: exponential anneal rate."})
+    gumbel_min_temperature: float = field(default=0.5, metadata={"help": "st_gumbel: temperature floor."})
+    reinforce_policy_weight: float = field(default=1e-2, metadata={"help": "reinforce: policy-gradient weight."})
+    reinforce_entropy_weight: float = field(default=5e-4, metadata={"help": "reinforce: entropy bonus weight."})
+    reinforce_value_weight: float = field(default=1e-2, metadata={"help": "reinforce: baseline loss weight."})
+    reinforce_baseline_hidden_size: int = field(default=64, metadata={"help": "reinforce: baseline width."})
+    dselect_k_selectors: int = field(default=1, metadata={"help": "dselect_k: number of selectors k."})
+    dselect_k_gamma: float = field(default=1.0, metadata={"help": "dselect_k: smooth-step width gamma."})
+    dselect_k_entropy_weight: float = field(default=0.1, metadata={"help": "dselect_k: entropy weight."})
+    num_tasks: int | None = field(default=None, metadata={"help": "Number of task ids (latent_skills, tag)."})
+    tag_experts: list[int] | None = field(default=None, metadata={"help": "tag: expert of each task id."})
+    adamix_consistency_weight: float = field(default=1.0, metadata={"help": "adamix: consistency loss weight."})
+    latent_skills_temperature: float = field(default=1.0, metadata={"help": "latent_skills: sample temperature."})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -92,17 +182,22 @@ class SmearConfig(PeftConfig):
         self.exclude_modules = (
             set(self.exclude_modules) if isinstance(self.exclude_modules, list) else self.exclude_modules
         )
+        if self.routing not in ROUTING_METHODS:
+            raise ValueError(f"routing must be one of {ROUTING_METHODS}, got {self.routing!r}.")
+        if self.num_experts is None:
+            self.num_experts = 1 if self.routing == "single" else 8
+        if self.expert_dropout is None:
+            self.expert_dropout = 0.1 if self.routing in EXPERT_DROPOUT_BY_DEFAULT else 0.0
         self._validate()
+        self._validate_routing()
 
     def _validate(self) -> None:
         _require_int("r", self.r, minimum=1)
         _require_int("num_experts", self.num_experts, minimum=1)
-        if not isinstance(self.lora_alpha, (int, float)) or isinstance(self.lora_alpha, bool) or self.lora_alpha <= 0:
-            raise ValueError(f"lora_alpha must be a number > 0, got {self.lora_alpha!r}.")
+        _require_number("lora_alpha", self.lora_alpha)
         if not isinstance(self.expert_dropout, (int, float)) or not 0 <= self.expert_dropout < 1:
             raise ValueError(f"expert_dropout must be a probability in [0, 1), got {self.expert_dropout!r}.")
-        if not isinstance(self.router_init_std, (int, float)) or self.router_init_std <= 0:
-            raise ValueError(f"router_init_std must be a number > 0, got {self.router_init_std!r}.")
+        _require_number("router_init_std", self.router_init_std)
         if self.router_input not in ROUTER_INPUTS:
             raise ValueError(f"router_input must be one of {ROUTER_INPUTS}, got {self.router_input!r}.")
         if self.routing_prefix_length is not None:
@@ -133,7 +228,75 @@ class SmearConfig(PeftConfig):
         ):
             raise ValueError(f"modules_to_save must be a list of module names, got {self.modules_to_save!r}.")
 
+    def _validate_routing(self) -> None:
+        method = self.routing
+        for other, options in METHOD_OPTIONS.items():
+            changed = [name for name in options if getattr(self, name) != _DEFAULTS[name]]
+            if other != method and changed:
+                raise ValueError(
+                    f"{changed[0]}={getattr(self, changed[0])!r} only applies to routing={other!r}, "
+                    f"but routing={method!r}."
+                )
+        if self.expert_dropout and method not in PROBABILITY_ROUTERS:
+            raise ValueError(
+                f"expert_dropout={self.expert_dropout!r} needs a probability router; routing={method!r} has none. "
+                f"Methods that accept it: {PROBABILITY_ROUTERS}."
+            )
+        if method == "single" and self.num_experts != 1:
+            raise ValueError(
+                f"routing='single' uses one expert, but num_experts={self.num_experts}. Leave num_experts unset "
+                "(it becomes 1); for the parameter-matched baseline raise r instead."
+            )
+        _require_int("top_k", self.top_k, minimum=1)
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}.")
+        for name in ("gumbel_temperature", "gumbel_min_temperature", "dselect_k_gamma", "latent_skills_temperature"):
+            _require_number(name, getattr(self, name))
+        for name in (
+            "gumbel_anneal_rate",
+            "reinforce_policy_weight",
+            "reinforce_entropy_weight",
+            "reinforce_value_weight",
+            "dselect_k_entropy_weight",
+            "adamix_consistency_weight",
+        ):
+            _require_number(name, getattr(self, name), allow_zero=True)
+        _require_int("reinforce_baseline_hidden_size", self.reinforce_baseline_hidden_size, minimum=1)
+        _require_int("dselect_k_selectors", self.dselect_k_selectors, minimum=1)
+        if method == "dselect_k" and self.num_experts < 2:
+            raise ValueError(f"routing='dselect_k' needs num_experts >= 2, got {self.num_experts}.")
+        if self.num_tasks is not None:
+            _require_int("num_tasks", self.num_tasks, minimum=1)
+        elif method == "latent_skills":
+            raise ValueError("routing='latent_skills' learns a task-by-expert matrix: set num_tasks.")
+        if self.tag_experts is not None:
+            self.tag_experts = list(self.tag_experts)
+            if not self.tag_experts or not all(
+                isinstance(e, int) and not isinstance(e, bool) and 0 <= e < self.num_experts for e in self.tag_experts
+            ):
+                raise ValueError(
+                    f"tag_experts must be a non-empty list of expert indices in [0, {self.num_experts}), "
+                    f"got {self.tag_experts!r}."
+                )
+            if self.num_tasks is not None and len(self.tag_experts) != self.num_tasks:
+                raise ValueError(f"tag_experts maps {len(self.tag_experts)} task ids but num_tasks={self.num_tasks}.")
+
+    @property
+    def routed_tasks(self) -> int | None:
+        """How many task ids the routing accepts (``None``: it does not read task ids, or any count is fine)."""
+        if self.routing == "tag":
+            return len(self.tag_experts) if self.tag_experts is not None else self.num_experts
+        return self.num_tasks if self.routing == "latent_skills" else None
+
+
+def _require_number(name: str, value: object, allow_zero: bool = False) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name} must be a number {'>=' if allow_zero else '>'} 0, got {value!r}.")
+
 
 def _require_int(name: str, value: object, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+
+
+_DEFAULTS = {f.name: f.default for f in fields(SmearConfig)}

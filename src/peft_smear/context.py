@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .routing import expand_rows, prompt_mask
+from .routing_methods import PolicyStep
 
 
 PROMPT_UNKNOWN_IN_TRAINING = (
@@ -48,12 +49,57 @@ class RoutingContext:
     recorded: dict[tuple[torch.nn.Module, str], torch.Tensor] | None = None
     """When a dict, every layer stores its routing weights here under ``(layer, adapter_name)``."""
 
-    _prompt_masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict, repr=False)
+    input_ids: torch.Tensor | None = None
+    """``[batch, seq]`` token ids of the current call (the encoder's for encoder-decoders), for hash routing."""
 
-    def start_call(self, attention_mask: torch.Tensor | None, labels: torch.Tensor | None) -> None:
-        """Record the padding mask and token labels of a new call of the wrapped model."""
-        self.attention_mask, self.labels = attention_mask, labels
-        self._prompt_masks = {}
+    training_calls: int = 0
+    """Calls of the model in training mode so far in this process: the clock of ST-Gumbel's temperature anneal."""
+
+    policy_steps: list[PolicyStep] = field(default_factory=list)
+    """REINFORCE records of the current call, turned into losses once the task loss is known."""
+
+    aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Auxiliary losses the layers added during the current call (already weighted), by name."""
+
+    _prompt_masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict, repr=False)
+    _token_bytes: dict[str, list[bytes]] = field(default_factory=dict, repr=False)
+
+    def begin_model_call(self, training: bool) -> None:
+        """Forget the previous call's auxiliary losses; count training calls."""
+        self.policy_steps, self.aux_losses = [], {}
+        self.training_calls += int(training)
+
+    def start_call(
+        self, attention_mask: torch.Tensor | None, labels: torch.Tensor | None, input_ids: torch.Tensor | None = None
+    ) -> None:
+        """Record the padding mask, token labels and token ids of a new call of the wrapped model (or encoder)."""
+        self.attention_mask, self.labels, self.input_ids = attention_mask, labels, input_ids
+        self._prompt_masks, self._token_bytes = {}, {}
+
+    def add_aux_loss(self, name: str, value: torch.Tensor) -> None:
+        self.aux_losses[name] = self.aux_losses[name] + value if name in self.aux_losses else value
+
+    def routing_token_bytes(self, kind: str, mask: torch.Tensor | None) -> list[bytes]:
+        """Each example's routing token ids (``input_ids`` where ``mask`` is set) as bytes, computed once per call
+        per ``kind`` of mask: what hash routing hashes."""
+        if kind not in self._token_bytes:
+            ids = self.input_ids
+            if ids is None:
+                raise ValueError(
+                    "routing='hash' hashes each example's token ids, but the model was called without input_ids "
+                    "(e.g. with inputs_embeds). Pass input_ids."
+                )
+            if mask is not None and tuple(mask.shape) != tuple(ids.shape):
+                raise ValueError(
+                    f"Hash routing needs input_ids {tuple(ids.shape)} and the routing mask {tuple(mask.shape)} to "
+                    "cover the same tokens; call the model on whole sequences (generate() routes once at prefill)."
+                )
+            rows = ids.cpu().long()
+            keep = None if mask is None else mask.cpu().bool()
+            self._token_bytes[kind] = [
+                (row if keep is None else row[keep[i]]).numpy().tobytes() for i, row in enumerate(rows)
+            ]
+        return self._token_bytes[kind]
 
     def token_mask_for(self, batch_size: int, seq_len: int) -> torch.Tensor | None:
         """The padding mask of the ``seq_len`` tokens a layer sees now.

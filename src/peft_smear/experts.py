@@ -1,10 +1,12 @@
-"""LoRA expert banks: initialise them, and apply the expert merged from them for each example."""
+"""LoRA expert banks: initialise them, and apply them to each example as its routing decides."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+
+from .routing_methods import RoutingDecision
 
 
 def init_lora_experts(lora_A: torch.Tensor, lora_B: torch.Tensor, scheme: bool | str) -> None:
@@ -40,3 +42,44 @@ def merged_lora_delta(
     merged_A = torch.einsum("bn,nri->bri", probs.to(lora_A.dtype), lora_A).to(tokens.dtype)
     merged_B = torch.einsum("bn,nor->bor", probs.to(lora_B.dtype), lora_B).to(tokens.dtype)
     return torch.bmm(torch.bmm(tokens, merged_A.transpose(1, 2)), merged_B.transpose(1, 2)) * scaling
+
+
+def selected_lora_delta(
+    tokens: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, expert_index: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """The update of one chosen expert per example (``expert_index [batch]``): gathered, not merged, so discrete
+    routing costs exactly one rank-r LoRA."""
+    chosen_A = lora_A[expert_index].to(tokens.dtype)
+    chosen_B = lora_B[expert_index].to(tokens.dtype)
+    return torch.bmm(torch.bmm(tokens, chosen_A.transpose(1, 2)), chosen_B.transpose(1, 2)) * scaling
+
+
+def mixture_lora_delta(
+    tokens: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, weights: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """The experts' *outputs* mixed per example, ``sum_n w_n B_n A_n x`` (ensemble, Top-k with k > 1, DSelect-k).
+
+    All experts run as one rank ``N * r`` LoRA whose rank dimensions are weighted by their expert's ``w_n``: one
+    dense matmul pair instead of N, but still N times the work of one expert.
+    """
+    n, r, _ = lora_A.shape
+    stacked_A = lora_A.reshape(n * r, -1).to(tokens.dtype)
+    stacked_B = lora_B.permute(1, 0, 2).reshape(-1, n * r).to(tokens.dtype)
+    hidden = tokens @ stacked_A.T * weights.repeat_interleave(r, dim=1).unsqueeze(1).to(tokens.dtype)
+    return hidden @ stacked_B.T * scaling
+
+
+def routed_lora_delta(
+    tokens: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, decision: RoutingDecision, scaling: float
+) -> torch.Tensor:
+    """Apply the expert bank to ``tokens [batch, seq, in]`` as ``decision`` says: parameters merged (SMEAR and the
+    methods that merge), one expert gathered, or outputs mixed."""
+    if decision.mixture:
+        delta = mixture_lora_delta(tokens, lora_A, lora_B, decision.weights, scaling)
+    elif decision.expert_index is not None:
+        delta = selected_lora_delta(tokens, lora_A, lora_B, decision.expert_index, scaling)
+    else:
+        delta = merged_lora_delta(tokens, lora_A, lora_B, decision.weights, scaling)
+    if decision.output_scale is not None:
+        delta = delta * decision.output_scale.to(delta.dtype).view(-1, 1, 1)
+    return delta

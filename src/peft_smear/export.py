@@ -25,6 +25,10 @@ from .model import SmearModel, get_routing_weights
 
 Routing = Mapping[str, torch.Tensor] | Iterable[Mapping[str, Any]]
 
+# Routing methods whose layer output is not one LoRA: output mixtures (ensemble, DSelect-k, Top-k with k > 1) and
+# Top-k's probability-scaled expert.
+NOT_A_MERGED_EXPERT = ("ensemble", "top_k", "dselect_k")
+
 
 def export_merged_adapter(
     peft_model: torch.nn.Module,
@@ -54,6 +58,13 @@ def export_merged_adapter(
         )
     if adapter_name not in tuner.peft_config:
         raise ValueError(f"No adapter named {adapter_name!r}; adapters: {sorted(tuner.peft_config)}.")
+    routing_method = tuner.peft_config[adapter_name].routing
+    if routing_method in NOT_A_MERGED_EXPERT:
+        raise ValueError(
+            f"Adapter {adapter_name!r} uses routing={routing_method!r}, which mixes or scales the experts' outputs "
+            "instead of merging their parameters, so no single LoRA reproduces it. Export works for "
+            f"routing methods that apply one merged or chosen expert: not {NOT_A_MERGED_EXPERT}."
+        )
     target = Path(save_directory)
     if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:
         raise FileExistsError(f"{target} exists and is not empty; pass overwrite=True to replace it.")

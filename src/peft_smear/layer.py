@@ -9,11 +9,14 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from .config import SmearConfig
+from . import routing_methods as methods
+from .config import PROBABILITY_ROUTERS, SmearConfig
 from .context import RoutingContext
-from .experts import init_lora_experts, merged_lora_delta
+from .dselect_k import dselect_k_entropy, dselect_k_gate, dselect_k_num_bits
+from .experts import init_lora_experts, routed_lora_delta
 from .registration import BaseTunerLayer
-from .routing import ROW_NORM_INIT_GAIN, drop_experts, masked_mean, router_probabilities
+from .routing import ROW_NORM_INIT_GAIN, drop_experts, masked_mean, normalized_router_input, router_probabilities
+from .routing_methods import PolicyStep, RoutingDecision
 
 
 SUPPORTED_BASE_LAYERS = (nn.Linear, Conv1D)
@@ -52,6 +55,11 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         "smear_router_row_norm_weight",
         "smear_router_input_norm_weight",
         "smear_router_input_norm_bias",
+        "smear_baseline_hidden_weight",
+        "smear_baseline_hidden_bias",
+        "smear_baseline_output_weight",
+        "smear_baseline_output_bias",
+        "smear_skill_logits",
     )
     other_param_names = (
         "r",
@@ -60,6 +68,7 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         "expert_dropout",
         "router_source",
         "routing_prefix_length",
+        "routing_config",
     )
 
     def __init__(
@@ -70,9 +79,11 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         routing_context: RoutingContext,
         router_source: str = "self",
         router_features: int | None = None,
+        module_name: str = "",
     ) -> None:
         super().__init__()
         self.base_layer = base_layer
+        self.module_name = module_name  # salts hash routing, so each layer hashes examples to its own experts
         self.in_features, self.out_features = in_out_features(self.get_base_layer())
         self.routing_context = routing_context
         self.merged_adapters: list[str] = []  # own list: BaseTunerLayer's is shared at class level
@@ -82,6 +93,7 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         self.expert_dropout: dict[str, float] = {}
         self.router_source: dict[str, str] = {}
         self.routing_prefix_length: dict[str, int | None] = {}
+        self.routing_config: dict[str, SmearConfig] = {}
         for name in self.adapter_layer_names:
             setattr(self, name, nn.ParameterDict())
         self._active_adapter = adapter_name
@@ -111,41 +123,167 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         self.smear_lora_A[adapter_name] = nn.Parameter(torch.empty(n, r, self.in_features))
         self.smear_lora_B[adapter_name] = nn.Parameter(torch.empty(n, self.out_features, r))
         init_lora_experts(self.smear_lora_A[adapter_name], self.smear_lora_B[adapter_name], config.init_weights)
-        self.smear_router_weight[adapter_name] = nn.Parameter(torch.randn(n, router_features) * config.router_init_std)
-        self.smear_router_row_norm_weight[adapter_name] = nn.Parameter(
-            torch.full((router_features,), ROW_NORM_INIT_GAIN)
-        )
-        self.smear_router_input_norm_weight[adapter_name] = nn.Parameter(torch.ones(router_features))
-        self.smear_router_input_norm_bias[adapter_name] = nn.Parameter(torch.zeros(router_features))
+        self.routing_config[adapter_name] = config
+        self._init_router(adapter_name, config, router_features)
 
         self._move_adapter_to_device_of_base_layer(adapter_name)
         self.set_adapter(self.active_adapters, inference_mode=inference_mode)
 
-    def routing_weights(self, adapter_name: str, x: torch.Tensor) -> torch.Tensor:
-        """``[batch, num_experts]`` fp32 routing distribution of ``adapter_name`` for the input ``x``.
+    def _init_router(self, adapter_name: str, config: SmearConfig, features: int) -> None:
+        """Create the routing parameters ``config.routing`` needs, and only those: heuristic methods have none."""
+        method, n = config.routing, config.num_experts
+        if method in PROBABILITY_ROUTERS or method == "dselect_k":
+            # DSelect-k's rows are its k * m selector bits and k selector weights, over the same normalised input.
+            rows = n if method != "dselect_k" else config.dselect_k_selectors * (dselect_k_num_bits(n) + 1)
+            self.smear_router_weight[adapter_name] = nn.Parameter(torch.randn(rows, features) * config.router_init_std)
+            self.smear_router_input_norm_weight[adapter_name] = nn.Parameter(torch.ones(features))
+            self.smear_router_input_norm_bias[adapter_name] = nn.Parameter(torch.zeros(features))
+        if method in PROBABILITY_ROUTERS:
+            self.smear_router_row_norm_weight[adapter_name] = nn.Parameter(torch.full((features,), ROW_NORM_INIT_GAIN))
+        if method == "reinforce":
+            hidden = config.reinforce_baseline_hidden_size
+            self.smear_baseline_hidden_weight[adapter_name] = nn.Parameter(
+                torch.randn(hidden, features) / features**0.5
+            )
+            self.smear_baseline_hidden_bias[adapter_name] = nn.Parameter(torch.zeros(hidden))
+            self.smear_baseline_output_weight[adapter_name] = nn.Parameter(torch.zeros(hidden))
+            self.smear_baseline_output_bias[adapter_name] = nn.Parameter(torch.zeros(1))
+        if method == "latent_skills":
+            # Polytropon's initialisation: skill logits near zero, so every expert starts half active for every task.
+            self.smear_skill_logits[adapter_name] = nn.Parameter(
+                torch.empty(config.num_tasks, n).uniform_(-1e-3, 1e-3)
+            )
 
-        Inside ``generate`` the distribution computed at prefill is reused for every later step: decode steps see
-        only the new token, and routing on it would both differ from training and change as the answer grows.
+    def routing_weights(self, adapter_name: str, x: torch.Tensor) -> torch.Tensor:
+        """``[batch, num_experts]`` fp32 routing weights of ``adapter_name`` for the input ``x`` (one-hot for methods
+        that choose one expert)."""
+        return self.route(adapter_name, x).weights
+
+    def route(self, adapter_name: str, x: torch.Tensor) -> RoutingDecision:
+        """How ``adapter_name``'s experts are applied to each example of ``x``.
+
+        Inside ``generate`` the decision made at prefill is reused for every later step: decode steps see only the
+        new token, and routing on it would both differ from training and change as the answer grows.
         """
         cache, key = self.routing_context.routing_cache, (self, adapter_name)
         if cache is not None and key in cache:
-            if cache[key].shape[0] != x.shape[0]:
+            if cache[key].weights.shape[0] != x.shape[0]:
                 raise RuntimeError(
-                    f"Routing cached at prefill has batch {cache[key].shape[0]}; a generation step has {x.shape[0]}."
+                    f"Routing cached at prefill has batch {cache[key].weights.shape[0]}; a generation step has "
+                    f"{x.shape[0]}."
                 )
             return cache[key]
-        probs = router_probabilities(
+        decision = self._decide(adapter_name, x)
+        if cache is not None:
+            cache[key] = decision
+        return decision
+
+    def _decide(self, adapter_name: str, x: torch.Tensor) -> RoutingDecision:
+        config = self.routing_config[adapter_name]
+        method, n, batch_size = config.routing, config.num_experts, x.shape[0]
+        if method == "single":
+            return methods.one_expert(torch.zeros(batch_size, dtype=torch.long, device=x.device), n)
+        if method == "tag":
+            task_ids = self._task_ids(config, batch_size)
+            experts = task_ids if config.tag_experts is None else task_ids.new_tensor(config.tag_experts)[task_ids]
+            return methods.one_expert(experts, n)
+        if method == "latent_skills":
+            skill_logits = self.smear_skill_logits[adapter_name][self._task_ids(config, batch_size)]
+            return methods.latent_skills(skill_logits, config.latent_skills_temperature, self.training)
+        if method == "adamix":
+            return methods.adamix(batch_size, n, self.training, x.device)
+        if method == "hash":
+            token_bytes = self._routing_token_bytes(adapter_name, x)
+            return methods.one_expert(methods.hashed_experts(token_bytes, self.module_name, n, x.device), n)
+
+        normed = normalized_router_input(
             self._router_input(adapter_name, x),
             self.smear_router_input_norm_weight[adapter_name],
             self.smear_router_input_norm_bias[adapter_name],
-            self.smear_router_weight[adapter_name],
+        )
+        if method == "dselect_k":
+            return self._dselect_k(adapter_name, config, normed)
+        probs = router_probabilities(
+            normed,
             self.smear_router_row_norm_weight[adapter_name],
+            self.smear_router_weight[adapter_name],
         )
         if self.training and self.expert_dropout[adapter_name] > 0:
             probs = drop_experts(probs, self.expert_dropout[adapter_name])
-        if cache is not None:
-            cache[key] = probs
-        return probs
+        if method == "smear":
+            return methods.merged(probs)
+        if method == "ensemble":
+            return methods.mixed(probs)
+        if method == "top_k":
+            return methods.top_k(probs, config.top_k)
+        if method == "st_gumbel":
+            temperature = methods.annealed_temperature(
+                config.gumbel_temperature,
+                config.gumbel_anneal_rate,
+                config.gumbel_min_temperature,
+                self.routing_context.training_calls,
+            )
+            return methods.st_gumbel(probs, temperature, self.training)
+        decision, log_prob = methods.sampled(probs, self.training)  # reinforce
+        if log_prob is not None:
+            self.routing_context.policy_steps.append(
+                PolicyStep(
+                    log_prob=log_prob,
+                    probs=probs,
+                    baseline=self._baseline(adapter_name, normed),
+                    policy_weight=config.reinforce_policy_weight,
+                    entropy_weight=config.reinforce_entropy_weight,
+                    value_weight=config.reinforce_value_weight,
+                )
+            )
+        return decision
+
+    def _dselect_k(self, adapter_name: str, config: SmearConfig, normed: torch.Tensor) -> RoutingDecision:
+        k, bits = config.dselect_k_selectors, dselect_k_num_bits(config.num_experts)
+        logits = normed @ self.smear_router_weight[adapter_name].float().T
+        selector_logits = logits[:, : k * bits].reshape(-1, k, bits)
+        weights, selector_outputs = dselect_k_gate(
+            selector_logits, logits[:, k * bits :], config.num_experts, config.dselect_k_gamma
+        )
+        if self.training and config.dselect_k_entropy_weight > 0:
+            entropy = dselect_k_entropy(selector_outputs)
+            self.routing_context.add_aux_loss("dselect_k_entropy", config.dselect_k_entropy_weight * entropy)
+        return methods.mixed(weights)
+
+    def _baseline(self, adapter_name: str, normed: torch.Tensor) -> torch.Tensor:
+        """REINFORCE's learned baseline: a one-hidden-layer network estimating the reward from the router input."""
+        hidden = torch.relu(
+            normed @ self.smear_baseline_hidden_weight[adapter_name].float().T
+            + self.smear_baseline_hidden_bias[adapter_name].float()
+        )
+        return (
+            hidden @ self.smear_baseline_output_weight[adapter_name].float()
+            + self.smear_baseline_output_bias[adapter_name].float()
+        )
+
+    def _task_ids(self, config: SmearConfig, batch_size: int) -> torch.Tensor:
+        task_ids = self.routing_context.task_ids_for(batch_size)
+        if task_ids is None:
+            raise ValueError(
+                f"routing={config.routing!r} routes by task id, but the model was called without smear_task_ids "
+                "(an integer tensor [batch]); add it to the inputs, e.g. with peft_smear.SmearDataCollator."
+            )
+        limit = config.routed_tasks
+        if limit is not None and ((task_ids < 0).any() or (task_ids >= limit).any()):
+            raise ValueError(
+                f"smear_task_ids must be in [0, {limit}) for routing={config.routing!r}, got "
+                f"{sorted(set(task_ids.tolist()))}."
+            )
+        return task_ids.to(self.smear_lora_A[next(iter(self.smear_lora_A))].device)
+
+    def _routing_token_bytes(self, adapter_name: str, x: torch.Tensor) -> list[bytes]:
+        context = self.routing_context
+        if self.router_source[adapter_name] == "prompt":
+            tokens = x.reshape(x.shape[0], -1, x.shape[-1])
+            prefix_length = self.routing_prefix_length[adapter_name]
+            mask = context.prompt_mask_for(x.shape[0], tokens.shape[1], prefix_length, self.training)
+            return context.routing_token_bytes(f"prompt:{prefix_length}", mask)
+        return context.routing_token_bytes("tokens", context.attention_mask)
 
     def _router_input(self, adapter_name: str, x: torch.Tensor) -> torch.Tensor:
         batch_size = x.shape[0]
@@ -181,15 +319,15 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         for adapter_name in self.active_adapters:
             if adapter_name not in self.smear_lora_A:
                 continue
-            probs = self.routing_weights(adapter_name, x)
+            decision = self.route(adapter_name, x)
             if recorded is not None:
-                recorded[(self, adapter_name)] = probs.detach()
+                recorded[(self, adapter_name)] = decision.weights.detach()
             tokens = x.reshape(x.shape[0], -1, x.shape[-1])
-            delta = merged_lora_delta(
+            delta = routed_lora_delta(
                 tokens,
                 self.smear_lora_A[adapter_name],
                 self.smear_lora_B[adapter_name],
-                probs,
+                decision,
                 self.scaling[adapter_name],
             )
             result = result + delta.reshape(result.shape).to(result.dtype)

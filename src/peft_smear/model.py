@@ -13,6 +13,7 @@ from torch import nn
 from .config import SmearConfig
 from .context import RoutingContext
 from .layer import MERGE_UNSUPPORTED, SUPPORTED_BASE_LAYERS, SmearLinear
+from .losses import consistency_loss, per_example_task_loss, predicting_positions, reinforce_losses
 from .registration import DEFAULT_TARGET_MODULES, BaseTuner, adapter_state_dict_keys
 from .routing import masked_mean
 
@@ -26,7 +27,9 @@ class SmearModel(BaseTuner):
     Routing needs, per batch, the padding mask, the token labels (to find the prompt of a causal LM), the optional
     ``smear_*`` inputs, and for the decoder of an encoder-decoder model the encoder's output. Forward pre-hooks on the
     wrapped model record them into one :class:`RoutingContext` that every layer reads: hooks, because ``generate``
-    calls the wrapped model (and its encoder) directly, bypassing this class.
+    calls the wrapped model (and its encoder) directly, bypassing this class. A forward hook adds the routing
+    baselines' auxiliary losses (REINFORCE, DSelect-k, Adamix) to the output's ``loss`` and reports them as
+    ``output.smear_aux_losses``.
     """
 
     prefix: str = "smear_"
@@ -36,11 +39,14 @@ class SmearModel(BaseTuner):
     def _pre_injection_hook(self, model: nn.Module, config: SmearConfig, adapter_name: str) -> None:
         self.routing_context = RoutingContext()
         self._generating = False
+        self._second_pass = False
+        self._call_labels: torch.Tensor | None = None
         self._decoder_prefix: str | None = None
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._is_encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
         self._generates_text = bool(getattr(model, "can_generate", lambda: False)())
         self._hook(model, self._start_call)
+        self._hook_handles.append(model.register_forward_hook(self._finish_call, with_kwargs=True))
         if self._generates_text:
             self._wrap_generate(model)
         if self._is_encoder_decoder:
@@ -63,15 +69,61 @@ class SmearModel(BaseTuner):
 
     def _start_call(self, arguments: dict[str, Any], routing_inputs: dict[str, Any]) -> None:
         """A call of the wrapped model. ``smear_*`` inputs belong to the call that brings them, or to the whole
-        ``generate`` that brought them; any other call must not inherit stale ones."""
+        ``generate`` that brought them; any other call must not inherit stale ones (Adamix's second pass repeats
+        the first, inputs included)."""
+        if self._second_pass:
+            return
         if routing_inputs or not self._generating:
             self._set_routing_inputs(**routing_inputs)
+        self._call_labels = arguments.get("labels")
+        self.routing_context.begin_model_call(self.model.training)
         if not self._is_encoder_decoder:  # an encoder-decoder's mask is recorded when its encoder runs
             mask = _padding_mask(arguments.get("attention_mask"), "attention_mask")
-            self.routing_context.start_call(mask, arguments.get("labels"))
+            self.routing_context.start_call(mask, arguments.get("labels"), arguments.get("input_ids"))
 
     def _start_encoder_call(self, arguments: dict[str, Any], routing_inputs: dict[str, Any]) -> None:
-        self.routing_context.start_call(_padding_mask(arguments.get("attention_mask"), "attention_mask"), None)
+        mask = _padding_mask(arguments.get("attention_mask"), "attention_mask")
+        self.routing_context.start_call(mask, None, arguments.get("input_ids"))
+
+    def _finish_call(self, model: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        """Add the auxiliary losses of this call's routing to ``output.loss`` (when the model computed one, i.e. it
+        got labels) and report them as ``output.smear_aux_losses``."""
+        if self._second_pass:
+            return output
+        context, labels = self.routing_context, self._call_labels
+        losses = dict(context.aux_losses)
+        shift_tokens = self._generates_text and not self._is_encoder_decoder
+        if context.policy_steps:
+            if labels is None or getattr(output, "logits", None) is None:
+                raise ValueError(
+                    "routing='reinforce' trains its routers with minus each example's task loss as the reward, so "
+                    "training calls need labels and an output with logits."
+                )
+            rewards = -per_example_task_loss(output.logits, labels, shift_tokens)
+            losses.update(reinforce_losses(context.policy_steps, rewards))
+            context.policy_steps = []
+        adamix_weight = max(
+            (self.peft_config[name].adamix_consistency_weight for name in self._adamix_adapters()), default=None
+        )
+        if adamix_weight is not None and model.training and labels is not None:
+            self._second_pass = True
+            try:
+                second = model(*args, **kwargs)
+            finally:
+                self._second_pass = False
+            mask = predicting_positions(labels, shift_tokens) if labels.dim() == 2 else None
+            losses["adamix_consistency"] = adamix_weight * consistency_loss(output.logits, second.logits, mask)
+            if getattr(output, "loss", None) is not None:
+                output.loss = (output.loss + second.loss) / 2  # both passes learn the task
+        if not losses or not hasattr(output, "keys"):
+            return output
+        if getattr(output, "loss", None) is not None:
+            output.loss = output.loss + sum(losses.values())
+        output.smear_aux_losses = {name: value.detach() for name, value in losses.items()}
+        return output
+
+    def _adamix_adapters(self) -> list[str]:
+        return [name for name in self.active_adapters if self.peft_config[name].routing == "adamix"]
 
     def _record_encoder_summary(self, arguments: dict[str, Any], routing_inputs: dict[str, Any]) -> None:
         states = arguments.get("encoder_hidden_states")
@@ -160,6 +212,7 @@ class SmearModel(BaseTuner):
             self.routing_context,
             router_source=router_source,
             router_features=router_features,
+            module_name=current_key,
         )
         if adapter_name not in self.active_adapters:
             new_module.requires_grad_(False)  # an added, inactive adapter is not trainable until activated

@@ -25,21 +25,24 @@ def masked_mean(hidden: torch.Tensor, token_mask: torch.Tensor | None) -> torch.
     return summed / keep.sum(dim=1, keepdim=True).clamp(min=1)
 
 
-def router_probabilities(
-    pooled: torch.Tensor,
-    input_norm_weight: torch.Tensor,
-    input_norm_bias: torch.Tensor,
-    weight: torch.Tensor,
-    row_norm_weight: torch.Tensor,
+def normalized_router_input(
+    pooled: torch.Tensor, input_norm_weight: torch.Tensor, input_norm_bias: torch.Tensor
 ) -> torch.Tensor:
-    """``softmax(LN(pooled) @ LN_rows(weight).T)`` in fp32: ``[batch, features]`` -> ``[batch, num_experts]``.
-
-    Normalising both the input and the weight rows helps keep the logits from saturating the softmax (paper, section
-    4.1); the row gain is learned, so routing can still become sharp when that helps. The router has no bias.
-    """
+    """``LN(pooled)`` in fp32: the summary every learned router (and REINFORCE's baseline) reads."""
     features = pooled.shape[-1]
-    normed_input = F.layer_norm(pooled.float(), (features,), input_norm_weight.float(), input_norm_bias.float())
-    normed_rows = F.layer_norm(weight.float(), (features,), row_norm_weight.float())
+    return F.layer_norm(pooled.float(), (features,), input_norm_weight.float(), input_norm_bias.float())
+
+
+def router_probabilities(
+    normed_input: torch.Tensor, row_norm_weight: torch.Tensor, weight: torch.Tensor
+) -> torch.Tensor:
+    """``softmax(normed_input @ LN_rows(weight).T)`` in fp32: ``[batch, features]`` -> ``[batch, num_experts]``.
+
+    Normalising both the input (:func:`normalized_router_input`) and the weight rows helps keep the logits from
+    saturating the softmax (paper, section 4.1); the row gain is learned, so routing can still become sharp when that
+    helps. The router has no bias.
+    """
+    normed_rows = F.layer_norm(weight.float(), (weight.shape[-1],), row_norm_weight.float())
     return (normed_input @ normed_rows.T).softmax(dim=-1)
 
 
