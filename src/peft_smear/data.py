@@ -216,6 +216,7 @@ def _task_dataset(rows: Rows, info: TaskInfo, origin: str) -> Dataset:
 
 
 def default_cache_dir() -> Path:
+    """The cache used without ``cache_dir``: ``$PEFT_SMEAR_CACHE`` if set, else ``~/.cache/peft_smear``."""
     return Path(os.environ.get("PEFT_SMEAR_CACHE") or Path.home() / ".cache" / "peft_smear").expanduser()
 
 
