@@ -101,3 +101,48 @@ def test_init_weights_schemes(scheme):
         assert not torch.allclose(B[0], B[1])
     if scheme == "smear":
         assert 0.005 < A.std().item() < 0.02 and 0.005 < B.std().item() < 0.02
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"routing": "moe"}, "routing must be one of ('smear', 'ensemble'"),
+        ({"routing": "smear", "top_k": 2}, "top_k=2 only applies to routing='top_k', but routing='smear'"),
+        ({"routing": "hash", "gumbel_temperature": 1.0}, "gumbel_temperature=1.0 only applies to routing='st_gumbel'"),
+        ({"routing": "top_k", "top_k": 9}, "top_k=9 exceeds num_experts=8"),
+        ({"routing": "tag", "expert_dropout": 0.1}, "expert_dropout=0.1 needs a probability router; routing='tag'"),
+        ({"routing": "single", "num_experts": 4}, "routing='single' uses one expert, but num_experts=4"),
+        ({"routing": "latent_skills"}, "routing='latent_skills' learns a task-by-expert matrix: set num_tasks"),
+        (
+            {"routing": "tag", "tag_experts": [0, 8]},
+            "tag_experts must be a non-empty list of expert indices in [0, 8)",
+        ),
+        ({"routing": "tag", "tag_experts": [0, 1], "num_tasks": 3}, "tag_experts maps 2 task ids but num_tasks=3"),
+        ({"routing": "dselect_k", "num_experts": 1}, "routing='dselect_k' needs num_experts >= 2, got 1"),
+        ({"routing": "dselect_k", "dselect_k_gamma": 0}, "dselect_k_gamma must be a number > 0, got 0"),
+        ({"routing": "reinforce", "reinforce_policy_weight": -1}, "reinforce_policy_weight must be a number >= 0"),
+    ],
+)
+def test_routing_options_are_validated(settings, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SmearConfig(**settings)
+
+
+def test_routing_defaults_follow_the_paper():
+    assert SmearConfig(routing="single").num_experts == 1
+    assert SmearConfig(routing="top_k").expert_dropout == 0.1
+    assert SmearConfig(routing="st_gumbel").expert_dropout == 0.0
+    assert SmearConfig(routing="reinforce").expert_dropout == 0.0
+    gumbel = SmearConfig(routing="st_gumbel")
+    assert (gumbel.gumbel_temperature, gumbel.gumbel_anneal_rate) == (10.0, 1e-6)
+    reinforce = SmearConfig(routing="reinforce")
+    weights = (reinforce.reinforce_policy_weight, reinforce.reinforce_entropy_weight, reinforce.reinforce_value_weight)
+    assert weights == (1e-2, 5e-4, 1e-2)
+    assert SmearConfig(routing="dselect_k").dselect_k_entropy_weight == 0.1
+
+
+def test_a_saved_routing_config_loads_back_unchanged(tmp_path):
+    config = SmearConfig(routing="tag", tag_experts=[2, 2, 0], num_tasks=3, num_experts=4)
+    config.save_pretrained(tmp_path)
+    loaded = SmearConfig.from_pretrained(tmp_path)
+    assert (loaded.routing, loaded.tag_experts, loaded.num_tasks, loaded.num_experts) == ("tag", [2, 2, 0], 3, 4)
