@@ -229,6 +229,13 @@ def test_loading_onto_a_mismatched_base_model_fails_clearly(tmp_path):
     assert "more" in str(error.value)  # long listings are cut short
 
 
+def test_loading_onto_a_head_of_another_size_fails_clearly(tmp_path):
+    get_peft_model(tiny_bert(), SmearConfig(num_experts=3, r=2, task_type="SEQ_CLS")).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="shapes differ") as error:
+        PeftModel.from_pretrained(tiny_bert(num_labels=5), tmp_path)
+    assert "classifier.modules_to_save.default.weight: checkpoint (3, 32), model (5, 32)" in str(error.value)
+
+
 def test_missing_adapter_weight_is_an_error(tmp_path):
     smear_llama().save_pretrained(tmp_path)
     weights = load_file(tmp_path / "adapter_model.safetensors")

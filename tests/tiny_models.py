@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     BertConfig,
     BertForSequenceClassification,
@@ -10,6 +11,7 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    PreTrainedTokenizerFast,
     T5Config,
     T5ForConditionalGeneration,
 )
@@ -90,3 +92,11 @@ def random_batch(batch: int, seq: int, seed: int = 0, lengths: list[int] | None 
         input_ids[row, length:] = 0
         attention_mask[row, length:] = 0
     return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A real, offline tokenizer for the tiny models: ``"w2 w17"`` -> ``[2, 17]``; ``[PAD]`` is 0, ``[UNK]`` is 1."""
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", unk_token="[UNK]")

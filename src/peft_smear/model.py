@@ -263,13 +263,14 @@ def _check_adapter_state_dict(model: nn.Module, adapter_name: str, state_dict: d
             unexpected.append(key)
             continue
         provided.add(model_key)
-        if model_key in expected and tuple(tensor.shape) != tuple(model_state[model_key].shape):
+        # Every key, not only the expert banks and routers: a modules_to_save head of another size must fail here too.
+        if tuple(tensor.shape) != tuple(model_state[model_key].shape):
             mismatched.append(f"{key}: checkpoint {tuple(tensor.shape)}, model {tuple(model_state[model_key].shape)}")
     missing = sorted(expected - provided)
     problems = []
     if mismatched:
         problems.append(
-            "shapes differ (was it trained on another base model, or with another num_experts / r?):"
+            "shapes differ (was it trained on another base model, or with another num_experts / r / head size?):"
             + _listing(mismatched)
         )
     if missing:

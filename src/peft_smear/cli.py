@@ -1,0 +1,310 @@
+"""The ``peft-smear`` command line.
+
+``peft-smear export`` runs :func:`peft_smear.export_merged_adapter` on models saved in local directories, so that a
+SMEAR adapter can be turned into a plain LoRA adapter for a serving stack without writing Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import PeftConfig, PeftModel
+from tqdm import tqdm
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForQuestionAnswering,
+    AutoModelForSeq2SeqLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    PreTrainedTokenizerBase,
+)
+
+from .config import SmearConfig
+from .export import export_merged_adapter
+from .layer import SmearLinear
+from .registration import SmearPeftType
+
+
+AUTO_MODEL_CLASSES = {
+    "SEQ_CLS": AutoModelForSequenceClassification,
+    "CAUSAL_LM": AutoModelForCausalLM,
+    "SEQ_2_SEQ_LM": AutoModelForSeq2SeqLM,
+    "TOKEN_CLS": AutoModelForTokenClassification,
+    "QUESTION_ANS": AutoModelForQuestionAnswering,
+    "FEATURE_EXTRACTION": AutoModel,
+    None: AutoModel,
+}
+DATA_SUFFIXES = (".csv", ".json", ".jsonl")
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+
+
+class CommandError(Exception):
+    """A problem with the command's input: reported as one ``error:`` line and exit code 2, without a traceback."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``peft-smear`` with ``argv`` (default: ``sys.argv[1:]``) and return the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except CommandError as error:
+        print(f"peft-smear {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="peft-smear", description="Tools for SMEAR adapters.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    export = commands.add_parser(
+        "export",
+        help="write the merged expert of a fixed routing as a plain PEFT LoRA adapter",
+        description=(
+            "Write the merged expert of a SMEAR adapter for one fixed routing as a plain PEFT LoRA adapter (same "
+            "rank, alpha and target modules, plus any modules_to_save head) that loads without peft_smear. The "
+            "routing is either a task's mean routing, from a file of its examples, or one expert of every layer."
+        ),
+        epilog="Bad input is reported as one 'error:' line with exit code 2, and nothing is written.",
+    )
+    export.add_argument("--base-model", required=True, type=Path, metavar="DIR", help="the base model's directory")
+    export.add_argument("--adapter", required=True, type=Path, metavar="DIR", help="the SMEAR adapter's directory")
+    export.add_argument("--output", required=True, type=Path, metavar="DIR", help="where to write the LoRA adapter")
+    routing = export.add_mutually_exclusive_group(required=True)
+    routing.add_argument(
+        "--task-data",
+        type=Path,
+        metavar="FILE",
+        help=(
+            "a CSV, JSON or JSONL file of the task's examples: export the merged expert of their mean routing. Each "
+            "row is one model input, tokenised with the base model's tokenizer (else the adapter's). For a causal "
+            "LM the rows are prompts without responses, routed on their prompt tokens as generate() routes a bare "
+            "prompt; for an encoder-decoder they are encoder inputs."
+        ),
+    )
+    routing.add_argument("--expert", type=int, metavar="INDEX", help="export expert INDEX (from 0) of every layer")
+    data = export.add_argument_group("task data options")
+    data.add_argument("--text-column", default="text", metavar="NAME", help="the column of the texts (default: text)")
+    data.add_argument("--task", metavar="NAME", help="keep only the rows whose 'task' column is NAME")
+    data.add_argument(
+        "--batch-size", type=_positive_int, default=32, metavar="N", help="examples per batch (default: 32)"
+    )
+    data.add_argument(
+        "--max-length", type=_positive_int, default=256, metavar="N", help="truncate texts to N tokens (default: 256)"
+    )
+    export.add_argument(
+        "--adapter-name",
+        default="default",
+        metavar="NAME",
+        help="the name to load the adapter under (default: default)",
+    )
+    export.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    export.set_defaults(run=export_command)
+    return parser
+
+
+def export_command(args: argparse.Namespace) -> None:
+    """Check every input before loading the model, so that bad input fails fast and writes nothing."""
+    _check_output(args.output, args.overwrite, [args.base_model, args.adapter, args.task_data])
+    _require_file(args.base_model, "--base-model", "config.json")
+    _require_file(args.adapter, "--adapter", "adapter_config.json")
+    config = _read_smear_config(args.adapter)
+    if args.expert is not None and not 0 <= args.expert < config.num_experts:
+        raise CommandError(
+            f"--expert {args.expert} is out of range: the adapter has {config.num_experts} experts "
+            f"(0 to {config.num_experts - 1})."
+        )
+    if args.task_data is not None:
+        texts = _task_texts(args.task_data, args.text_column, args.task)
+        tokenizer = _load_tokenizer(args.base_model, args.adapter)
+
+    auto_class = AUTO_MODEL_CLASSES[config.task_type]
+    model = _load_model(auto_class, args.base_model, args.adapter, args.adapter_name)
+    if args.task_data is None:
+        routing = {
+            name: torch.eye(layer.num_experts[args.adapter_name])[args.expert]
+            for name, layer in model.base_model.model.named_modules()
+            if isinstance(layer, SmearLinear) and args.adapter_name in layer.smear_lora_A
+        }
+        described = f"expert {args.expert} of {config.num_experts} in each of the {len(routing)} SMEAR layers"
+    else:
+        decoder_start = model.config.decoder_start_token_id if model.config.is_encoder_decoder else None
+        batches = _batches(tokenizer, texts, args.batch_size, args.max_length, decoder_start)
+        routing = tqdm(
+            batches, total=math.ceil(len(texts) / args.batch_size), desc="Routing", unit="batch", file=sys.stderr
+        )
+        task = f" of task {args.task!r}" if args.task is not None else ""
+        described = f"the mean routing of {len(texts)} examples{task} from {args.task_data}"
+    lora_config = export_merged_adapter(
+        model, args.output, routing=routing, adapter_name=args.adapter_name, overwrite=args.overwrite
+    )
+
+    shape = f"r={lora_config.r}, lora_alpha={lora_config.lora_alpha}, {len(lora_config.target_modules)} target modules"
+    head = f", modules_to_save {sorted(set(lora_config.modules_to_save))}" if lora_config.modules_to_save else ""
+    print(f"Wrote a LoRA adapter to {args.output}")
+    print(f"  routing: {described}")
+    print(f"  {shape}{head}")
+    print("Load it with plain PEFT (peft_smear not needed):")
+    print(
+        f"  PeftModel.from_pretrained({auto_class.__name__}.from_pretrained({str(args.base_model)!r}), "
+        f"{str(args.output)!r})"
+    )
+
+
+def _check_output(output: Path, overwrite: bool, inputs: list[Path | None]) -> None:
+    """Refuse a non-empty output without ``--overwrite``, and any output that replacing would delete an input with."""
+    for path in inputs:
+        if path is not None and path.resolve().is_relative_to(output.resolve()):
+            raise CommandError(f"--output {output} holds the input {path}; writing there would delete it.")
+    if output.exists() and (not output.is_dir() or any(output.iterdir())) and not overwrite:
+        raise CommandError(f"--output {output} exists and is not empty; pass --overwrite to replace it.")
+
+
+def _require_file(directory: Path, option: str, name: str) -> None:
+    if not directory.is_dir():
+        raise CommandError(f"{option} {directory} is not a directory.")
+    if not (directory / name).is_file():
+        raise CommandError(f"{option} {directory} has no {name}; save it with save_pretrained().")
+
+
+def _read_smear_config(adapter: Path) -> SmearConfig:
+    """The adapter's config. Its type is checked by name first: PEFT raises a bare KeyError for a type it lacks."""
+    try:
+        peft_type = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8")).get("peft_type")
+        if peft_type == SmearPeftType.SMEAR:
+            return PeftConfig.from_pretrained(adapter, local_files_only=True)
+    except ValueError as error:  # not JSON, or settings that SmearConfig refuses
+        raise CommandError(f"--adapter {adapter} has an invalid adapter_config.json: {error}") from None
+    raise CommandError(f"--adapter {adapter} holds a {peft_type} adapter, not a SMEAR adapter.")
+
+
+def _task_texts(path: Path, text_column: str, task: str | None) -> list[str]:
+    """The texts of the rows of ``path`` (those of ``task`` only, if given), refusing missing or empty text."""
+    rows = _read_rows(path)
+    if not rows:
+        raise CommandError(f"--task-data {path} has no rows.")
+    columns = list(dict.fromkeys(column for row in rows for column in row))
+    if text_column not in columns:
+        raise CommandError(
+            f"--task-data {path} has no column {text_column!r} (columns: {columns}); use --text-column."
+        )
+    numbered = list(enumerate(rows, start=1))
+    if task is not None:
+        if "task" not in columns:
+            raise CommandError(f"--task needs a 'task' column, but --task-data {path} has only {columns}.")
+        tasks = sorted({_task_of(row) for row in rows} - {None})
+        numbered = [(number, row) for number, row in numbered if _task_of(row) == task]
+        if not numbered:
+            raise CommandError(f"--task-data {path} has no row of task {task!r}; its tasks: {_listing(tasks)}.")
+    texts = []
+    for number, row in numbered:
+        text = row.get(text_column)
+        if not isinstance(text, str) or not text.strip():
+            raise CommandError(f"--task-data {path}, row {number}: no text in column {text_column!r}, got {text!r}.")
+        texts.append(text)
+    return texts
+
+
+def _task_of(row: dict[str, Any]) -> str | None:
+    """The row's task as a string: ``--task`` is one, while a JSON file may hold numbers."""
+    return None if row.get("task") is None else str(row["task"])
+
+
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    """Rows of a CSV file, a JSON Lines file, or a JSON file holding a list of objects (or JSON Lines)."""
+    if path.suffix.lower() not in DATA_SUFFIXES:
+        raise CommandError(f"--task-data {path} is not a {', '.join(DATA_SUFFIXES)} file.")
+    if not path.is_file():
+        raise CommandError(f"--task-data {path} does not exist.")
+    if path.suffix.lower() == ".csv":
+        with path.open(newline="", encoding="utf-8") as file:
+            return list(csv.DictReader(file))
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() == ".json":
+        try:
+            document = json.loads(text)
+        except json.JSONDecodeError:
+            document = None  # JSON Lines under a .json name, as datasets' to_json writes them
+        if isinstance(document, list):
+            return _objects(path, list(enumerate(document, start=1)))
+    numbered = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                numbered.append((number, json.loads(line)))
+            except json.JSONDecodeError as error:
+                raise CommandError(f"--task-data {path}, line {number}: not valid JSON ({error.msg}).") from None
+    return _objects(path, numbered)
+
+
+def _objects(path: Path, rows: list[tuple[int, Any]]) -> list[dict[str, Any]]:
+    """The rows, which must all be objects; ``rows`` pairs each with its row or line number for the error."""
+    for number, row in rows:
+        if not isinstance(row, dict):
+            raise CommandError(f"--task-data {path}, row {number}: expected an object, got {type(row).__name__}.")
+    return [row for _, row in rows]
+
+
+def _load_tokenizer(*directories: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of the first directory that has one: a trained adapter's directory often holds a copy."""
+    directory = next((d for d in directories if any((d / name).is_file() for name in TOKENIZER_FILES)), None)
+    if directory is None:
+        raise CommandError(f"found no tokenizer in {' or '.join(map(str, directories))}; save one there.")
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    if tokenizer.pad_token is None:  # padding never reaches a router, so any known token pads
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    if tokenizer.pad_token is None:
+        raise CommandError(f"the tokenizer in {directory} has no pad, eos or unk token to pad batches with.")
+    return tokenizer
+
+
+def _load_model(auto_class: type, base_model: Path, adapter: Path, adapter_name: str) -> PeftModel:
+    base = auto_class.from_pretrained(base_model, local_files_only=True)
+    try:
+        model = PeftModel.from_pretrained(base, adapter, adapter_name=adapter_name, local_files_only=True)
+    except ValueError as error:  # strict loading: trained on another base model, or with another head size
+        raise CommandError(f"--adapter {adapter} does not fit --base-model {base_model}: {error}") from None
+    return model.eval()
+
+
+def _batches(
+    tokenizer: PreTrainedTokenizerBase, texts: list[str], batch_size: int, max_length: int, decoder_start: int | None
+) -> Iterator[dict[str, torch.Tensor]]:
+    for start in range(0, len(texts), batch_size):
+        batch = dict(
+            tokenizer(
+                texts[start : start + batch_size],
+                padding=True,
+                truncation=True,
+                max_length=max_length,
+                return_tensors="pt",
+            )
+        )
+        if decoder_start is not None:
+            # An encoder-decoder's forward needs decoder inputs; its decoder layers route on the encoder's output,
+            # so the start token alone gives every layer its routing.
+            batch["decoder_input_ids"] = torch.full((batch["input_ids"].shape[0], 1), decoder_start)
+        yield batch
+
+
+def _listing(names: list[str], limit: int = 10) -> str:
+    return ", ".join(map(repr, names[:limit])) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _positive_int(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
