@@ -403,3 +403,13 @@ def test_st_gumbel_temperature_anneals_with_training_calls():
     assert context.training_calls == 3
     assert peft_smear.routing_methods.annealed_temperature(10.0, 0.5, 2.0, 3) == pytest.approx(10 * 2.718281828**-1.5)
     assert peft_smear.routing_methods.annealed_temperature(10.0, 0.5, 2.0, 100) == 2.0
+
+
+def test_auxiliary_losses_are_added_to_a_tuple_output_too():
+    model = bert_with("dselect_k").train()
+    batch = classification_data()[0]
+    torch.manual_seed(0)
+    loss, logits = model(**batch, return_dict=False)[:2]
+    torch.manual_seed(0)
+    aux = model(**batch).smear_aux_losses["dselect_k_entropy"]
+    torch.testing.assert_close(loss, F.cross_entropy(logits, batch["labels"]) + aux, atol=1e-5, rtol=0)

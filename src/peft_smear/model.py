@@ -115,8 +115,10 @@ class SmearModel(BaseTuner):
             losses["adamix_consistency"] = adamix_weight * consistency_loss(output.logits, second.logits, mask)
             if getattr(output, "loss", None) is not None:
                 output.loss = (output.loss + second.loss) / 2  # both passes learn the task
-        if not losses or not hasattr(output, "keys"):
+        if not losses:
             return output
+        if isinstance(output, tuple):  # return_dict=False: the loss, when there is one, comes first
+            return (output[0] + sum(losses.values()), *output[1:]) if labels is not None else output
         if getattr(output, "loss", None) is not None:
             output.loss = output.loss + sum(losses.values())
         output.smear_aux_losses = {name: value.detach() for name, value in losses.items()}
