@@ -7,11 +7,13 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.nn.functional as F
 from peft import PeftModel, get_peft_model
+from transformers.utils import ModelOutput
 
 import peft_smear
 from peft_smear import SmearConfig, SmearLinear
@@ -362,6 +364,46 @@ def test_reinforce_training_without_labels_is_a_clear_error():
     model = bert_with("reinforce").train()
     with pytest.raises(ValueError, match="training calls need labels"):
         model(**random_batch(2, 6))
+
+
+@dataclass
+class CustomHeadOutput(ModelOutput):
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    example_losses: torch.Tensor | None = None
+
+
+class CustomHeadModel(torch.nn.Module):
+    """A BERT with a loss the tuner cannot recompute from logits and labels (an absolute error against float labels
+    on three outputs), which it reports per example as ``example_losses``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bert = tiny_bert()
+
+    def forward(self, input_ids, attention_mask=None, labels=None) -> CustomHeadOutput:
+        logits = self.bert(input_ids=input_ids, attention_mask=attention_mask).logits
+        example_losses = (logits - labels[:, None]).abs().sum(dim=-1)
+        return CustomHeadOutput(loss=example_losses.mean(), logits=logits, example_losses=example_losses)
+
+
+def test_reinforce_rewards_a_custom_heads_example_losses(monkeypatch):
+    config = SmearConfig(routing="reinforce", num_experts=3, r=2, target_modules=["query", "value"])
+    model = get_peft_model(CustomHeadModel(), config).train()
+    rewards = []
+
+    def recording(steps, step_rewards):
+        rewards.append(step_rewards)
+        return reinforce_losses(steps, step_rewards)
+
+    monkeypatch.setattr(peft_smear.model, "reinforce_losses", recording)
+    labels = torch.tensor([0.5, -1.0, 2.0])
+    torch.manual_seed(0)
+    outputs = model(**random_batch(3, 6, seed=1), labels=labels)
+    assert {"reinforce_policy", "reinforce_value"} <= set(outputs.smear_aux_losses)
+    (reward,) = rewards
+    assert not reward.requires_grad
+    torch.testing.assert_close(reward, -outputs.example_losses.detach())
 
 
 @pytest.mark.parametrize("routing", ROUTING_METHODS)

