@@ -46,9 +46,7 @@ def forced_logits(model, batch, distribution: dict[str, torch.Tensor]):
     context = model.base_model.routing_context
     layers = {name: m for name, m in model.base_model.model.named_modules() if isinstance(m, SmearLinear)}
     batch_size = batch["input_ids"].shape[0]
-    context.routing_cache = {
-        (layers[n], "default"): merged(p.expand(batch_size, -1)) for n, p in distribution.items()
-    }
+    context.routing_cache = {(layers[n], "default"): merged(p.expand(batch_size, -1)) for n, p in distribution.items()}
     try:
         return logits(model, batch)
     finally:

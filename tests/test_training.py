@@ -3,7 +3,6 @@ data cache), plus the multi-task model's per-example losses."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import shutil
@@ -17,10 +16,11 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processor
 from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
 
 from peft_smear import SmearLinear, get_routing_weights, training
+from peft_smear.cli import main
 from peft_smear.data import TaskInfo
 from peft_smear.multitask import UNUSED_CLASS_LOGIT, MultiTaskModel
 from peft_smear.routing_methods import merged
-from peft_smear.training import add_export_tasks_command, add_train_command, load_run
+from peft_smear.training import load_run
 
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -29,17 +29,8 @@ FILLER = ["the", "a", "is", "very", "quite", "small", "big", "here", "there", "t
 STEPS, EXPERTS = 4, 3
 
 
-def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="peft-smear")
-    commands = parser.add_subparsers(dest="command", required=True)
-    add_train_command(commands)
-    add_export_tasks_command(commands)
-    return parser
-
-
 def run_cli(*argv: str) -> int:
-    args = parser().parse_args([str(arg) for arg in argv])
-    return args.run(args)
+    return main([str(arg) for arg in argv])
 
 
 def save_tiny_encoder(directory) -> None:
@@ -228,23 +219,23 @@ def test_exported_lora_equals_smear_forced_to_the_tasks_mean_routing(run, export
 def test_bad_input_is_a_clear_error(run, workspace, tmp_path, capsys):
     root, task_files = workspace
     run_dir, _ = run
-    assert run_cli(*train_args(root / "encoder", task_files, run_dir)) == 1
+    assert run_cli(*train_args(root / "encoder", task_files, run_dir)) == 2
     assert "--overwrite" in capsys.readouterr().err
-    assert run_cli(*train_args(root / "encoder", task_files, tmp_path / "a", "--tasks", "topic", "nope")) == 1
+    assert run_cli(*train_args(root / "encoder", task_files, tmp_path / "a", "--tasks", "topic", "nope")) == 2
     assert "Unknown task(s) ['nope']" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         run_cli(*train_args(root / "encoder", task_files, tmp_path / "b", "--routing", "magic"))
     assert exit_info.value.code != 0 and "invalid choice: 'magic'" in capsys.readouterr().err
-    assert run_cli(*train_args(tmp_path / "no-model", task_files, tmp_path / "c")) == 1
+    assert run_cli(*train_args(tmp_path / "no-model", task_files, tmp_path / "c")) == 2
     assert "no config.json" in capsys.readouterr().err
 
     ensemble_run = tmp_path / "ensemble-run"
     shutil.copytree(run_dir, ensemble_run)
     config = json.loads((ensemble_run / "adapter_config.json").read_text())
     (ensemble_run / "adapter_config.json").write_text(json.dumps({**config, "routing": "ensemble"}))
-    assert run_cli("export-tasks", "--run", ensemble_run, "--output", tmp_path / "d") == 1
+    assert run_cli("export-tasks", "--run", ensemble_run, "--output", tmp_path / "d") == 2
     assert "routing='ensemble'" in capsys.readouterr().err
-    assert run_cli("export-tasks", "--run", tmp_path, "--output", tmp_path / "e") == 1
+    assert run_cli("export-tasks", "--run", tmp_path, "--output", tmp_path / "e") == 2
     assert "not a `peft-smear train` run" in capsys.readouterr().err
 
 

@@ -33,6 +33,7 @@ from .config import SmearConfig
 from .export import export_merged_adapter
 from .layer import SmearLinear
 from .registration import SmearPeftType
+from .training import add_export_tasks_command, add_train_command
 
 
 AUTO_MODEL_CLASSES = {
@@ -56,11 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``peft-smear`` with ``argv`` (default: ``sys.argv[1:]``) and return the exit code."""
     args = build_parser().parse_args(argv)
     try:
-        args.run(args)
+        return args.run(args) or 0
     except CommandError as error:
         print(f"peft-smear {args.command}: error: {error}", file=sys.stderr)
         return 2
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     export.set_defaults(run=export_command)
+    add_train_command(commands)
+    add_export_tasks_command(commands)
     return parser
 
 

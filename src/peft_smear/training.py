@@ -140,12 +140,12 @@ def add_export_tasks_command(subparsers: argparse._SubParsersAction) -> argparse
 
 
 def train_command(args: argparse.Namespace) -> int:
-    """``peft-smear train``: 0 on success, 1 with a one-line error on bad input."""
+    """``peft-smear train``: 0 on success, 2 with a one-line error on bad input."""
     return _run(train, args, "train")
 
 
 def export_tasks_command(args: argparse.Namespace) -> int:
-    """``peft-smear export-tasks``: 0 on success, 1 with a one-line error on bad input."""
+    """``peft-smear export-tasks``: 0 on success, 2 with a one-line error on bad input."""
     return _run(lambda a: export_tasks(a.run_dir, a.output, a.split, a.batch_size, a.overwrite), args, "export-tasks")
 
 
@@ -154,7 +154,7 @@ def _run(job: Any, args: argparse.Namespace, command: str) -> int:
         job(args)
     except USER_ERRORS as error:
         print(f"peft-smear {command}: error: {error}", file=sys.stderr)
-        return 1
+        return 2
     return 0
 
 
