@@ -12,7 +12,7 @@ from transformers.pytorch_utils import Conv1D
 from . import routing_methods as methods
 from .config import PROBABILITY_ROUTERS, SmearConfig
 from .context import RoutingContext
-from .dselect_k import dselect_k_entropy, dselect_k_gate, dselect_k_num_bits
+from .dselect_k import dselect_k_entropy, dselect_k_gate, dselect_k_num_bits, init_dselect_k_
 from .experts import init_lora_experts, routed_lora_delta
 from .registration import BaseTunerLayer
 from .routing import ROW_NORM_INIT_GAIN, drop_experts, masked_mean, normalized_router_input, router_probabilities
@@ -138,6 +138,10 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             self.smear_router_weight[adapter_name] = nn.Parameter(torch.randn(rows, features) * config.router_init_std)
             self.smear_router_input_norm_weight[adapter_name] = nn.Parameter(torch.ones(features))
             self.smear_router_input_norm_bias[adapter_name] = nn.Parameter(torch.zeros(features))
+        if method == "dselect_k":
+            weight, selectors = self.smear_router_weight[adapter_name], config.dselect_k_selectors
+            code_rows = selectors * dselect_k_num_bits(n)
+            init_dselect_k_(weight.data[:code_rows], weight.data[code_rows:], config.dselect_k_gamma)
         if method in PROBABILITY_ROUTERS:
             self.smear_router_row_norm_weight[adapter_name] = nn.Parameter(torch.full((features,), ROW_NORM_INIT_GAIN))
         if method == "reinforce":
