@@ -10,10 +10,10 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from peft import PeftConfig, get_peft_model
+from peft import PeftConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
+from transformers import AutoModelForSequenceClassification, BertConfig, BertModel, PreTrainedTokenizerFast
 
 from peft_smear import SmearLinear, get_routing_weights, training
 from peft_smear.cli import main
@@ -186,6 +186,22 @@ def test_export_tasks_writes_a_lora_adapter_per_task(exported):
         config = PeftConfig.from_pretrained(str(exported / task))
         assert config.peft_type == "LORA"
         assert json.loads((exported / task / "tasks.json").read_text())["task"] == task
+
+
+def test_exported_lora_applies_to_the_stock_sequence_classification_model(workspace, exported):
+    """The LoRA's targets are named as in ``AutoModelForSequenceClassification`` (``bert.encoder...``), so vanilla
+    PEFT applies it there: the encoder's output is the multi-task model's (only the heads are ours)."""
+    batch = {"input_ids": torch.tensor([[2, 5, 9, 12, 3]]), "attention_mask": torch.ones(1, 5, dtype=torch.long)}
+    stock = AutoModelForSequenceClassification.from_pretrained(workspace[0] / "encoder", num_labels=2)
+    stock = PeftModel.from_pretrained(stock, exported / "topic").eval()
+    ours = load_run(exported / "topic").get_base_model()
+    with torch.no_grad():
+        expected = ours.encoder(**batch).last_hidden_state
+        hidden = stock(**batch, output_hidden_states=True).hidden_states[-1]
+        with stock.disable_adapter():
+            untuned = stock(**batch, output_hidden_states=True).hidden_states[-1]
+    torch.testing.assert_close(hidden, expected, atol=1e-6, rtol=0)
+    assert (hidden - untuned).abs().max() > 1e-4  # the adapter did change the encoder
 
 
 def test_exported_lora_equals_smear_forced_to_the_tasks_mean_routing(run, exported):

@@ -2,8 +2,8 @@
 tasks at once, report where each task is routed, and export one merged LoRA adapter per task.
 
 The model is :class:`~peft_smear.multitask.MultiTaskModel`: the encoder with SMEAR in every linear layer of its
-transformer blocks, and one linear head per task (trained in full, saved with the adapter). The router never sees the
-task: routing is learned from the text alone, and the report shows what it learned.
+transformer blocks, and one linear head per task (trained in full, saved with the adapter). With SMEAR routing the
+router never sees the task: routing is learned from the text alone, and the report shows what it learned.
 """
 
 from __future__ import annotations
@@ -207,8 +207,12 @@ def train(args: argparse.Namespace) -> dict[str, float]:
 
     output_dir.mkdir(parents=True, exist_ok=True)
     peft_model.save_pretrained(str(output_dir))
-    run = {"model": str(model_dir.resolve()), "tasks": [asdict(t) for t in tasks], "data": data_settings}
-    run["max_length"] = args.max_length
+    run = {
+        "model": str(model_dir.resolve()),
+        "tasks": [asdict(task) for task in tasks],
+        "data": data_settings,
+        "max_length": args.max_length,
+    }
     (output_dir / RUN_FILE).write_text(json.dumps(run, indent=2) + "\n")
 
     prediction = trainer.predict(splits["test"], ignore_keys=NOT_PREDICTIONS)
@@ -316,7 +320,7 @@ def _tokenize(
         encoded = tokenizer(batch["text"], truncation=True, max_length=max_length, return_token_type_ids=False)
         return {**encoded, "labels": batch["label"], "task_index": [index[task] for task in batch["task"]]}
 
-    return data.map(encode, batched=True, remove_columns=["text", "label", "task"])
+    return data.map(encode, batched=True, remove_columns=["text", "label", "task"], desc="Tokenising")
 
 
 def _rows_of(dataset: Dataset, task_index: int) -> list[int]:
