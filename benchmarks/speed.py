@@ -52,8 +52,6 @@ METHOD_LABELS = {
     "exported": "SMEAR exported to LoRA",
 }
 FIGURES = ("train_step_s", "inference_s", "generation_tokens_per_s", "peak_memory_mb")
-# Figures where more is better: their ratio to LoRA reads "how many times LoRA's throughput".
-HIGHER_IS_BETTER = {"generation_tokens_per_s"}
 CSV_COLUMNS = ("preset", "device", "dtype", "seq_len", "num_experts", "r", "batch", "method", "trainable_params")
 CSV_COLUMNS += (*FIGURES, "repeats")
 MEMORY_METHODS = {
@@ -513,12 +511,16 @@ def write_outputs(rows: list[dict], output_dir: Path, log: Callable[[str], None]
     return paths
 
 
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
 def machine_description(device: str) -> str:
     cpu = platform.processor() or "unknown CPU"
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
         cpu = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    parts = [f"{cpu}, {cores} cores usable, torch {torch.get_num_threads()} threads"]
+    cores = usable_cores()
+    parts = [f"{cpu}, {cores} cores usable, torch threads: {torch.get_num_threads()}"]
     if device.startswith("cuda"):
         parts.append(f"GPU {torch.cuda.get_device_name(device)}")
     parts.append(
@@ -540,13 +542,15 @@ def results_section(
     target_rows = [row for row in rows if all(row[k] == v for k, v in TARGET_SHAPE.items())]
     checks = check_targets(rows)
     load_text = " / ".join(", ".join(f"{x:.2f}" for x in sample) for sample in load)
+    cores = usable_cores()
+    if max(sample[0] for sample in load) > cores:
+        load_text += f": above the {cores} cores, so other jobs shared the machine and the timings are noisy"
     lines = [
         f"## Speed, preset `{preset_name}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
         f"- Command: `{command}`",
         f"- Machine: {machine_description(device)}",
-        f"- Load average (1, 5, 15 min) before / after the run: {load_text}; a load above the core count means "
-        "other jobs shared the machine.",
+        f"- Load average (1, 5, 15 min) before / after the run: {load_text}.",
         f"- Wall time: {seconds / 60:.1f} min. {PRESETS[preset_name].note}",
         "- Figures are medians over the repetitions, methods interleaved; each is divided by LoRA rank r's at the "
         "same shape (generation: tokens/s, higher is better; the rest: lower is better). Peak memory: what wrapping "
