@@ -1,0 +1,65 @@
+"""The speed benchmark harness runs end to end on a toy model. Only its plumbing is tested here: timing is not."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+SPEED_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "speed.py"
+METHODS = ["lora", "smear", "ensemble", "poly", "exported"]
+
+
+@pytest.fixture(scope="module")
+def speed():
+    spec = importlib.util.spec_from_file_location("speed_benchmark", SPEED_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def rows(speed):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a toy model gains nothing from threads, and a shared machine loses a lot to them
+    try:
+        return speed.run_benchmark("tiny", repeats=1, methods=METHODS, memory="inprocess", log=lambda _: None)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_one_finite_positive_row_per_method(speed, rows):
+    assert [row["method"] for row in rows] == METHODS
+    for row in rows:
+        assert set(row) == set(speed.CSV_COLUMNS)
+        for name in speed.FIGURES:
+            assert math.isfinite(row[name]) and row[name] > 0, (row["method"], name, row[name])
+
+
+def test_outputs_have_the_documented_columns(speed, rows, tmp_path):
+    paths = speed.write_outputs(rows, tmp_path, log=lambda _: None)
+    with open(paths["csv"]) as handle:
+        reader = csv.DictReader(handle)
+        assert tuple(reader.fieldnames) == speed.CSV_COLUMNS
+        assert len(list(reader)) == len(METHODS)
+    table = paths["markdown"].read_text().splitlines()
+    assert table[0].count("|") == 10 and "train step" in table[0] and "peak memory" in table[0]
+    lora_row = next(line for line in table if "LoRA rank r |" in line)
+    assert lora_row.count("1.00×") == len(speed.FIGURES)
+
+
+def test_results_section_reports_command_machine_and_targets(speed, rows, tmp_path):
+    section = speed.results_section(rows, "tiny", "cpu", "inprocess", "python benchmarks/speed.py", ((1,) * 3,) * 2, 1)
+    results = tmp_path / "RESULTS.md"
+    speed.append_results(results, section)
+    text = results.read_text()
+    assert text.startswith("# Benchmark results") and "never edited by hand" in text
+    assert "`python benchmarks/speed.py`" in text and f"torch {torch.__version__}" in text
+    assert "not checked" in text  # the toy sweep does not include the target shape
