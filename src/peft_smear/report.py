@@ -28,7 +28,9 @@ class RoutingReport:
     entropy: np.ndarray
 
     @classmethod
-    def collect(cls, peft_model: torch.nn.Module, batches_by_task: Mapping[str, Iterable[Mapping[str, Any]]]):
+    def collect(
+        cls, peft_model: torch.nn.Module, batches_by_task: Mapping[str, Iterable[Mapping[str, Any]]]
+    ) -> RoutingReport:
         """Run every task's batches through ``peft_model`` (eval mode, no gradients) and average its routing."""
         tasks, routers, examples, means, entropies = [], None, [], [], []
         for task, batches in batches_by_task.items():
@@ -56,10 +58,9 @@ class RoutingReport:
     def similarity(self) -> np.ndarray:
         """``[tasks, tasks]``: 1 minus the total-variation distance between two tasks' mean routing, averaged over
         routers. 1: routed identically; 0: to disjoint experts everywhere."""
-        difference = np.abs(
-            self.mean_routing[:, None] - self.mean_routing[None, :]
-        )  # [tasks, tasks, routers, experts]
-        return 1.0 - 0.5 * difference.sum(axis=-1).mean(axis=-1)
+        means = self.mean_routing
+        distance = 0.5 * np.abs(means[:, None] - means[None, :]).sum(axis=-1)  # [tasks, tasks, routers]
+        return 1.0 - distance.mean(axis=-1)
 
     def to_dict(self) -> dict[str, Any]:
         similarity = self.similarity()
