@@ -105,7 +105,7 @@ def main() -> None:
         max_steps=args.steps,
         per_device_train_batch_size=BATCH_SIZE,
         per_device_eval_batch_size=2 * BATCH_SIZE,
-        learning_rate=2e-3,  # a LoRA-sized step; fresh heads would like more (peft-smear train gives them 1e-2)
+        learning_rate=2e-3,  # the rate peft-smear train uses for experts, routers and heads alike
         warmup_steps=max(1, args.steps // 10),
         logging_steps=10,
         save_strategy="no",
