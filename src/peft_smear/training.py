@@ -125,8 +125,10 @@ def add_export_tasks_command(subparsers: argparse._SubParsersAction) -> argparse
         description="For every task of a `train` run, merge the experts with the task's mean routing over its "
         "examples and write the result as a plain PEFT LoRA adapter (with the task heads) to OUTPUT/<task>/.",
     )
-    parser.add_argument("--run", required=True, dest="run_dir", help="output directory of `peft-smear train`")
-    parser.add_argument("--output", required=True, help="directory that receives one adapter per task")
+    parser.add_argument(
+        "--run", required=True, dest="run_dir", metavar="DIR", help="output directory of `peft-smear train`"
+    )
+    parser.add_argument("--output", required=True, metavar="DIR", help="directory that receives one adapter per task")
     parser.add_argument(
         "--split",
         choices=("train", "validation", "test"),
