@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from peft_smear.dselect_k import (
     dselect_k_entropy,
@@ -86,9 +87,8 @@ def test_gate_matches_the_product_over_bits_computed_by_hand(num_experts):
     for b in range(4):
         by_hand = torch.stack([selector_by_hand(z[b, i], num_experts, gamma) for i in range(k)])
         torch.testing.assert_close(selectors[b].double(), by_hand, atol=1e-6, rtol=1e-5)
-        mixed = (
-            sum(math.exp(a) * row for a, row in zip(alpha[b].tolist(), by_hand, strict=True)) / alpha[b].exp().sum()
-        )
+        mix = [math.exp(a) for a in alpha[b].tolist()]
+        mixed = sum(share / sum(mix) * row for share, row in zip(mix, by_hand, strict=True))
         torch.testing.assert_close(weights[b].double(), mixed, atol=1e-6, rtol=1e-5)
 
 
@@ -112,7 +112,7 @@ def test_saturated_selectors_are_exactly_one_hot_on_a_real_expert(num_experts):
     alpha = torch.zeros(2**m, 1)
     weights, selectors = dselect_k_gate(z.unsqueeze(1), alpha, num_experts, gamma)
     targets = torch.tensor([expected_expert(c, num_experts) for c in codes.tolist()])
-    one_hot = torch.nn.functional.one_hot(targets, num_experts).float()
+    one_hot = F.one_hot(targets, num_experts).float()
     assert torch.equal(selectors[:, 0], one_hot)
     assert torch.equal(weights, one_hot)
     assert set(targets.tolist()) == set(range(num_experts))  # every expert can be selected
@@ -184,7 +184,7 @@ def test_init_starts_inside_the_smooth_region_with_equal_selector_weights():
     init_dselect_k_(selector_weight, selector_weights_weight, gamma, spread)
     assert torch.equal(selector_weights_weight, torch.zeros(k, features))
 
-    v = torch.nn.functional.layer_norm(torch.randn(512, features), (features,))
+    v = F.layer_norm(torch.randn(512, features), (features,))
     z = (v @ selector_weight.T).view(512, k, m)
     assert z.std().item() == pytest.approx(spread * gamma / 2, rel=0.1)
     assert (z.abs() < gamma / 2).float().mean() > 0.9
@@ -221,3 +221,71 @@ def test_invalid_arguments_are_refused_with_the_shapes_named():
         dselect_k_gate(torch.zeros(3, 3), alpha, 8, gamma=1.0)
     with pytest.raises(ValueError, match="spread must be positive"):
         init_dselect_k_(torch.empty(4, 2), torch.empty(1, 2), gamma=1.0, spread=0.0)
+
+
+# --- expert recovery (DSelect-k supplement, appendix C.2.2) ----------------------------------------------------------
+
+
+@pytest.fixture
+def one_thread():
+    """The recovery test runs many ops on tiny tensors; on a busy machine, waking a second thread per op costs more
+    than the op itself."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def recovery_data(seed: int, num_examples: int = 1000) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """16 frozen experts, each a ReLU dense layer of 4 units on 10 standard normal features with standard normal
+    weights; the targets are the average of 4 of them, a static gate. Returns the experts' outputs ``[n, 16, 4]``
+    (computed once, since the experts are frozen), the targets ``[n, 4]`` and the generating experts."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(16, 4, 10, generator=generator)
+    bias = torch.randn(16, 4, generator=generator)
+    generating = sorted(torch.randperm(16, generator=generator)[:4].tolist())
+    features = torch.randn(num_examples, 10, generator=generator)
+    expert_outputs = torch.relu(torch.einsum("euf,nf->neu", weight, features) + bias)
+    return expert_outputs, expert_outputs[:, generating].mean(dim=1), generating
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_recovers_the_experts_that_generated_the_data(seed, one_thread):
+    """Only the gate is trained, over 16 frozen experts of which 4 generated the data, and it must end up giving
+    non-zero weight to exactly those 4, about 1/4 each.
+
+    As in the supplement's experiment, but regressing on the mixture's output instead of classifying its sign through a
+    logistic unit: with sign labels the cross-entropy rewards large margins, so the generating experts are not always
+    its minimiser, and a 1-D projection of the output leaves the gate stuck between wrong experts more often. With
+    these settings 94 of the seeds 0-99 recover exactly. The others end in one of two known traps of the binary code: a
+    selector between wrong experts none of whose one-bit neighbours is better, or a selector splitting its weight
+    between two generating experts one bit apart, which leaves another selector redundant, its weight small but never
+    exactly zero.
+    """
+    gamma, k, entropy_weight, lr, steps = 1.0, 4, 3e-3, 1e-2, 1000
+    expert_outputs, targets, generating = recovery_data(seed)
+    m = dselect_k_num_bits(16)
+    torch.manual_seed(seed)
+    selector_weight, selector_weights_weight = torch.empty(k * m, 1), torch.empty(k, 1)
+    init_dselect_k_(selector_weight, selector_weights_weight, gamma)
+    selector_weight.requires_grad_()
+    selector_weights_weight.requires_grad_()
+    optimizer = torch.optim.Adam([selector_weight, selector_weights_weight], lr=lr)
+    static = torch.ones(1, 1)  # a static gate is the per-example gate with a constant input
+
+    def gate() -> tuple[torch.Tensor, torch.Tensor]:
+        z = (static @ selector_weight.T).view(1, k, m)
+        return dselect_k_gate(z, static @ selector_weights_weight.T, 16, gamma)
+
+    for _ in range(steps):
+        weights, selectors = gate()
+        prediction = torch.einsum("e,neu->nu", weights[0], expert_outputs)
+        loss = F.mse_loss(prediction, targets) + entropy_weight * dselect_k_entropy(selectors)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    with torch.no_grad():
+        weights, _ = gate()
+    assert (weights[0] > 0).nonzero().flatten().tolist() == generating
+    torch.testing.assert_close(weights[0, generating], torch.full((4,), 0.25), atol=0.02, rtol=0)

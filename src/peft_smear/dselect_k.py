@@ -41,7 +41,7 @@ def smooth_step(t: torch.Tensor, gamma: float) -> torch.Tensor:
 
 
 def _code_weights(bits: torch.Tensor) -> torch.Tensor:
-    """``[..., m]`` smoothed bits -> ``[..., 2^m]`` weights of every code (bit ``j`` of a code is ``bits[..., j]``).
+    """Smoothed bits ``[..., m]`` -> weights of the ``2^m`` codes, bit ``j`` of a code read from ``bits[..., j]``.
 
     Built one bit at a time: appending bit ``j`` halves each code's weight into ``1 - S(z_j)`` (bit clear, first
     half) and ``S(z_j)`` (bit set, second half), so the weights stay a distribution at every step.
@@ -60,7 +60,8 @@ def _fold_unused_codes(code_weights: torch.Tensor, num_experts: int) -> torch.Te
     experts), made deterministic by dropping the top bit. Since ``2^(m-1) < N``, ``c - 2^(m-1)`` is always a real
     expert, and the experts that receive a second code are exactly those whose code with the top bit set is
     missing: they are addressed by their low ``m - 1`` bits alone. The weights therefore sum to 1 over the real
-    experts whatever ``z`` is, and a saturated selector is one-hot on a real expert.
+    experts whatever ``z`` is, and a saturated selector is one-hot on a real expert. The price, as for any such
+    fold, is an uneven start: at ``S(z) = 1/2`` those ``2^m - N`` experts weigh twice as much as the others.
     """
     num_codes = code_weights.shape[-1]
     if num_codes == num_experts:
@@ -87,19 +88,16 @@ def dselect_k_gate(
     have no weight on any expert and no gradient to leave it. With ``k = 1`` (SMEAR's setting) ``alpha`` has no
     effect.
     """
-    if gamma <= 0:
-        raise ValueError(f"DSelect-k's gamma must be positive, got {gamma}.")
     num_bits = dselect_k_num_bits(num_experts)
-    if selector_logits.dim() != 3 or selector_logits.shape[1] < 1 or selector_logits.shape[2] != num_bits:
+    z_shape, alpha_shape = tuple(selector_logits.shape), tuple(selector_weights_logits.shape)
+    if len(z_shape) != 3 or z_shape[1] < 1 or z_shape[2] != num_bits:
         raise ValueError(
-            f"selector_logits must be [batch, k >= 1, {num_bits}] for {num_experts} experts, "
-            f"got shape {tuple(selector_logits.shape)}."
+            f"selector_logits must be [batch, k >= 1, {num_bits}] for {num_experts} experts, got shape {z_shape}."
         )
-    if selector_weights_logits.shape != selector_logits.shape[:2]:
+    if alpha_shape != z_shape[:2]:
         raise ValueError(
-            f"selector_weights_logits must be [batch, k] = {tuple(selector_logits.shape[:2])} to match "
-            f"selector_logits of shape {tuple(selector_logits.shape)}, "
-            f"got shape {tuple(selector_weights_logits.shape)}."
+            f"selector_weights_logits must be [batch, k] = {z_shape[:2]} to match selector_logits of shape "
+            f"{z_shape}, got shape {alpha_shape}."
         )
     code_weights = _code_weights(smooth_step(selector_logits, gamma))
     selector_outputs = _fold_unused_codes(code_weights, num_experts)
@@ -128,8 +126,9 @@ def init_dselect_k_(
     are drawn uniformly and scaled by the fan-in so that, for inputs of unit variance (e.g. a LayerNorm'd summary),
     the standard deviation of ``z`` is ``spread * gamma / 2``; they are random so the k selectors start apart and do
     not all follow the same gradient to the same expert. The ``alpha`` weights start at zero, giving every selector
-    the same weight. With a constant input ``v = 1`` (a static gate) and ``spread = 1/sqrt(3)``, ``z`` is uniform on
-    ``[-gamma/2, gamma/2]``.
+    the same weight. The supplement prescribes no initialisation; these choices are ours. For a static gate (a
+    constant input ``v = 1``) the default puts ``z`` uniformly within ``0.43 gamma`` of 0, and ``spread = 1/sqrt(3)``
+    would spread it over the whole smooth region; starting much wider freezes bits from the first step.
     """
     if gamma <= 0:
         raise ValueError(f"DSelect-k's gamma must be positive, got {gamma}.")
