@@ -30,7 +30,7 @@ from transformers import (
 )
 
 from .config import SmearConfig
-from .export import export_merged_adapter
+from .export import export_merged_adapter, refuse_occupied
 from .layer import SmearLinear
 from .registration import SmearPeftType
 from .training import add_export_tasks_command, add_train_command
@@ -167,8 +167,10 @@ def _check_output(output: Path, overwrite: bool, inputs: list[Path | None]) -> N
     for path in inputs:
         if path is not None and path.resolve().is_relative_to(output.resolve()):
             raise CommandError(f"--output {output} holds the input {path}; writing there would delete it.")
-    if output.exists() and (not output.is_dir() or any(output.iterdir())) and not overwrite:
-        raise CommandError(f"--output {output} exists and is not empty; pass --overwrite to replace it.")
+    try:
+        refuse_occupied(output, overwrite, "pass --overwrite to replace it")
+    except FileExistsError as error:
+        raise CommandError(f"--output {error}") from None
 
 
 def _require_file(directory: Path, option: str, name: str) -> None:

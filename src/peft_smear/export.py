@@ -58,16 +58,9 @@ def export_merged_adapter(
         )
     if adapter_name not in tuner.peft_config:
         raise ValueError(f"No adapter named {adapter_name!r}; adapters: {sorted(tuner.peft_config)}.")
-    routing_method = tuner.peft_config[adapter_name].routing
-    if routing_method in NOT_A_MERGED_EXPERT:
-        raise ValueError(
-            f"Adapter {adapter_name!r} uses routing={routing_method!r}, which mixes or scales the experts' outputs "
-            "instead of merging their parameters, so no single LoRA reproduces it. Export works for "
-            f"routing methods that apply one merged or chosen expert: not {NOT_A_MERGED_EXPERT}."
-        )
+    check_exportable(tuner.peft_config[adapter_name].routing, f"Adapter {adapter_name!r}")
     target = Path(save_directory)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:
-        raise FileExistsError(f"{target} exists and is not empty; pass overwrite=True to replace it.")
+    refuse_occupied(target, overwrite, "pass overwrite=True to replace it")
 
     layers = {
         name: module
@@ -102,6 +95,22 @@ def export_merged_adapter(
     )
     _write_atomically(target, lora_config, {k: v.detach().cpu().contiguous() for k, v in weights.items()})
     return lora_config
+
+
+def check_exportable(routing_method: str, what: str) -> None:
+    """Refuse routing methods whose layer output is not one LoRA, before any work is done."""
+    if routing_method in NOT_A_MERGED_EXPERT:
+        raise ValueError(
+            f"{what} uses routing={routing_method!r}, which mixes or scales the experts' outputs instead of merging "
+            "their parameters, so no single LoRA reproduces it. Export works for routing methods that apply one "
+            f"merged or chosen expert: not {NOT_A_MERGED_EXPERT}."
+        )
+
+
+def refuse_occupied(directory: Path, overwrite: bool, hint: str) -> None:
+    """An existing non-empty output is only replaced when the caller said so: nothing a user saved is lost."""
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())) and not overwrite:
+        raise FileExistsError(f"{directory} exists and is not empty; {hint}.")
 
 
 def _routing_distributions(

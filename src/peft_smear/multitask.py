@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
-from transformers.pytorch_utils import Conv1D
 from transformers.utils import ModelOutput
 
 from .data import TaskInfo
+from .layer import SUPPORTED_BASE_LAYERS
 from .routing import masked_mean
 
 
@@ -164,12 +164,11 @@ def block_linear_names(model: MultiTaskModel) -> list[str]:
     relative to the block (``attention.self.query``, ..., ``output.dense`` for BERT), so the adapter config stays
     short. Linears outside the blocks (a pooler, the heads) are not targeted; should a relative name also match one of
     them, the full names are returned instead."""
-    linear_types = (nn.Linear, Conv1D)
     in_blocks, relative = [], set()
     for name, module in model.encoder.named_modules(prefix=model.base_model_prefix):
         parts = name.split(".")
         block = next((i for i, part in enumerate(parts) if part.isdigit()), None)
-        if isinstance(module, linear_types) and block is not None and block < len(parts) - 1:
+        if isinstance(module, SUPPORTED_BASE_LAYERS) and block is not None and block < len(parts) - 1:
             in_blocks.append(name)
             relative.add(".".join(parts[block + 1 :]))
     if not in_blocks:
@@ -177,7 +176,7 @@ def block_linear_names(model: MultiTaskModel) -> list[str]:
     matched = [
         name
         for name, module in model.named_modules()
-        if isinstance(module, linear_types) and any(name == r or name.endswith(f".{r}") for r in relative)
+        if isinstance(module, SUPPORTED_BASE_LAYERS) and any(name == r or name.endswith(f".{r}") for r in relative)
     ]
     return sorted(relative) if matched == in_blocks else in_blocks
 

@@ -25,7 +25,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, Trainer, Traini
 
 from .config import ROUTING_METHODS, SmearConfig
 from .data import BENCHMARK_TASKS, TaskInfo, benchmark_task_info, load_benchmark
-from .export import NOT_A_MERGED_EXPERT, export_merged_adapter
+from .export import check_exportable, export_merged_adapter, refuse_occupied
 from .multitask import (
     MultiTaskCollator,
     MultiTaskModel,
@@ -164,7 +164,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     """The ``train`` job; returns the test metrics (also in ``<output-dir>/metrics.json``)."""
     started = time.perf_counter()
     output_dir = Path(args.output_dir)
-    _check_empty(output_dir, args.overwrite, "--overwrite")
+    refuse_occupied(output_dir, args.overwrite, "choose another directory or pass --overwrite")
     if importlib.util.find_spec("matplotlib") is None:
         raise ImportError(f"The routing report (routing.png) needs matplotlib: {BENCHMARK_EXTRA}.")
     model_dir = require_model_dir(args.model) if args.model else default_model_dir()
@@ -248,13 +248,9 @@ def export_tasks(
     the run's ``tasks.json`` and the task's name, so :func:`load_run` rebuilds the complete model for that task."""
     run_dir, output_dir = Path(run_dir), Path(output_dir)
     run = _read_run(run_dir)
-    routing = json.loads((run_dir / "adapter_config.json").read_text()).get("routing")
-    if routing in NOT_A_MERGED_EXPERT:
-        raise ValueError(
-            f"The run uses routing={routing!r}, which mixes or scales the experts' outputs instead of merging their "
-            f"parameters: no single LoRA per task reproduces it, so it cannot be exported ({NOT_A_MERGED_EXPERT})."
-        )
-    _check_empty(output_dir, overwrite, "--overwrite")
+    routing = json.loads((run_dir / "adapter_config.json").read_text()).get("routing", "smear")
+    check_exportable(routing, f"The run {run_dir}")
+    refuse_occupied(output_dir, overwrite, "choose another directory or pass --overwrite")
     peft_model = load_run(run_dir)
     batches = run_batches(run_dir, split, batch_size)
     written = []
@@ -292,11 +288,6 @@ def _read_run(directory: Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"{directory} is not a `peft-smear train` run: it has no {RUN_FILE}.")
     return json.loads(path.read_text())
-
-
-def _check_empty(directory: Path, overwrite: bool, flag: str) -> None:
-    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())) and not overwrite:
-        raise FileExistsError(f"{directory} exists and is not empty; choose another directory or pass {flag}.")
 
 
 def _parse_task_files(entries: Sequence[str]) -> dict[str, str]:
