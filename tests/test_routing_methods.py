@@ -36,8 +36,8 @@ def bert_with(routing: str, seed: int = 0, **overrides):
     settings = {"num_experts": 4, "r": 4, "target_modules": "all-linear", "init_weights": "smear"}
     if routing == "single":
         settings.pop("num_experts")
-    config = SmearConfig(routing=routing, task_type="SEQ_CLS", **settings, **METHOD_SETTINGS.get(routing, {}))
-    config = SmearConfig(**{**config.to_dict(), **overrides}) if overrides else config
+    settings.update(METHOD_SETTINGS.get(routing, {}), **overrides)
+    config = SmearConfig(routing=routing, task_type="SEQ_CLS", **settings)
     base = tiny_bert(seed=seed)
     torch.manual_seed(seed + 100)
     return get_peft_model(base, config)
@@ -73,10 +73,14 @@ def train(model, batches, steps: int, lr: float = 1e-2) -> list[float]:
 @pytest.mark.parametrize("routing", ROUTING_METHODS)
 def test_every_method_trains_a_tiny_bert(routing):
     model = bert_with(routing)
+    experts_before = {n: p.detach().clone() for n, p in model.named_parameters() if "smear_lora_" in n}
     batches = classification_data()
     losses = train(model, batches, steps=24)
     assert all(torch.isfinite(torch.tensor(losses))), losses
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.05, f"{routing}: loss did not fall: {losses}"
+    # The head alone could lower the loss: the routed experts of every layer must have learned too.
+    moved = {n for n, p in model.named_parameters() if n in experts_before and not torch.equal(p, experts_before[n])}
+    assert moved == set(experts_before), f"{routing}: experts never trained: {sorted(set(experts_before) - moved)}"
     for name, param in model.named_parameters():
         if param.requires_grad:
             assert torch.isfinite(param).all(), name

@@ -188,11 +188,11 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         if method == "single":
             return methods.one_expert(torch.zeros(batch_size, dtype=torch.long, device=x.device), n)
         if method == "tag":
-            task_ids = self._task_ids(config, batch_size)
+            task_ids = self._task_ids(config, batch_size, x.device)
             experts = task_ids if config.tag_experts is None else task_ids.new_tensor(config.tag_experts)[task_ids]
             return methods.one_expert(experts, n)
         if method == "latent_skills":
-            skill_logits = self.smear_skill_logits[adapter_name][self._task_ids(config, batch_size)]
+            skill_logits = self.smear_skill_logits[adapter_name][self._task_ids(config, batch_size, x.device)]
             return methods.latent_skills(skill_logits, config.latent_skills_temperature, self.training)
         if method == "adamix":
             return methods.adamix(batch_size, n, self.training, x.device)
@@ -265,7 +265,7 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             + self.smear_baseline_output_bias[adapter_name].float()
         )
 
-    def _task_ids(self, config: SmearConfig, batch_size: int) -> torch.Tensor:
+    def _task_ids(self, config: SmearConfig, batch_size: int, device: torch.device) -> torch.Tensor:
         task_ids = self.routing_context.task_ids_for(batch_size)
         if task_ids is None:
             raise ValueError(
@@ -278,7 +278,7 @@ class SmearLinear(nn.Module, BaseTunerLayer):
                 f"smear_task_ids must be in [0, {limit}) for routing={config.routing!r}, got "
                 f"{sorted(set(task_ids.tolist()))}."
             )
-        return task_ids.to(self.smear_lora_A[next(iter(self.smear_lora_A))].device)
+        return task_ids.to(device)
 
     def _routing_token_bytes(self, adapter_name: str, x: torch.Tensor) -> list[bytes]:
         context = self.routing_context
