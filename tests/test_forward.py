@@ -236,3 +236,82 @@ def test_half_precision_base_models(dtype):
     labels[:, :2] = -100
     model(**batch, labels=labels).loss.backward()
     assert all(torch.isfinite(p.grad).all() for n, p in model.named_parameters() if "smear_" in n)
+
+
+def _captured_inputs(model, inputs):
+    """Every SMEAR layer's input tensor of one forward pass (held, so no two can share an id)."""
+    seen = []
+    hooks = [
+        module.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+        for module in model.modules()
+        if isinstance(module, SmearLinear)
+    ]
+    try:
+        model(**inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
+def test_layers_reading_the_same_tensor_pool_it_once(monkeypatch):
+    """q/k/v (and gate/up) get the very same input tensor; its summary is pooled once for all of them."""
+    model = smear(tiny_llama())
+    batch = random_batch(2, 6, lengths=[6, 4])
+    with torch.no_grad():
+        layer_inputs = _captured_inputs(model, batch)
+    pooled = []
+    original = peft_smear.layer.masked_mean
+    monkeypatch.setattr(peft_smear.layer, "masked_mean", lambda *a: pooled.append(a) or original(*a))
+    with torch.no_grad():
+        model(**batch)
+    distinct = len({id(x) for x in layer_inputs})
+    assert len(layer_inputs) == len(model.base_model.targeted_module_names) > distinct
+    assert len(pooled) == distinct
+
+
+def test_shared_pooling_gives_the_gradients_of_pooling_in_every_layer(monkeypatch):
+    def gradients():
+        torch.manual_seed(0)
+        model = smear(tiny_llama())
+        model.train()
+        batch = random_batch(2, 6, lengths=[6, 4])
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        labels[:, :2] = -100
+        model(**batch, labels=labels).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    shared = gradients()
+    monkeypatch.setattr(peft_smear.context.RoutingContext, "shared_summary", lambda self, x, key, pool: pool())
+    separate = gradients()
+    assert shared.keys() == separate.keys() and any("router" in name for name in shared)
+    for name in shared:
+        torch.testing.assert_close(shared[name], separate[name], atol=1e-7, rtol=1e-6)
+
+
+class _TwoReaders(torch.nn.Module):
+    """Two linear layers reading one tensor, changed in place between the two reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        first = self.first(x)
+        x.mul_(-3.0)
+        return first, self.second(x)
+
+
+def test_a_tensor_changed_in_place_between_two_readers_is_pooled_again():
+    torch.manual_seed(0)
+    model = get_peft_model(
+        _TwoReaders(),
+        peft_smear.SmearConfig(num_experts=4, r=2, init_weights=False, target_modules=["first", "second"]),
+    )
+    model.eval()  # no expert dropout
+    x = torch.randn(3, 5, 8)
+    with torch.no_grad():
+        _, second = model(x.clone())
+        model.base_model.routing_context.start_call(attention_mask=None, labels=None)
+        alone = model.base_model.model.second(x * -3.0)
+    torch.testing.assert_close(second, alone)

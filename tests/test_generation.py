@@ -69,7 +69,7 @@ def test_left_padded_batch_generates_what_each_prompt_generates_alone(arch):
         assert batched[row, -6:].tolist() == alone[0, -6:].tolist()
 
 
-def test_routing_is_computed_once_per_generate_from_the_prompt(monkeypatch):
+def test_routing_and_merging_happen_once_per_generate_from_the_prompt(monkeypatch):
     model = smear(tiny_llama(), "CAUSAL_LM")
     inputs = left_padded(prompts(2, [5, 3]))
     on_prompt = peft_smear.get_routing_weights(model, **inputs)
@@ -81,11 +81,15 @@ def test_routing_is_computed_once_per_generate_from_the_prompt(monkeypatch):
         return computed[-1]
 
     monkeypatch.setattr(peft_smear.layer, "router_probabilities", counting)
+    merges = []
+    merge = peft_smear.experts.merge_lora_experts
+    monkeypatch.setattr(peft_smear.experts, "merge_lora_experts", lambda *a: merges.append(a) or merge(*a))
     recorded = {}
     model.base_model.routing_context.recorded = recorded
     generate(model, inputs, max_new_tokens=8)
     model.base_model.routing_context.recorded = None
     assert len(computed) == len(model.base_model.targeted_module_names), "one routing per layer, at prefill only"
+    assert len(merges) == len(computed), "each layer merges its experts once, at prefill, not at every step"
     names = {module: name for name, module in model.base_model.model.named_modules()}
     for (layer, _), weights in recorded.items():
         torch.testing.assert_close(weights, on_prompt[names[layer]], atol=1e-6, rtol=1e-5)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +64,7 @@ class RoutingContext:
 
     _prompt_masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict, repr=False)
     _token_bytes: dict[str, list[bytes]] = field(default_factory=dict, repr=False)
+    _last_summary: tuple[torch.Tensor, int, tuple, torch.Tensor] | None = field(default=None, repr=False)
 
     def begin_model_call(self, training: bool) -> None:
         """Forget the previous call's auxiliary losses; count training calls."""
@@ -74,7 +76,18 @@ class RoutingContext:
     ) -> None:
         """Record the padding mask, token labels and token ids of a new call of the wrapped model (or encoder)."""
         self.attention_mask, self.labels, self.input_ids = attention_mask, labels, input_ids
-        self._prompt_masks, self._token_bytes = {}, {}
+        self._prompt_masks, self._token_bytes, self._last_summary = {}, {}, None
+
+    def shared_summary(self, x: torch.Tensor, key: tuple, pool: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``pool()``, the pooled summary of the layer input ``x``, computed once for consecutive layers that read
+        the very same tensor under the same ``key`` (the pooling rule): q/k/v, or gate/up, then pool once, not
+        three or two times. One entry only, so no more than one activation is ever held."""
+        last = self._last_summary
+        if last is not None and last[0] is x and last[1] == x._version and last[2] == key:
+            return last[3]
+        summary = pool()
+        self._last_summary = (x, x._version, key, summary)
+        return summary
 
     def add_aux_loss(self, name: str, value: torch.Tensor) -> None:
         self.aux_losses[name] = self.aux_losses[name] + value if name in self.aux_losses else value

@@ -305,11 +305,19 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             return summary
         if x.dim() == 2:  # one row per example (e.g. BERT's pooler): the row is the summary
             return x.float()
+        source, prefix_length = self.router_source[adapter_name], self.routing_prefix_length[adapter_name]
+        return self.routing_context.shared_summary(
+            x,
+            (source, prefix_length, self.training, torch.is_grad_enabled()),
+            lambda: self._pool(source, prefix_length, x),
+        )
+
+    def _pool(self, source: str, prefix_length: int | None, x: torch.Tensor) -> torch.Tensor:
+        batch_size = x.shape[0]
         tokens = x.reshape(batch_size, -1, x.shape[-1])
         if x.dim() > 3:  # no token mask describes these positions
             mask = None
-        elif self.router_source[adapter_name] == "prompt":
-            prefix_length = self.routing_prefix_length[adapter_name]
+        elif source == "prompt":
             mask = self.routing_context.prompt_mask_for(batch_size, tokens.shape[1], prefix_length, self.training)
         else:
             mask = self.routing_context.token_mask_for(batch_size, tokens.shape[1])

@@ -32,6 +32,10 @@ class RoutingDecision:
     output_scale: torch.Tensor | None = None
     """``[batch]`` multiplier of the expert's output: Top-k's probability, ST-Gumbel's straight-through factor."""
 
+    per_example_expert: tuple[torch.Tensor, ...] | None = None
+    """Each example's expert (merged by ``weights``, or the chosen one), once built: kept so that a decision reused
+    across calls (every step of ``generate``) builds it only once."""
+
 
 @dataclass
 class PolicyStep:
