@@ -1,8 +1,10 @@
 """Speed and memory of SMEAR against PEFT LoRA, PEFT Poly and the routing methods that mix experts' outputs.
 
 Every method wraps the same target modules of the same Llama-shaped model, built from a config (no download). Within
-each repetition the methods run round-robin, so slow drift of a shared machine hits them all alike; the figures are
-medians over repetitions. Ratios are to PEFT LoRA of rank r (the compute of one SMEAR expert).
+each repetition the methods run round-robin, so slow drift of a shared machine hits them all alike. Each time is the
+fastest of the repetitions (other jobs on the machine only ever add time, so the minimum is the least noisy estimate
+of a method's own cost); peak memory is the median. Ratios are to PEFT LoRA of rank r (the compute of one SMEAR
+expert).
 
     python benchmarks/speed.py --preset cpu --append-results benchmarks/RESULTS.md
 """
@@ -52,6 +54,13 @@ METHOD_LABELS = {
     "exported": "SMEAR exported to LoRA",
 }
 FIGURES = ("train_step_s", "inference_s", "generation_tokens_per_s", "peak_memory_mb")
+# How repetitions are summarised: the fastest run for speed (contention only adds time), the median for memory.
+SUMMARY = {
+    "train_step_s": min,
+    "inference_s": min,
+    "generation_tokens_per_s": max,
+    "peak_memory_mb": statistics.median,
+}
 CSV_COLUMNS = ("preset", "device", "dtype", "seq_len", "num_experts", "r", "batch", "method", "trainable_params")
 CSV_COLUMNS += (*FIGURES, "repeats")
 MEMORY_METHODS = {
@@ -102,14 +111,14 @@ PRESETS = {
             "num_key_value_heads": 8,
             "vocab_size": 8192,
         },
-        seq_lens=[64, 256],
-        num_experts=[2, 8],
+        seq_lens=[256],
+        num_experts=[2, 8, 32],
         ranks=[8],
         batches=[8],
         new_tokens=16,
-        repeats=3,
+        repeats=5,
         note="Reduced for 2 CPU cores: 4 layers of width 512 and an 8k vocabulary (about 21 M parameters, "
-        "not 50-150 M), sequence {64, 256}, N {2, 8}, r {8}, batch {8}, 16 generated tokens, 3 repetitions.",
+        "not 50-150 M), sequence {256}, N {2, 8, 32}, r {8}, batch {8}, 16 generated tokens, 5 repetitions.",
     ),
     "full": Preset(
         model={
@@ -373,7 +382,8 @@ def run_benchmark(
     memory: str = "subprocess",
     log: Callable[[str], None] = print,
 ) -> list[dict]:
-    """Measure every shape of the preset's sweep; one CSV row (medians) per shape and method."""
+    """Measure every shape of the preset's sweep; one CSV row per shape and method, each figure summarised over the
+    repetitions as ``SUMMARY`` says."""
     preset = PRESETS[preset_name]
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     repeats = repeats or preset.repeats
@@ -392,7 +402,7 @@ def run_benchmark(
                             preset_name, preset, shape, methods, device, dtype, repeats, memory, Path(scratch), log
                         )
                         for method, result in results.items():
-                            medians = {name: statistics.median(v) for name, v in result.values.items()}
+                            figures = {name: SUMMARY[name](v) for name, v in result.values.items()}
                             rows.append(
                                 {
                                     "preset": preset_name,
@@ -401,7 +411,7 @@ def run_benchmark(
                                     **asdict(shape),
                                     "method": method,
                                     "trainable_params": result.trainable_params,
-                                    **medians,
+                                    **figures,
                                     "repeats": repeats,
                                 }
                             )
@@ -474,7 +484,7 @@ def check_targets(rows: list[dict]) -> list[tuple[str, str]]:
 
 
 def write_outputs(rows: list[dict], output_dir: Path, log: Callable[[str], None] = print) -> dict[str, Path]:
-    """The CSV of medians, the markdown table of ratios and, with matplotlib, a plot of the ratios."""
+    """The CSV of the summarised figures, the markdown table of ratios and, with matplotlib, a plot of the ratios."""
     output_dir.mkdir(parents=True, exist_ok=True)
     paths = {"csv": output_dir / "speed.csv", "markdown": output_dir / "speed.md"}
     with open(paths["csv"], "w", newline="") as handle:
@@ -552,10 +562,10 @@ def results_section(
         f"- Machine: {machine_description(device)}",
         f"- Load average (1, 5, 15 min) before / after the run: {load_text}.",
         f"- Wall time: {seconds / 60:.1f} min. {PRESETS[preset_name].note}",
-        "- Figures are medians over the repetitions, methods interleaved; each is divided by LoRA rank r's at the "
-        "same shape (generation: tokens/s, higher is better; the rest: lower is better). Peak memory: what wrapping "
-        "the base model and one training step add to it (CUDA: max allocated; CPU: RSS high-water mark "
-        f"{MEMORY_METHODS[memory]}).",
+        "- Times are the fastest of the repetitions (peak memory: the median), methods interleaved; each figure is "
+        "divided by LoRA rank r's at the same shape (generation: tokens/s, higher is better; the rest: lower is "
+        "better). Peak memory: what wrapping the base model and one training step add to it (CUDA: max "
+        f"allocated; CPU: RSS high-water mark {MEMORY_METHODS[memory]}).",
         "",
         "### At the target shape (N=8, r=8, sequence 256, batch 8)",
         "",
