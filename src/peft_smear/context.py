@@ -65,6 +65,7 @@ class RoutingContext:
     _prompt_masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict, repr=False)
     _token_bytes: dict[str, list[bytes]] = field(default_factory=dict, repr=False)
     _last_summary: tuple[torch.Tensor, int, tuple, torch.Tensor] | None = field(default=None, repr=False)
+    _task_id_limits_checked: set[int] = field(default_factory=set, repr=False)
 
     def begin_model_call(self, training: bool) -> None:
         """Forget the previous call's auxiliary losses; count training calls."""
@@ -149,9 +150,26 @@ class RoutingContext:
             )
         return mask
 
+    def set_routing_inputs(self, routing_mask: torch.Tensor | None, task_ids: torch.Tensor | None) -> None:
+        """Record the ``smear_routing_mask`` and ``smear_task_ids`` of a new call."""
+        self.routing_mask, self.task_ids = routing_mask, task_ids
+        self._task_id_limits_checked = set()
+
     def task_ids_for(self, batch_size: int) -> torch.Tensor | None:
         """``smear_task_ids`` for a layer that sees ``batch_size`` rows (repeated per beam / returned sequence)."""
         return expand_rows(self.task_ids, batch_size, "smear_task_ids")
+
+    def check_task_ids(self, limit: int, method: str) -> None:
+        """Raise unless every task id of the call is in ``[0, limit)``. Reading the ids back synchronises host and
+        device, so it happens once per call (and limit), not in every layer."""
+        if limit in self._task_id_limits_checked or self.task_ids is None:
+            return
+        if (self.task_ids < 0).any() or (self.task_ids >= limit).any():
+            raise ValueError(
+                f"smear_task_ids must be in [0, {limit}) for routing={method!r}, got "
+                f"{sorted(set(self.task_ids.tolist()))}."
+            )
+        self._task_id_limits_checked.add(limit)
 
 
 def _check_covers(mask: torch.Tensor, batch_size: int, seq_len: int, name: str) -> None:

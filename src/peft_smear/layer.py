@@ -272,12 +272,8 @@ class SmearLinear(nn.Module, BaseTunerLayer):
                 f"routing={config.routing!r} routes by task id, but the model was called without smear_task_ids "
                 "(an integer tensor [batch]); add it to the inputs, e.g. with peft_smear.SmearDataCollator."
             )
-        limit = config.routed_tasks
-        if limit is not None and ((task_ids < 0).any() or (task_ids >= limit).any()):
-            raise ValueError(
-                f"smear_task_ids must be in [0, {limit}) for routing={config.routing!r}, got "
-                f"{sorted(set(task_ids.tolist()))}."
-            )
+        if config.routed_tasks is not None:
+            self.routing_context.check_task_ids(config.routed_tasks, config.routing)
         return task_ids.to(device)
 
     def _routing_token_bytes(self, adapter_name: str, x: torch.Tensor) -> list[bytes]:

@@ -143,7 +143,7 @@ class SmearModel(BaseTuner):
             raise ValueError(f"smear_task_ids must be an integer tensor [batch], got {tuple(smear_task_ids.shape)}.")
         if smear_routing_mask is not None and smear_routing_mask.dim() != 2:
             raise ValueError(f"smear_routing_mask must be [batch, tokens], got {tuple(smear_routing_mask.shape)}.")
-        self.routing_context.routing_mask, self.routing_context.task_ids = smear_routing_mask, smear_task_ids
+        self.routing_context.set_routing_inputs(smear_routing_mask, smear_task_ids)
 
     def _wrap_generate(self, model: nn.Module) -> None:
         """Route every sequence once, on its prompt, at prefill, and keep the ``smear_*`` inputs for every step
