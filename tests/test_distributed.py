@@ -1,0 +1,137 @@
+"""SMEAR trained by 2 CPU processes (gloo) under DDP, FSDP2 and FSDP1, compared with one process on the same global
+batch; the adapter each run saves loads in this process with the outputs of the trained model.
+
+One ``torchrun`` launch of ``distributed_worker.py`` (about 20 s on 2 busy cores) produces everything the tests read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from peft import PeftModel
+from peft.utils import get_peft_model_state_dict
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+import distributed_worker as worker
+import peft_smear
+from peft_smear.config import ROUTING_METHODS
+from tiny_models import random_batch, tiny_llama
+
+
+# One process with batch 4 and two with batch 2 each compute the same mean loss and gradient, up to the order of
+# float sums. Measured here: losses agree to 5e-7 and parameters after 4 AdamW steps to 4.4e-5 (AdamW divides by the
+# gradient's magnitude, which amplifies float noise in tiny gradient entries; lr is 1e-2).
+LOSS_TOLERANCE = 1e-5
+PARAMETER_TOLERANCE = 1e-4
+RUNS = ("ddp", "fsdp2", "fsdp1")
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
+)
+
+
+@pytest.fixture(scope="module")
+def output(tmp_path_factory) -> Path:
+    """Run ``distributed_worker.py`` on 2 processes once for the whole module."""
+    directory = tmp_path_factory.mktemp("distributed")
+    tests = Path(__file__).parent
+    source = Path(peft_smear.__file__).parent.parent  # the workers import the peft_smear under test
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(source), str(tests), os.environ.get("PYTHONPATH", "")]),
+    }
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command += [str(tests / "distributed_worker.py"), str(directory)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"torchrun failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return directory
+
+
+@pytest.fixture(scope="module")
+def single_process() -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The reference: the same model and optimiser, one process, all ``GLOBAL_BATCH`` examples of each step."""
+    model = worker.build_model()
+    optimizer = worker.optimizer_for(model)
+    model.train()
+    losses = []
+    for step in range(worker.STEPS):
+        loss = model(**worker.global_batch(step)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, worker.adapter_parameters(model)
+
+
+def run_directory(output: Path, run: str) -> Path:
+    if run.startswith("fsdp") and (output / "fsdp_unsupported.txt").exists():
+        pytest.skip((output / "fsdp_unsupported.txt").read_text())
+    return output / run
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_two_processes_train_like_one_process(output, single_process, run):
+    directory = run_directory(output, run)
+    reference_losses, reference = single_process
+    losses = json.loads((directory / "losses.json").read_text())
+    assert losses == pytest.approx(reference_losses, abs=LOSS_TOLERANCE, rel=0)
+
+    rank0 = torch.load(directory / "params-rank0.pt")
+    rank1 = torch.load(directory / "params-rank1.pt")
+    assert rank0.keys() == rank1.keys() == reference.keys()
+    assert any(".smear_lora_A." in name for name in rank0) and any(".smear_router_weight." in name for name in rank0)
+    initial = worker.adapter_parameters(worker.build_model())
+    for name, value in rank0.items():
+        assert torch.equal(value, rank1[name]), f"{name} differs between the ranks"
+        torch.testing.assert_close(value, reference[name], atol=PARAMETER_TOLERANCE, rtol=0, msg=name)
+        assert not torch.equal(value, initial[name]), f"{name} did not train"
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_saved_adapter_loads_on_one_device_with_the_same_outputs(output, run):
+    """The adapter gathered and saved by rank 0 (sharded over both ranks under FSDP) loads here, in a process that
+    never trained it, into a fresh base model: the same parameters and the same logits as the trained model."""
+    directory = run_directory(output, run)
+    loaded = PeftModel.from_pretrained(tiny_llama(seed=0, initializer_range=0.2), directory / "adapter").eval()
+    trained = torch.load(directory / "params-rank0.pt")
+    saved = {name: param for name, param in loaded.named_parameters() if "smear_" in name}
+    assert saved.keys() == trained.keys()
+    for name, value in trained.items():
+        assert torch.equal(saved[name], value), name
+    with torch.no_grad():
+        logits = loaded(**worker.eval_batch()).logits
+    torch.testing.assert_close(logits, torch.load(directory / "logits.pt"), atol=1e-6, rtol=0)
+
+
+def test_every_routing_method_trains_under_ddp_without_find_unused_parameters(output):
+    """DDP (default ``find_unused_parameters=False``) fails at the next step when a trainable parameter got no
+    gradient. Every method, including the discrete ones that apply a single gathered expert and the ones with
+    expert dropout, trained with an inactive second adapter beside it, and both ranks ended with the same adapter."""
+    differences = json.loads((output / "routing_methods.json").read_text())
+    assert differences.keys() == set(ROUTING_METHODS)
+    assert {method: outcome for method, outcome in differences.items() if outcome != 0.0} == {}
+
+
+def test_save_inside_activation_checkpointing_wrappers(tmp_path):
+    """Wrappers that rename modules but not state-dict keys (FSDP1's auto-wrap units, activation checkpointing) must
+    not hide the adapter from ``save_pretrained``; PEFT's own selection finds no key inside them."""
+    model = worker.build_model()
+    expected = get_peft_model_state_dict(model)
+    apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, LlamaDecoderLayer))
+    assert any("_checkpoint_wrapped_module" in name for name, _ in model.named_modules())
+    saved = get_peft_model_state_dict(model)
+    assert saved.keys() == expected.keys() and len(saved) == 24  # 6 tensors in each of 4 wrapped layers
+    model.save_pretrained(tmp_path)
+    loaded = PeftModel.from_pretrained(tiny_llama(seed=0, initializer_range=0.2), tmp_path).eval()
+    batch = random_batch(2, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**batch).logits, model.eval()(**batch).logits, atol=1e-6, rtol=0)
