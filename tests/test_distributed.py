@@ -1,7 +1,9 @@
 """SMEAR trained by 2 CPU processes (gloo) under DDP, FSDP2 and FSDP1, compared with one process on the same global
-batch; the adapter each run saves loads in this process with the outputs of the trained model.
+batch; the adapter each run saves loads in this process with the outputs of the trained model. Also: the example
+``examples/train_accelerate.py`` trains and resumes under ``torchrun``, and its Accelerate configs parse.
 
-One ``torchrun`` launch of ``distributed_worker.py`` (about 20 s on 2 busy cores) produces everything the tests read.
+One ``torchrun`` launch of ``distributed_worker.py`` (about 20 s on 2 busy cores) produces everything the first tests
+read; the example takes two more launches (about 30 s).
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from accelerate.commands.config.config_args import load_config_from_file
+from accelerate.utils import DistributedType
 from peft import PeftModel
 from peft.utils import get_peft_model_state_dict
+from safetensors.torch import load_file
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -38,21 +43,30 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+TESTS = Path(__file__).parent
+EXAMPLES = TESTS.parent / "examples"
+
+
+def torchrun(script: Path, *args: object) -> subprocess.CompletedProcess:
+    """Run ``script`` on 2 local processes, importing the peft_smear under test; fail with its output if it fails."""
+    source = Path(peft_smear.__file__).parent.parent
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join([str(source), str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    }
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    result = subprocess.run(command + [str(arg) for arg in args], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"torchrun failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return result
+
+
 @pytest.fixture(scope="module")
 def output(tmp_path_factory) -> Path:
     """Run ``distributed_worker.py`` on 2 processes once for the whole module."""
     directory = tmp_path_factory.mktemp("distributed")
-    tests = Path(__file__).parent
-    source = Path(peft_smear.__file__).parent.parent  # the workers import the peft_smear under test
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(source), str(tests), os.environ.get("PYTHONPATH", "")]),
-    }
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    command += [str(tests / "distributed_worker.py"), str(directory)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, f"torchrun failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    torchrun(TESTS / "distributed_worker.py", directory)
     return directory
 
 
@@ -135,3 +149,43 @@ def test_save_inside_activation_checkpointing_wrappers(tmp_path):
     batch = random_batch(2, 8)
     with torch.no_grad():
         torch.testing.assert_close(loaded(**batch).logits, model.eval()(**batch).logits, atol=1e-6, rtol=0)
+
+
+def test_example_trains_and_resumes_under_torchrun(tmp_path):
+    """``train_accelerate.py`` on 2 CPU processes with gradient accumulation: resumed from its step-3 checkpoint, it
+    logs the same losses for steps 4-6 and saves the same adapter as the uninterrupted run, which the script itself
+    reloads on one device."""
+    options = ["--steps", 6, "--checkpoint-every", 3, "--batch-size", 4, "--gradient-accumulation-steps", 2]
+    script = EXAMPLES / "train_accelerate.py"
+    full = torchrun(script, "--output-dir", tmp_path / "full", *options).stdout
+    checkpoint = tmp_path / "full" / "checkpoints" / "step-3"
+    resumed = torchrun(script, "--output-dir", tmp_path / "resumed", "--resume", checkpoint, *options).stdout
+
+    assert "2 process(es), MULTI_CPU" in full
+    assert f"resumed from {checkpoint} at step 3" in resumed
+    full_steps = [line for line in full.splitlines() if line.startswith("step ")]
+    resumed_steps = [line for line in resumed.splitlines() if line.startswith("step ")]
+    assert len(full_steps) == 6 and resumed_steps == full_steps[3:]
+    assert "response-token accuracy" in full  # the script reloaded its saved adapter
+    saved = load_file(tmp_path / "full" / "adapter" / "adapter_model.safetensors")
+    saved_after_resume = load_file(tmp_path / "resumed" / "adapter" / "adapter_model.safetensors")
+    assert saved.keys() == saved_after_resume.keys() and len(saved) == 84  # 6 tensors in 14 wrapped layers
+    assert all(torch.equal(saved[name], saved_after_resume[name]) for name in saved)
+
+
+def test_accelerate_configs_parse_with_the_settings_sharded_training_needs():
+    paths = (EXAMPLES / "accelerate_configs").glob("*.yaml")
+    configs = {path.stem: load_config_from_file(str(path)) for path in paths}
+    assert configs.keys() == {"ddp", "fsdp", "fsdp2", "deepspeed_zero2", "deepspeed_zero3"}
+    assert configs["ddp"].distributed_type == DistributedType.MULTI_GPU
+    fsdp1, fsdp2 = configs["fsdp"], configs["fsdp2"]
+    assert fsdp1.distributed_type == fsdp2.distributed_type == DistributedType.FSDP
+    assert fsdp1.fsdp_config["fsdp_version"] == 1 and fsdp1.fsdp_config["fsdp_sharding_strategy"] == "FULL_SHARD"
+    assert fsdp1.fsdp_config["fsdp_use_orig_params"] is True  # frozen and trainable parameters share flat parameters
+    assert fsdp2.fsdp_config["fsdp_version"] == 2 and fsdp2.fsdp_config["fsdp_reshard_after_forward"] is True
+    zero2, zero3 = configs["deepspeed_zero2"], configs["deepspeed_zero3"]
+    assert zero2.distributed_type == zero3.distributed_type == DistributedType.DEEPSPEED
+    assert zero2.deepspeed_config["zero_stage"] == 2 and zero3.deepspeed_config["zero_stage"] == 3
+    assert zero3.deepspeed_config["zero3_save_16bit_model"] is True  # else get_state_dict cannot gather the adapter
+    # Left to the script (--gradient-accumulation-steps); a value here would silently override it.
+    assert all("gradient_accumulation_steps" not in config.deepspeed_config for config in (zero2, zero3))
