@@ -9,16 +9,21 @@ tiny SMEAR models on its half of each global batch and writes what the test comp
 * ``routing_methods.json``: for every routing method, trained the same way with a second, inactive adapter beside the
   active one, the largest difference between the two ranks' adapter parameters afterwards (or DDP's error).
 * ``fsdp2/`` and ``fsdp1/``: the same training as ``ddp/`` with the model sharded by FSDP2 (``fully_shard``) and by
-  FSDP1 (``use_orig_params=True``), the full adapter gathered for saving; or ``fsdp_unsupported.txt`` saying why FSDP
-  does not run on this platform.
+  FSDP1 (``use_orig_params=True``), the full adapter gathered for saving.
+* ``zero2/`` and ``zero3/``: the same with DeepSpeed ZeRO-2 and ZeRO-3 (partitioned parameters, the adapter saved from
+  the consolidated 16-bit state dict, here fp32), where DeepSpeed is installed.
+
+A run that cannot happen on this platform writes only ``RUN/unsupported.txt``, saying why.
 
 The model, data and optimiser are defined here so that the test builds the identical single-process run.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -92,15 +97,24 @@ def adapter_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, backward=None) -> list[float]:
+def train(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rank: int,
+    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+    step_optimizer: Callable[[], None] | None = None,
+) -> list[float]:
     """``STEPS`` steps on this rank's half of each global batch; returns the global (all-ranks mean) loss per step."""
     model.train()
     losses = []
     for step in range(STEPS):
         loss = model(**rank_batch(step, rank)).loss
-        (backward or torch.Tensor.backward)(loss)
-        optimizer.step()
-        optimizer.zero_grad()
+        backward(loss)
+        if step_optimizer is None:
+            optimizer.step()
+            optimizer.zero_grad()
+        else:
+            step_optimizer()
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
         losses.append(global_loss.item() / WORLD_SIZE)
@@ -224,17 +238,50 @@ def run_fsdp1(output: Path, rank: int) -> None:
     write_result(output / "fsdp1", rank, params, losses, logits, peft_model, state_dict)
 
 
+def run_deepspeed(output: Path, rank: int, stage: int) -> None:
+    import deepspeed
+
+    model = build_model()
+    config = {
+        "train_micro_batch_size_per_gpu": PER_RANK,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True},
+        "zero_allow_untested_optimizer": True,  # plain torch AdamW, as in the other runs
+    }
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer_for(model), config=config)
+    if stage == 3:
+        bank = model.base_model.model.model.layers[0].self_attn.q_proj.smear_lora_A["default"]
+        assert bank.numel() == 0 and tuple(bank.ds_shape) == (4, 4, 32), "the expert bank is not partitioned"
+    losses = train(engine, optimizer, rank, backward=engine.backward, step_optimizer=engine.step)
+    logits = eval_logits(engine)
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):  # a no-op below ZeRO-3
+        params = adapter_parameters(model)
+    state_dict = engine._zero3_consolidated_16bit_state_dict() if stage == 3 else model.state_dict()
+    write_result(output / f"zero{stage}", rank, params, losses, logits, model, state_dict)
+
+
+def unsupported(output: Path, runs: tuple[str, ...], reason: str) -> None:
+    for run in runs:
+        if dist.get_rank() == 0:
+            (output / run).mkdir(parents=True, exist_ok=True)
+            (output / run / "unsupported.txt").write_text(reason)
+
+
 def main() -> None:
     output = Path(sys.argv[1])
     run_ddp(output)
     rank = dist.get_rank()
     reason = fsdp_unsupported_reason()
-    if reason is not None:
-        if rank == 0:
-            (output / "fsdp_unsupported.txt").write_text(reason)
-        return
-    run_fsdp2(output, rank)
-    run_fsdp1(output, rank)
+    if reason is None:
+        run_fsdp2(output, rank)
+        run_fsdp1(output, rank)
+    else:
+        unsupported(output, ("fsdp2", "fsdp1"), reason)
+    if importlib.util.find_spec("deepspeed") is None:
+        unsupported(output, ("zero2", "zero3"), "DeepSpeed is not installed (pip install deepspeed)")
+    else:
+        run_deepspeed(output, rank, stage=2)
+        run_deepspeed(output, rank, stage=3)
 
 
 if __name__ == "__main__":

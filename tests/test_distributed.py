@@ -1,6 +1,7 @@
-"""SMEAR trained by 2 CPU processes (gloo) under DDP, FSDP2 and FSDP1, compared with one process on the same global
-batch; the adapter each run saves loads in this process with the outputs of the trained model. Also: the example
-``examples/train_accelerate.py`` trains and resumes under ``torchrun``, and its Accelerate configs parse.
+"""SMEAR trained by 2 CPU processes (gloo) under DDP, FSDP2, FSDP1 and (where installed) DeepSpeed ZeRO-2 and ZeRO-3,
+compared with one process on the same global batch; the adapter each run saves loads in this process with the
+outputs of the trained model. Also: the example ``examples/train_accelerate.py`` trains and resumes under
+``torchrun``, and its Accelerate configs parse.
 
 One ``torchrun`` launch of ``distributed_worker.py`` (about 20 s on 2 busy cores) produces everything the first tests
 read; the example takes two more launches (about 30 s).
@@ -36,7 +37,7 @@ from tiny_models import random_batch, tiny_llama
 # gradient's magnitude, which amplifies float noise in tiny gradient entries; lr is 1e-2).
 LOSS_TOLERANCE = 1e-5
 PARAMETER_TOLERANCE = 1e-4
-RUNS = ("ddp", "fsdp2", "fsdp1")
+RUNS = ("ddp", "fsdp2", "fsdp1", "zero2", "zero3")
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
@@ -87,8 +88,8 @@ def single_process() -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def run_directory(output: Path, run: str) -> Path:
-    if run.startswith("fsdp") and (output / "fsdp_unsupported.txt").exists():
-        pytest.skip((output / "fsdp_unsupported.txt").read_text())
+    if (output / run / "unsupported.txt").exists():
+        pytest.skip((output / run / "unsupported.txt").read_text())
     return output / run
 
 
@@ -112,8 +113,9 @@ def test_two_processes_train_like_one_process(output, single_process, run):
 
 @pytest.mark.parametrize("run", RUNS)
 def test_saved_adapter_loads_on_one_device_with_the_same_outputs(output, run):
-    """The adapter gathered and saved by rank 0 (sharded over both ranks under FSDP) loads here, in a process that
-    never trained it, into a fresh base model: the same parameters and the same logits as the trained model."""
+    """The adapter gathered and saved by rank 0 (sharded over both ranks under FSDP and ZeRO-3) loads here, in a
+    process that never trained it, into a fresh base model: the same parameters and the same logits as the trained
+    model."""
     directory = run_directory(output, run)
     loaded = PeftModel.from_pretrained(tiny_llama(seed=0, initializer_range=0.2), directory / "adapter").eval()
     trained = torch.load(directory / "params-rank0.pt")
