@@ -14,7 +14,13 @@ from .config import SmearConfig
 from .context import RoutingContext
 from .layer import MERGE_UNSUPPORTED, SUPPORTED_BASE_LAYERS, SmearLinear
 from .losses import consistency_loss, per_example_task_loss, predicting_positions, reinforce_losses
-from .registration import DEFAULT_TARGET_MODULES, BaseTuner, adapter_state_dict_keys
+from .registration import (
+    DEFAULT_TARGET_MODULES,
+    BaseTuner,
+    adapter_state_dict_keys,
+    adapter_state_dict_prefixes,
+    select_adapter_entries,
+)
 from .routing import masked_mean
 
 
@@ -237,6 +243,19 @@ class SmearModel(BaseTuner):
         self._hook_handles.clear()
         self.model.__dict__.pop("generate", None)
         return super().unload()
+
+    @classmethod
+    def _get_adapter_state_dict(
+        cls,
+        model: nn.Module,
+        config: SmearConfig,
+        adapter_name: str,
+        state_dict: dict[str, torch.Tensor],
+        unwanted_adapter_names: list[str],
+    ) -> dict[str, torch.Tensor]:
+        """The entries of ``state_dict`` that ``save_pretrained`` writes: PEFT's selection, but with module names that
+        match the state-dict keys when FSDP1 has wrapped layers of the model (PEFT 0.21 would select none of them)."""
+        return select_adapter_entries(state_dict, adapter_state_dict_prefixes(model))
 
     @classmethod
     def _remap_adapter_state_dict_for_load(

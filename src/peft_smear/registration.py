@@ -50,8 +50,10 @@ __all__ = [
     "PeftConfig",
     "SmearPeftType",
     "adapter_state_dict_keys",
+    "adapter_state_dict_prefixes",
     "check_peft_version",
     "register",
+    "select_adapter_entries",
 ]
 
 # SMEAR wraps the same projections LoRA does, so LoRA's per-architecture defaults are the sensible ones.
@@ -65,10 +67,31 @@ class SmearPeftType(str, enum.Enum):
     SMEAR = "SMEAR"
 
 
+# Wrappers that add a component to module names but not to state-dict keys: FSDP1's auto-wrapped units and activation
+# checkpointing. PEFT 0.21 strips only a leading FSDP component, so for an auto-wrapped model it matches no adapter key
+# and save_pretrained writes an empty adapter.
+_WRAPPER_NAME_COMPONENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def adapter_state_dict_prefixes(model, adapter_name: str | None = None) -> set[str]:
+    """State-dict key prefixes of the tuner parameters in ``model`` (of ``adapter_name`` only, when given), as the keys
+    of ``model.state_dict()`` spell them even inside FSDP1 or activation-checkpointing wrappers."""
+    prefixes = set()
+    for prefix in _get_tuner_state_dict_key_prefixes(model, adapter_name=adapter_name):
+        for component in _WRAPPER_NAME_COMPONENTS:
+            prefix = prefix.replace(component, "")
+        prefixes.add(prefix)
+    return prefixes
+
+
+def select_adapter_entries(state_dict: dict, prefixes: set[str]) -> dict:
+    """The entries of ``state_dict`` under one of ``prefixes``."""
+    return _filter_state_dict_by_key_prefixes(state_dict, prefixes)
+
+
 def adapter_state_dict_keys(model, adapter_name: str) -> set[str]:
     """State-dict keys of every tuner parameter of ``adapter_name`` in ``model`` (PeftModel or injected model)."""
-    prefixes = _get_tuner_state_dict_key_prefixes(model, adapter_name=adapter_name)
-    return set(_filter_state_dict_by_key_prefixes(model.state_dict(), prefixes))
+    return set(select_adapter_entries(model.state_dict(), adapter_state_dict_prefixes(model, adapter_name)))
 
 
 def register(config_cls: type, tuner_cls: type, prefix: str) -> None:
