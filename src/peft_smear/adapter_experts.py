@@ -63,7 +63,7 @@ class BottleneckAdapterExperts(ExpertKind):
     """
 
     name = "adapter"
-    exported_as = "single-expert SMEAR adapter"
+    exported_as = "a single-expert SMEAR adapter"
     parameter_names = (DOWN, DOWN_BIAS, UP, UP_BIAS, NORM_WEIGHT, NORM_BIAS)
     options = ("adapter_width", "adapter_reduction_factor", "adapter_activation", "adapter_layer_norm")
     routes_on_output = True
@@ -142,13 +142,6 @@ class BottleneckAdapterExperts(ExpertKind):
                 params[NORM_WEIGHT].add_(torch.randn(n, d) * 0.1)
         return params
 
-    def _names(self) -> tuple[str, ...]:
-        return (
-            (DOWN, DOWN_BIAS, UP, UP_BIAS, NORM_WEIGHT, NORM_BIAS)
-            if self.layer_norm
-            else (DOWN, DOWN_BIAS, UP, UP_BIAS)
-        )
-
     def merge(self, params: Params, probs: torch.Tensor, dtype: torch.dtype) -> Expert:
         return tuple(merge_parameter(params[name], probs, dtype) for name in self.names)
 
@@ -170,20 +163,15 @@ class BottleneckAdapterExperts(ExpertKind):
         """All N adapters at once: the down projections as one dense ``[d, N * width]`` matmul. Without a LayerNorm
         the weights are folded into the hidden units, so the up projection is one dense matmul too; with it, each
         expert's output is normalised on its own before the weighted sum."""
-        n, d, width = params[DOWN].shape
-        down = params[DOWN].permute(1, 0, 2).reshape(d, n * width).to(y.dtype)
+        p = {name: params[name].to(y.dtype) for name in self.names}
+        n, d, width = p[DOWN].shape
         weights = weights.to(y.dtype)
-        hidden = self.activation(y @ down + params[DOWN_BIAS].reshape(n * width).to(y.dtype))
+        hidden = self.activation(y @ p[DOWN].permute(1, 0, 2).reshape(d, n * width) + p[DOWN_BIAS].reshape(-1))
         if not self.layer_norm:
             hidden = hidden * weights.repeat_interleave(width, dim=1).unsqueeze(1)
-            out = (
-                hidden @ params[UP].reshape(n * width, d).to(y.dtype)
-                + (weights @ params[UP_BIAS].to(y.dtype))[:, None]
-            )
-            return y + out
-        hidden = hidden.unflatten(-1, (n, width))
-        outs = torch.einsum("btnw,nwd->btnd", hidden, params[UP].to(y.dtype)) + params[UP_BIAS].to(y.dtype)
-        outs = F.layer_norm(outs, (d,)) * params[NORM_WEIGHT].to(y.dtype) + params[NORM_BIAS].to(y.dtype)
+            return y + hidden @ p[UP].reshape(n * width, d) + (weights @ p[UP_BIAS]).unsqueeze(1)
+        outs = torch.einsum("btnw,nwd->btnd", hidden.unflatten(-1, (n, width)), p[UP]) + p[UP_BIAS]
+        outs = F.layer_norm(outs, (d,)) * p[NORM_WEIGHT] + p[NORM_BIAS]
         return y + torch.einsum("btnd,bn->btd", outs, weights)
 
     def export_weights(self, params: Params, distribution: torch.Tensor) -> dict[str, torch.Tensor]:

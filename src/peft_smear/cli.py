@@ -158,7 +158,7 @@ def export_command(args: argparse.Namespace) -> None:
         shape = f"r={exported.r}, lora_alpha={exported.lora_alpha}, {shape}"
     head = f", modules_to_save {sorted(set(exported.modules_to_save))}" if exported.modules_to_save else ""
     smear = exported.peft_type == SmearPeftType.SMEAR
-    print(f"Wrote a {EXPERT_KINDS[config.expert_type].exported_as} to {args.output}")
+    print(f"Wrote {EXPERT_KINDS[config.expert_type].exported_as} to {args.output}")
     print(f"  routing: {described}")
     print(f"  {shape}{head}")
     print("Load it with peft_smear imported:" if smear else "Load it with plain PEFT (peft_smear not needed):")

@@ -55,7 +55,7 @@ class ExpertKind:
     """The ``SmearConfig.init_weights`` values this kind understands."""
 
     exported_as: ClassVar[str]
-    """What :meth:`export_weights` and :meth:`export_config` make, for messages (``"LoRA adapter"``)."""
+    """What :meth:`export_weights` and :meth:`export_config` make, for messages (``"a LoRA adapter"``)."""
 
     routes_on_output: ClassVar[bool] = False
     """Whether the router pools the wrapped module's output (the expert's input) instead of its input."""
@@ -240,7 +240,7 @@ class LoraExperts(ExpertKind):
     """
 
     name = "lora"
-    exported_as = "LoRA adapter"
+    exported_as = "a LoRA adapter"
     parameter_names = ("smear_lora_A", "smear_lora_B")
     options = ("r", "lora_alpha", "use_rslora")
     init_schemes = (True, False, "gaussian", "smear")

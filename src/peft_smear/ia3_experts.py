@@ -46,7 +46,7 @@ class IA3Experts(ExpertKind):
     """
 
     name = "ia3"
-    exported_as = "IA3 adapter"
+    exported_as = "an IA3 adapter"
     parameter_names = (VECTOR,)
     options = ("ia3_feedforward_modules",)
 
