@@ -138,8 +138,9 @@ class SmearConfig(PeftConfig):
             random (Kaiming-uniform), for tests and debugging. Adapter experts: ``True`` gives a random down and a
             zero up projection (the identity), ``"smear"`` both normal with std 1e-2; IA3 experts: ``True`` gives
             ones, ``"smear"`` ones plus noise of std 1e-2. ``"gaussian"`` is LoRA's only.
-        target_modules: Module names (list, suffix match), a regex (str) or ``"all-linear"``. Defaults to PEFT
-            LoRA's per-architecture targets (e.g. ``q_proj``/``v_proj`` for Llama, ``c_attn`` for GPT-2).
+        target_modules: Module names (list, suffix match), a regex (str) or ``"all-linear"``. Defaults to the
+            expert kind's per-architecture targets: PEFT LoRA's for LoRA experts (e.g. ``q_proj``/``v_proj`` for
+            Llama, ``c_attn`` for GPT-2), the sub-layers' output projections for adapters, PEFT IA3's for IA3.
         exclude_modules: Names or a regex of modules never to wrap.
         layers_to_transform: Layer indices to wrap; the rest are left alone.
         layers_pattern: Name of the layer list (e.g. ``"layers"``, ``"h"``) when ``layers_to_transform`` is used.
