@@ -63,8 +63,8 @@ class SmearConfig(PeftConfig):
               and feed-forward sub-layers for the paper's placement (the default for T5, Llama, BERT, GPT-2 and a
               few more; for T5 ``["SelfAttention.o", "EncDecAttention.o", "DenseReluDense.wo"]``);
             * ``"ia3"``: an (IA)^3 scaling vector of the module's output features, or of its input features for the
-              ``ia3_feedforward_modules`` (Zadouri et al.'s mixture of vectors when merged). Defaults to PEFT IA3's
-              targets and feed-forward modules.
+              ``ia3_feedforward_modules`` (Zadouri et al.'s mixture of vectors when merged). With
+              ``target_modules`` unset, PEFT IA3's targets and feed-forward modules.
         r: Rank of each LoRA expert.
         num_experts: Experts per wrapped module: 8 (the paper's choice) by default, 1 with ``routing="single"``.
         routing: How experts are chosen and combined per example:
@@ -114,7 +114,8 @@ class SmearConfig(PeftConfig):
             normalisation lifts the adapter's output to unit scale after the first step.
         ia3_feedforward_modules: For ``"ia3"``: the target modules whose *input* features are scaled, as PEFT IA3's
             ``feedforward_modules`` (names that must also be in ``target_modules``, or a regex); the others scale
-            their output features.
+            their output features. Unset: PEFT IA3's for the architecture if ``target_modules`` is unset too, else
+            none.
         lora_alpha: LoRA scaling numerator; the merged expert's update is scaled by ``lora_alpha / r``
             (``lora_alpha / sqrt(r)`` with ``use_rslora``), exactly as a PEFT LoRA of the same rank.
         use_rslora: Rank-stabilised scaling, as in PEFT LoRA.

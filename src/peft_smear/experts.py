@@ -36,7 +36,7 @@ class ExpertKind:
     """The experts of one adapter in one wrapped module: their settings, and how they are merged and applied.
 
     An instance is made per module and adapter (it knows the module's sizes and the config); the parameters live in
-    the layer's ``ParameterDict`` s and are passed in as :data:`Params`. A new kind subclasses this, implements the
+    the layer's ParameterDicts and are passed in as :data:`Params`. A new kind subclasses this, implements the
     methods that raise ``NotImplementedError``, and is added to :data:`peft_smear.expert_kinds.EXPERT_KINDS`; its
     own config fields go into ``SmearConfig`` and are listed in ``options``.
     """
