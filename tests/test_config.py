@@ -86,7 +86,7 @@ def test_scaling_matches_lora_and_rslora():
     rs = get_peft_model(tiny_llama(), SmearConfig(r=4, lora_alpha=16, num_experts=2, use_rslora=True))
     layer = plain.base_model.model.model.layers[0].self_attn.q_proj
     rs_layer = rs.base_model.model.model.layers[0].self_attn.q_proj
-    assert layer.scaling["default"] == 4.0 and rs_layer.scaling["default"] == 8.0
+    assert layer.expert_kind["default"].scaling == 4.0 and rs_layer.expert_kind["default"].scaling == 8.0
 
 
 @pytest.mark.parametrize("scheme", [True, "gaussian", "smear", False])

@@ -59,7 +59,7 @@ def reference_layer_output(
         merged_A = sum(p[n] * A[n] for n in range(num_experts))
         merged_B = sum(p[n] * B[n] for n in range(num_experts))
         base = layer.get_base_layer()(x[b : b + 1]).double()[0]
-        outputs.append(base + (xb @ merged_A.T @ merged_B.T) * layer.scaling[name])
+        outputs.append(base + (xb @ merged_A.T @ merged_B.T) * layer.expert_kind[name].scaling)
     return torch.stack(outputs)
 
 

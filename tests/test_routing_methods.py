@@ -103,7 +103,7 @@ def test_ensemble_equals_explicit_output_mixture():
         expected = []
         for b in range(3):
             mixture = sum(probs[b, n] * (x[b] @ A[n].T @ B[n].T) for n in range(A.shape[0]))
-            expected.append(layer.get_base_layer()(x[b]) + mixture * layer.scaling["default"])
+            expected.append(layer.get_base_layer()(x[b]) + mixture * layer.expert_kind["default"].scaling)
     torch.testing.assert_close(out, torch.stack(expected), atol=1e-5, rtol=1e-5)
 
 
@@ -148,7 +148,7 @@ def test_top_k_scales_the_chosen_expert_by_its_probability():
     best = probs.argmax(dim=-1)
     torch.testing.assert_close(decision.weights, F.one_hot(best, 4).float())
     for b in range(4):
-        expert = x[b] @ A[best[b]].T @ B[best[b]].T * layer.scaling["default"] * probs[b, best[b]]
+        expert = x[b] @ A[best[b]].T @ B[best[b]].T * layer.expert_kind["default"].scaling * probs[b, best[b]]
         torch.testing.assert_close(out[b], layer.get_base_layer()(x[b]) + expert, atol=1e-5, rtol=1e-5)
 
     two = bert_with("top_k", top_k=2).eval()

@@ -1,7 +1,7 @@
 """The ``peft-smear`` command line.
 
 ``peft-smear export`` runs :func:`peft_smear.export_merged_adapter` on models saved in local directories, so that a
-SMEAR adapter can be turned into a plain LoRA adapter for a serving stack without writing Python.
+SMEAR adapter can be turned into a plain LoRA (or IA3) adapter for a serving stack without writing Python.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import PeftConfig, PeftModel
+from peft import PeftConfig, PeftModel, PeftType
 from tqdm import tqdm
 from transformers import (
     AutoModel,
@@ -30,6 +30,7 @@ from transformers import (
 )
 
 from .config import SmearConfig
+from .expert_kinds import EXPERT_KINDS
 from .export import export_merged_adapter, refuse_occupied
 from .layer import SmearLinear
 from .registration import SmearPeftType
@@ -68,17 +69,19 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     export = commands.add_parser(
         "export",
-        help="write the merged expert of a fixed routing as a plain PEFT LoRA adapter",
+        help="write the merged expert of a fixed routing as a plain PEFT LoRA (or IA3) adapter",
         description=(
-            "Write the merged expert of a SMEAR adapter for one fixed routing as a plain PEFT LoRA adapter (same "
-            "rank, alpha and target modules, plus any modules_to_save head) that loads without peft_smear. The "
-            "routing is either a task's mean routing, from a file of its examples, or one expert of every layer."
+            "Write the merged expert of a SMEAR adapter for one fixed routing as an adapter with one expert per "
+            "module (same target modules, plus any modules_to_save head): for LoRA experts a plain PEFT LoRA adapter "
+            "of the same rank and alpha, for IA3 experts a plain PEFT IA3 adapter, both loading without peft_smear; "
+            "for bottleneck adapter experts a single-expert SMEAR adapter (routing='single'). The routing is either "
+            "a task's mean routing, from a file of its examples, or one expert of every layer."
         ),
         epilog="Bad input is reported as one 'error:' line with exit code 2, and nothing is written.",
     )
     export.add_argument("--base-model", required=True, type=Path, metavar="DIR", help="the base model's directory")
     export.add_argument("--adapter", required=True, type=Path, metavar="DIR", help="the SMEAR adapter's directory")
-    export.add_argument("--output", required=True, type=Path, metavar="DIR", help="where to write the LoRA adapter")
+    export.add_argument("--output", required=True, type=Path, metavar="DIR", help="where to write the adapter")
     routing = export.add_mutually_exclusive_group(required=True)
     routing.add_argument(
         "--task-data",
@@ -135,7 +138,7 @@ def export_command(args: argparse.Namespace) -> None:
         routing = {
             name: torch.eye(layer.num_experts[args.adapter_name])[args.expert]
             for name, layer in model.base_model.model.named_modules()
-            if isinstance(layer, SmearLinear) and args.adapter_name in layer.smear_lora_A
+            if isinstance(layer, SmearLinear) and args.adapter_name in layer.expert_kind
         }
         described = f"expert {args.expert} of {config.num_experts} in each of the {len(routing)} SMEAR layers"
     else:
@@ -146,16 +149,19 @@ def export_command(args: argparse.Namespace) -> None:
         )
         task = f" of task {args.task!r}" if args.task is not None else ""
         described = f"the mean routing of {len(texts)} examples{task} from {args.task_data}"
-    lora_config = export_merged_adapter(
+    exported = export_merged_adapter(
         model, args.output, routing=routing, adapter_name=args.adapter_name, overwrite=args.overwrite
     )
 
-    shape = f"r={lora_config.r}, lora_alpha={lora_config.lora_alpha}, {len(lora_config.target_modules)} target modules"
-    head = f", modules_to_save {sorted(set(lora_config.modules_to_save))}" if lora_config.modules_to_save else ""
-    print(f"Wrote a LoRA adapter to {args.output}")
+    shape = f"{len(exported.target_modules)} target modules"
+    if exported.peft_type == PeftType.LORA:
+        shape = f"r={exported.r}, lora_alpha={exported.lora_alpha}, {shape}"
+    head = f", modules_to_save {sorted(set(exported.modules_to_save))}" if exported.modules_to_save else ""
+    smear = exported.peft_type == SmearPeftType.SMEAR
+    print(f"Wrote {EXPERT_KINDS[config.expert_type].exported_as} to {args.output}")
     print(f"  routing: {described}")
     print(f"  {shape}{head}")
-    print("Load it with plain PEFT (peft_smear not needed):")
+    print("Load it with peft_smear imported:" if smear else "Load it with plain PEFT (peft_smear not needed):")
     print(
         f"  PeftModel.from_pretrained({auto_class.__name__}.from_pretrained({str(args.base_model)!r}), "
         f"{str(args.output)!r})"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
+from .expert_kinds import EXPERT_KINDS, EXPERT_TYPES
 from .registration import PeftConfig, SmearPeftType
 
 
@@ -46,14 +47,24 @@ METHOD_OPTIONS = {
 
 @dataclass
 class SmearConfig(PeftConfig):
-    """Configuration of a SMEAR adapter: per wrapped module, a bank of ``num_experts`` LoRA experts of rank ``r`` and a
+    """Configuration of a SMEAR adapter: per wrapped module, a bank of ``num_experts`` experts (LoRA by default) and a
     router that merges them into one expert per example (Muqeeth et al., *Soft Merging of Experts with Adaptive
     Routing*).
 
-    ``routing`` swaps SMEAR for one of the routing methods the paper compares it with, so they can be compared on the
-    same data with one switch; each method's options are validated only for that method.
+    ``expert_type`` picks what an expert is and ``routing`` swaps SMEAR for one of the routing methods the paper
+    compares it with, each with one switch; each kind's and each method's options are validated only for it.
 
     Args:
+        expert_type: What each expert is:
+
+            * ``"lora"``: a LoRA of rank ``r`` added to the wrapped module's output (default);
+            * ``"adapter"``: a bottleneck adapter (the SMEAR paper's experts) on the wrapped module's output,
+              ``y + up(act(down(y)))``, whose router reads ``y``. Target the output projections of the attention
+              and feed-forward sub-layers for the paper's placement (the default for T5, Llama, BERT, GPT-2 and a
+              few more; for T5 ``["SelfAttention.o", "EncDecAttention.o", "DenseReluDense.wo"]``);
+            * ``"ia3"``: an (IA)^3 scaling vector of the module's output features, or of its input features for the
+              ``ia3_feedforward_modules`` (Zadouri et al.'s mixture of vectors when merged). With
+              ``target_modules`` unset, PEFT IA3's targets and feed-forward modules.
         r: Rank of each LoRA expert.
         num_experts: Experts per wrapped module: 8 (the paper's choice) by default, 1 with ``routing="single"``.
         routing: How experts are chosen and combined per example:
@@ -94,6 +105,17 @@ class SmearConfig(PeftConfig):
             share an expert. Default: expert = task id.
         adamix_consistency_weight: Weight of Adamix's symmetric-KL consistency loss between its two passes.
         latent_skills_temperature: Temperature of the relaxed-Bernoulli samples of ``"latent_skills"``.
+        adapter_width: Bottleneck width of each ``"adapter"`` expert. Set this or ``adapter_reduction_factor``.
+        adapter_reduction_factor: Width as the module's ``out_features // adapter_reduction_factor`` (16 when
+            neither is set; the paper's T5 experiments used 32).
+        adapter_activation: The adapters' activation: ``"swish"`` (= ``"silu"``, the paper's), ``"relu"``, ``"gelu"``.
+        adapter_layer_norm: A LayerNorm on each adapter's output, before it is added back, as in the paper's T5
+            experts; its gain and bias belong to each expert and are merged with the rest. Off by default: the
+            normalisation lifts the adapter's output to unit scale after the first step.
+        ia3_feedforward_modules: For ``"ia3"``: the target modules whose *input* features are scaled, as PEFT IA3's
+            ``feedforward_modules`` (names that must also be in ``target_modules``, or a regex); the others scale
+            their output features. Unset: PEFT IA3's for the architecture if ``target_modules`` is unset too, else
+            none.
         lora_alpha: LoRA scaling numerator; the merged expert's update is scaled by ``lora_alpha / r``
             (``lora_alpha / sqrt(r)`` with ``use_rslora``), exactly as a PEFT LoRA of the same rank.
         use_rslora: Rank-stabilised scaling, as in PEFT LoRA.
@@ -114,15 +136,19 @@ class SmearConfig(PeftConfig):
         init_weights: ``True``: experts' A like PEFT LoRA (Kaiming-uniform), B zero, so the adapter starts as the
             identity; ``"gaussian"``: A normal with std ``1/r``, B zero; ``"smear"``: A and B normal with std 1e-2,
             as in the reference implementation (the model changes from the first step); ``False``: A and B
-            random (Kaiming-uniform), for tests and debugging.
-        target_modules: Module names (list, suffix match), a regex (str) or ``"all-linear"``. Defaults to PEFT
-            LoRA's per-architecture targets (e.g. ``q_proj``/``v_proj`` for Llama, ``c_attn`` for GPT-2).
+            random (Kaiming-uniform), for tests and debugging. Adapter experts: ``True`` gives a random down and a
+            zero up projection (the identity), ``"smear"`` both normal with std 1e-2; IA3 experts: ``True`` gives
+            ones, ``"smear"`` ones plus noise of std 1e-2. ``"gaussian"`` is LoRA's only.
+        target_modules: Module names (list, suffix match), a regex (str) or ``"all-linear"``. Defaults to the
+            expert kind's per-architecture targets: PEFT LoRA's for LoRA experts (e.g. ``q_proj``/``v_proj`` for
+            Llama, ``c_attn`` for GPT-2), the sub-layers' output projections for adapters, PEFT IA3's for IA3.
         exclude_modules: Names or a regex of modules never to wrap.
         layers_to_transform: Layer indices to wrap; the rest are left alone.
         layers_pattern: Name of the layer list (e.g. ``"layers"``, ``"h"``) when ``layers_to_transform`` is used.
         modules_to_save: Extra modules trained in full and saved with the adapter (e.g. a classifier head).
     """
 
+    expert_type: str = field(default="lora", metadata={"help": f"What each expert is, one of {EXPERT_TYPES}."})
     r: int = field(default=8, metadata={"help": "Rank of each LoRA expert."})
     num_experts: int | None = field(
         default=None, metadata={"help": "Number of experts per wrapped module (8; 1 with routing='single')."}
@@ -174,6 +200,15 @@ class SmearConfig(PeftConfig):
     tag_experts: list[int] | None = field(default=None, metadata={"help": "tag: expert of each task id."})
     adamix_consistency_weight: float = field(default=1.0, metadata={"help": "adamix: consistency loss weight."})
     latent_skills_temperature: float = field(default=1.0, metadata={"help": "latent_skills: sample temperature."})
+    adapter_width: int | None = field(default=None, metadata={"help": "adapter: bottleneck width."})
+    adapter_reduction_factor: int | None = field(
+        default=None, metadata={"help": "adapter: width = out_features // factor (16 when no width is set)."}
+    )
+    adapter_activation: str = field(default="swish", metadata={"help": "adapter: 'swish', 'silu', 'relu', 'gelu'."})
+    adapter_layer_norm: bool = field(default=False, metadata={"help": "adapter: LayerNorm on each expert's output."})
+    ia3_feedforward_modules: list[str] | str | None = field(
+        default=None, metadata={"help": "ia3: target modules whose input features are scaled."}
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -184,6 +219,11 @@ class SmearConfig(PeftConfig):
         self.exclude_modules = (
             set(self.exclude_modules) if isinstance(self.exclude_modules, list) else self.exclude_modules
         )
+        self.ia3_feedforward_modules = (
+            set(self.ia3_feedforward_modules)
+            if isinstance(self.ia3_feedforward_modules, list)
+            else self.ia3_feedforward_modules
+        )
         if self.routing not in ROUTING_METHODS:
             raise ValueError(f"routing must be one of {ROUTING_METHODS}, got {self.routing!r}.")
         if self.num_experts is None:
@@ -191,6 +231,7 @@ class SmearConfig(PeftConfig):
         if self.expert_dropout is None:
             self.expert_dropout = 0.1 if self.routing in EXPERT_DROPOUT_BY_DEFAULT else 0.0
         self._validate()
+        self._validate_expert_type()
         self._validate_routing()
 
     def _validate(self) -> None:
@@ -229,6 +270,24 @@ class SmearConfig(PeftConfig):
             isinstance(self.modules_to_save, str) or not all(isinstance(m, str) for m in self.modules_to_save)
         ):
             raise ValueError(f"modules_to_save must be a list of module names, got {self.modules_to_save!r}.")
+
+    def _validate_expert_type(self) -> None:
+        if self.expert_type not in EXPERT_KINDS:
+            raise ValueError(f"expert_type must be one of {EXPERT_TYPES}, got {self.expert_type!r}.")
+        kind = EXPERT_KINDS[self.expert_type]
+        for other in EXPERT_KINDS.values():
+            changed = [name for name in other.options if getattr(self, name) != _DEFAULTS[name]]
+            if other is not kind and changed:
+                raise ValueError(
+                    f"{changed[0]}={getattr(self, changed[0])!r} only applies to expert_type={other.name!r}, "
+                    f"but expert_type={self.expert_type!r}."
+                )
+        if self.init_weights not in kind.init_schemes:
+            raise ValueError(
+                f"init_weights={self.init_weights!r} is not a scheme of expert_type={self.expert_type!r}, which "
+                f"takes one of {kind.init_schemes}."
+            )
+        kind.validate(self)
 
     def _validate_routing(self) -> None:
         method = self.routing

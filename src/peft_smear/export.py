@@ -1,8 +1,14 @@
-"""Export the merged expert of a fixed routing as a plain PEFT LoRA adapter that loads without peft-smear.
+"""Export the merged expert of a fixed routing as an adapter with one expert per module.
 
-A SMEAR layer applies ``(sum_n p_n B_n)(sum_n p_n A_n) x * scaling``. For one fixed distribution ``p`` per layer that
-is exactly a LoRA with ``A = sum_n p_n A_n`` and ``B = sum_n p_n B_n`` at the same rank and scaling, which vanilla
-PEFT, vLLM, TGI and LoRAX can load and which ``merge_and_unload`` can fold into the base weights.
+For one fixed distribution ``p`` per layer the merged expert is an ordinary adapter of the same kind, and each expert
+kind writes it as such (:meth:`~peft_smear.experts.ExpertKind.export_weights`):
+
+* LoRA experts: SMEAR applies ``(sum_n p_n B_n)(sum_n p_n A_n) x * scaling``, exactly a LoRA with
+  ``A = sum_n p_n A_n`` and ``B = sum_n p_n B_n`` at the same rank and scaling, which vanilla PEFT, vLLM, TGI and
+  LoRAX can load and which ``merge_and_unload`` can fold into the base weights;
+* IA3 experts: a PEFT IA3 adapter with ``l = sum_n p_n l_n``, loadable and mergeable by vanilla PEFT too;
+* bottleneck adapter experts: no PEFT method is one, so a SMEAR adapter with a single expert and
+  ``routing="single"`` (no router, one adapter's cost), which loads wherever ``peft_smear`` is imported.
 """
 
 from __future__ import annotations
@@ -15,17 +21,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import LoraConfig, get_peft_model_state_dict
+from peft import PeftConfig, get_peft_model_state_dict
 from safetensors.torch import save_file
 from transformers.pytorch_utils import Conv1D
 
+from .expert_kinds import EXPERT_KINDS
 from .layer import SmearLinear
 from .model import SmearModel, get_routing_weights
 
 
 Routing = Mapping[str, torch.Tensor] | Iterable[Mapping[str, Any]]
 
-# Routing methods whose layer output is not one LoRA: output mixtures (ensemble, DSelect-k, Top-k with k > 1) and
+# Routing methods whose layer output is not one expert: output mixtures (ensemble, DSelect-k, Top-k with k > 1) and
 # Top-k's probability-scaled expert.
 NOT_A_MERGED_EXPERT = ("ensemble", "top_k", "dselect_k")
 
@@ -37,8 +44,9 @@ def export_merged_adapter(
     routing: Routing,
     adapter_name: str = "default",
     overwrite: bool = False,
-) -> LoraConfig:
-    """Write the merged expert of ``routing`` as a PEFT LoRA adapter directory and return its config.
+) -> PeftConfig:
+    """Write the merged expert of ``routing`` as an adapter directory and return its config: a PEFT LoRA adapter for
+    LoRA experts, a PEFT IA3 adapter for IA3 experts, a single-expert SMEAR adapter for bottleneck adapter experts.
 
     ``routing`` is one of:
 
@@ -65,44 +73,34 @@ def export_merged_adapter(
     layers = {
         name: module
         for name, module in tuner.model.named_modules()
-        if isinstance(module, SmearLinear) and adapter_name in module.smear_lora_A
+        if isinstance(module, SmearLinear) and adapter_name in module.expert_kind
     }
     distributions = _routing_distributions(peft_model, layers, routing, adapter_name)
+    kinds = {name: layer.expert_kind[adapter_name] for name, layer in layers.items()}
     weights = {}
-    for name, layer in layers.items():
-        p = distributions[name]
-        lora_A, lora_B = layer.smear_lora_A[adapter_name], layer.smear_lora_B[adapter_name]
-        weights[f"base_model.model.{name}.lora_A.weight"] = torch.einsum("n,nri->ri", p.to(lora_A), lora_A.detach())
-        weights[f"base_model.model.{name}.lora_B.weight"] = torch.einsum("n,nor->or", p.to(lora_B), lora_B.detach())
-    # modules_to_save (e.g. a classification head) are stored exactly as PEFT stores them for LoRA.
+    with torch.no_grad():
+        for name, layer in layers.items():
+            params = layer.expert_params(adapter_name)
+            for suffix, tensor in kinds[name].export_weights(params, distributions[name]).items():
+                weights[f"base_model.model.{name}.{suffix}"] = tensor
+    # modules_to_save (e.g. a classification head) are stored exactly as PEFT stores them for every adapter type.
     for key, value in get_peft_model_state_dict(peft_model, adapter_name=adapter_name).items():
         if ".smear_" not in key:
             weights[key] = value
 
     smear_config = tuner.peft_config[adapter_name]
-    lora_config = LoraConfig(
-        r=smear_config.r,
-        lora_alpha=smear_config.lora_alpha,
-        use_rslora=smear_config.use_rslora,
-        target_modules=sorted(layers),
-        fan_in_fan_out=any(isinstance(layer.get_base_layer(), Conv1D) for layer in layers.values()),
-        lora_dropout=0.0,
-        bias="none",
-        modules_to_save=smear_config.modules_to_save,
-        task_type=smear_config.task_type,
-        base_model_name_or_path=smear_config.base_model_name_or_path,
-        revision=smear_config.revision,
-    )
-    _write_atomically(target, lora_config, {k: v.detach().cpu().contiguous() for k, v in weights.items()})
-    return lora_config
+    fan_in_fan_out = any(isinstance(layer.get_base_layer(), Conv1D) for layer in layers.values())
+    exported_config = EXPERT_KINDS[smear_config.expert_type].export_config(smear_config, kinds, fan_in_fan_out)
+    _write_atomically(target, exported_config, {k: v.detach().cpu().contiguous() for k, v in weights.items()})
+    return exported_config
 
 
 def check_exportable(routing_method: str, what: str) -> None:
-    """Refuse routing methods whose layer output is not one LoRA, before any work is done."""
+    """Refuse routing methods whose layer output is not one expert, before any work is done."""
     if routing_method in NOT_A_MERGED_EXPERT:
         raise ValueError(
             f"{what} uses routing={routing_method!r}, which mixes or scales the experts' outputs instead of merging "
-            "their parameters, so no single LoRA reproduces it. Export works for routing methods that apply one "
+            "their parameters, so no single expert reproduces it. Export works for routing methods that apply one "
             f"merged or chosen expert: not {NOT_A_MERGED_EXPERT}."
         )
 
@@ -169,7 +167,7 @@ def _check_distributions(
             raise ValueError(f"Routing for {name!r} must be a distribution (>= 0, summing to 1), got {p.tolist()}.")
 
 
-def _write_atomically(target: Path, config: LoraConfig, weights: dict[str, torch.Tensor]) -> None:
+def _write_atomically(target: Path, config: PeftConfig, weights: dict[str, torch.Tensor]) -> None:
     """Write into a sibling temporary directory, then move it into place: a crash leaves no half-written adapter."""
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))

@@ -1,8 +1,8 @@
-"""SmearLinear: a linear layer with, per adapter, a bank of LoRA experts and a router."""
+"""SmearLinear: a linear layer with, per adapter, a bank of experts (of one :mod:`~peft_smear.expert_kinds` kind) and
+a router."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -13,7 +13,8 @@ from . import routing_methods as methods
 from .config import PROBABILITY_ROUTERS, SmearConfig
 from .context import RoutingContext
 from .dselect_k import dselect_k_entropy, dselect_k_gate, dselect_k_num_bits, init_dselect_k_
-from .experts import init_lora_experts, routed_lora_delta
+from .expert_kinds import EXPERT_KINDS, EXPERT_PARAMETER_NAMES
+from .experts import ExpertKind, Params
 from .registration import BaseTunerLayer
 from .routing import ROW_NORM_INIT_GAIN, drop_experts, masked_mean, normalized_router_input, router_probabilities
 from .routing_methods import PolicyStep, RoutingDecision
@@ -41,7 +42,9 @@ def in_out_features(base_layer: nn.Module) -> tuple[int, int]:
 
 
 class SmearLinear(nn.Module, BaseTunerLayer):
-    """Wraps an ``nn.Linear`` or transformers ``Conv1D``: ``y = base(x) + merged_expert_b(x)`` for each example b.
+    """Wraps an ``nn.Linear`` or transformers ``Conv1D``: each example b goes through the module with its own expert,
+    e.g. ``y = base(x) + merged_lora_b(x)``; what an expert is and how it is applied is its kind's
+    (``self.expert_kind[adapter]``), the routing is the layer's.
 
     Every per-adapter tensor is a flat ``ParameterDict`` entry prefixed ``smear_``: PEFT finds adapter weights by that
     prefix and strips the adapter name only when it is the last key component, so nested router modules would load
@@ -49,8 +52,7 @@ class SmearLinear(nn.Module, BaseTunerLayer):
     """
 
     adapter_layer_names = (
-        "smear_lora_A",
-        "smear_lora_B",
+        *EXPERT_PARAMETER_NAMES,
         "smear_router_weight",
         "smear_router_row_norm_weight",
         "smear_router_input_norm_weight",
@@ -62,8 +64,7 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         "smear_skill_logits",
     )
     other_param_names = (
-        "r",
-        "scaling",
+        "expert_kind",
         "num_experts",
         "expert_dropout",
         "router_source",
@@ -87,8 +88,7 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         self.in_features, self.out_features = in_out_features(self.get_base_layer())
         self.routing_context = routing_context
         self.merged_adapters: list[str] = []  # own list: BaseTunerLayer's is shared at class level
-        self.r: dict[str, int] = {}
-        self.scaling: dict[str, float] = {}
+        self.expert_kind: dict[str, ExpertKind] = {}
         self.num_experts: dict[str, int] = {}
         self.expert_dropout: dict[str, float] = {}
         self.router_source: dict[str, str] = {}
@@ -111,18 +111,19 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         """Add (or re-create) the expert bank and router of ``adapter_name``."""
         if router_source not in ROUTER_SOURCES:
             raise ValueError(f"router_source must be one of {ROUTER_SOURCES}, got {router_source!r}.")
-        router_features = self.in_features if router_features is None else router_features
-        n, r = config.num_experts, config.r
-        self.r[adapter_name] = r
-        self.scaling[adapter_name] = config.lora_alpha / (math.sqrt(r) if config.use_rslora else r)
-        self.num_experts[adapter_name] = n
+        kind = EXPERT_KINDS[config.expert_type](self.in_features, self.out_features, config, self.module_name)
+        router_features = kind.router_features if router_features is None else router_features
+        self.expert_kind[adapter_name] = kind
+        self.num_experts[adapter_name] = config.num_experts
         self.expert_dropout[adapter_name] = config.expert_dropout
         self.router_source[adapter_name] = router_source
         self.routing_prefix_length[adapter_name] = config.routing_prefix_length
 
-        self.smear_lora_A[adapter_name] = nn.Parameter(torch.empty(n, r, self.in_features))
-        self.smear_lora_B[adapter_name] = nn.Parameter(torch.empty(n, self.out_features, r))
-        init_lora_experts(self.smear_lora_A[adapter_name], self.smear_lora_B[adapter_name], config.init_weights)
+        for name in EXPERT_PARAMETER_NAMES:  # a re-created adapter may change kind: drop the old kind's tensors
+            if adapter_name in getattr(self, name):
+                del getattr(self, name)[adapter_name]
+        for name, tensor in kind.create_parameters(config.num_experts, config.init_weights).items():
+            getattr(self, name)[adapter_name] = nn.Parameter(tensor)
         self.routing_config[adapter_name] = config
         self._init_router(adapter_name, config, router_features)
 
@@ -159,12 +160,14 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             )
 
     def routing_weights(self, adapter_name: str, x: torch.Tensor) -> torch.Tensor:
-        """``[batch, num_experts]`` fp32 routing weights of ``adapter_name`` for the input ``x`` (one-hot for methods
-        that choose one expert)."""
-        return self.route(adapter_name, x).weights
+        """``[batch, num_experts]`` fp32 routing weights of ``adapter_name`` for the layer input ``x`` (one-hot for
+        methods that choose one expert)."""
+        routed = self.get_base_layer()(x) if self.expert_kind[adapter_name].routes_on_output else x
+        return self.route(adapter_name, routed).weights
 
     def route(self, adapter_name: str, x: torch.Tensor) -> RoutingDecision:
-        """How ``adapter_name``'s experts are applied to each example of ``x``.
+        """How ``adapter_name``'s experts are applied to each example of ``x``, what its router reads: the layer's
+        input, or its output for kinds that route on it.
 
         Inside ``generate`` the decision made at prefill is reused for every later step: decode steps see only the
         new token, and routing on it would both differ from training and change as the answer grows.
@@ -320,26 +323,45 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         return masked_mean(tokens, mask)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        result = self.base_layer(x, *args, **kwargs)
         if self.disable_adapters:
-            return result
-        recorded = self.routing_context.recorded
-        for adapter_name in self.active_adapters:
-            if adapter_name not in self.smear_lora_A:
+            return self.base_layer(x, *args, **kwargs)
+        adapters = [name for name in self.active_adapters if name in self.expert_kind]
+        inputs = x
+        for name in adapters:  # kinds that change the module's input act before it runs, routed on that input
+            kind = self.expert_kind[name]
+            if kind.scales_input:
+                tokens = inputs.reshape(x.shape[0], -1, x.shape[-1])
+                scaled = kind.scale_input(tokens, self.expert_params(name), self._decision(name, x))
+                inputs = scaled.reshape(x.shape)
+        result = self.base_layer(inputs, *args, **kwargs)
+        for name in adapters:
+            kind = self.expert_kind[name]
+            if kind.scales_input:
                 continue
-            decision = self.route(adapter_name, x)
-            if recorded is not None:
-                recorded[(self, adapter_name)] = decision.weights.detach()
-            tokens = x.reshape(x.shape[0], -1, x.shape[-1])
-            delta = routed_lora_delta(
-                tokens,
-                self.smear_lora_A[adapter_name],
-                self.smear_lora_B[adapter_name],
+            decision = self._decision(name, result if kind.routes_on_output else x)
+            output = kind.output(
+                x.reshape(x.shape[0], -1, x.shape[-1]),
+                result.reshape(result.shape[0], -1, result.shape[-1]),
+                self.expert_params(name),
                 decision,
-                self.scaling[adapter_name],
             )
-            result = result + delta.reshape(result.shape).to(result.dtype)
+            result = output.reshape(result.shape)
         return result
+
+    def _decision(self, adapter_name: str, routed: torch.Tensor) -> RoutingDecision:
+        """Route ``routed`` (what the adapter's router reads), recording the weights when asked to."""
+        decision = self.route(adapter_name, routed)
+        if self.routing_context.recorded is not None:
+            self.routing_context.recorded[(self, adapter_name)] = decision.weights.detach()
+        return decision
+
+    def expert_params(self, adapter_name: str) -> Params:
+        """``adapter_name``'s expert parameters in this layer, by parameter name, as its kind reads them."""
+        return {
+            name: getattr(self, name)[adapter_name]
+            for name in self.expert_kind[adapter_name].parameter_names
+            if adapter_name in getattr(self, name)
+        }
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         raise TypeError(MERGE_UNSUPPORTED)

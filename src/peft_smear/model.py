@@ -12,6 +12,7 @@ from torch import nn
 
 from .config import SmearConfig
 from .context import RoutingContext
+from .expert_kinds import EXPERT_KINDS
 from .layer import MERGE_UNSUPPORTED, SUPPORTED_BASE_LAYERS, SmearLinear
 from .losses import consistency_loss, per_example_task_loss, predicting_positions, reinforce_losses
 from .registration import (
@@ -168,6 +169,12 @@ class SmearModel(BaseTuner):
 
         model.generate = generate
 
+    def _prepare_adapter_config(self, peft_config: SmearConfig, model_config: dict) -> SmearConfig:
+        """Default target modules come from the expert kind (e.g. IA3's keys, values and feed-forward output), then
+        from PEFT LoRA's per-architecture defaults."""
+        EXPERT_KINDS[peft_config.expert_type].fill_default_targets(peft_config, model_config.get("model_type"))
+        return super()._prepare_adapter_config(peft_config, model_config)
+
     def _router_source(self, config: SmearConfig, key: str) -> str:
         in_decoder = self._decoder_prefix is not None and key.startswith(self._decoder_prefix)
         choice = config.router_input
@@ -214,8 +221,8 @@ class SmearModel(BaseTuner):
         if not isinstance(target, SUPPORTED_BASE_LAYERS):
             supported = ", ".join(f"{cls.__module__}.{cls.__qualname__}" for cls in SUPPORTED_BASE_LAYERS)
             raise TypeError(
-                f"SMEAR cannot wrap target module {current_key!r} of type {type(target).__name__}; "
-                f"supported types: {supported}. Adjust target_modules."
+                f"SMEAR (expert_type={config.expert_type!r}) cannot wrap target module {current_key!r} of type "
+                f"{type(target).__name__}; supported types: {supported}. Adjust target_modules."
             )
         new_module = SmearLinear(
             target,

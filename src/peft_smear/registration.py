@@ -39,10 +39,16 @@ from peft.tuners.tuners_utils import (  # noqa: E402
     _filter_state_dict_by_key_prefixes,
     _get_tuner_state_dict_key_prefixes,
 )
-from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING  # noqa: E402
+from peft.utils import (  # noqa: E402
+    TRANSFORMERS_MODELS_TO_IA3_FEEDFORWARD_MODULES_MAPPING,
+    TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING,
+    TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING,
+)
 
 
 __all__ = [
+    "DEFAULT_IA3_FEEDFORWARD_MODULES",
+    "DEFAULT_IA3_TARGET_MODULES",
     "DEFAULT_TARGET_MODULES",
     "SUPPORTED_PEFT_RANGE",
     "BaseTuner",
@@ -56,8 +62,11 @@ __all__ = [
     "select_adapter_entries",
 ]
 
-# SMEAR wraps the same projections LoRA does, so LoRA's per-architecture defaults are the sensible ones.
+# LoRA experts (the default kind) wrap the same projections LoRA does, so LoRA's per-architecture defaults fit.
 DEFAULT_TARGET_MODULES: dict[str, list[str]] = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+# IA3 experts default to what PEFT's IA3 wraps, and to its feed-forward modules (whose input is scaled).
+DEFAULT_IA3_TARGET_MODULES: dict[str, list[str]] = TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING
+DEFAULT_IA3_FEEDFORWARD_MODULES: dict[str, list[str]] = TRANSFORMERS_MODELS_TO_IA3_FEEDFORWARD_MODULES_MAPPING
 
 
 class SmearPeftType(str, enum.Enum):
