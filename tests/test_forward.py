@@ -156,10 +156,26 @@ def test_expert_dropout_only_in_training():
 def test_drop_experts_keeps_an_example_that_lost_every_expert():
     from peft_smear.routing import drop_experts
 
-    probs = torch.full((2000, 2), 0.5)
-    dropped = drop_experts(probs, 0.9)
+    dropped = drop_experts(torch.zeros(2000, 2), 0.9).softmax(-1)
     assert torch.isfinite(dropped).all()
     torch.testing.assert_close(dropped.sum(-1), torch.ones(2000))
+    assert (dropped == 0).any(), "some examples lost one of their two experts"
+
+
+def test_expert_dropout_on_a_sharp_router_keeps_gradients_finite():
+    """The dominant expert dropped from a saturated router: the kept experts' probabilities all underflow, which
+    renormalising probabilities turned into NaN gradients."""
+    from peft_smear.routing import router_probabilities
+
+    torch.manual_seed(0)
+    normed = torch.randn(64, 4)
+    weight = torch.zeros(3, 4)
+    weight[0] = normed.mean(0).sign()  # expert 0 takes every example once the gain is large
+    row_gain = torch.full((4,), 60.0, requires_grad=True)
+    probs = router_probabilities(normed, row_gain, weight, expert_dropout=0.5)
+    (probs[:, 1:] * torch.arange(1.0, 3.0)).sum().backward()
+    assert torch.isfinite(probs).all() and torch.isfinite(row_gain.grad).all()
+    torch.testing.assert_close(probs.sum(-1), torch.ones(64))
 
 
 def _alone_and_in_batch(model, arch, sequences, pad_left):

@@ -16,7 +16,7 @@ from .dselect_k import dselect_k_entropy, dselect_k_gate, dselect_k_num_bits, in
 from .expert_kinds import EXPERT_KINDS, EXPERT_PARAMETER_NAMES
 from .experts import ExpertKind, Params
 from .registration import BaseTunerLayer
-from .routing import ROW_NORM_INIT_GAIN, drop_experts, masked_mean, normalized_router_input, router_probabilities
+from .routing import ROW_NORM_INIT_GAIN, masked_mean, normalized_router_input, router_probabilities
 from .routing_methods import PolicyStep, RoutingDecision
 
 
@@ -214,9 +214,8 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             normed,
             self.smear_router_row_norm_weight[adapter_name],
             self.smear_router_weight[adapter_name],
+            self.expert_dropout[adapter_name] if self.training else 0.0,
         )
-        if self.training and self.expert_dropout[adapter_name] > 0:
-            probs = drop_experts(probs, self.expert_dropout[adapter_name])
         if method == "smear":
             return methods.merged(probs)
         if method == "ensemble":

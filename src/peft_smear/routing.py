@@ -36,27 +36,33 @@ def normalized_router_input(
 
 
 def router_probabilities(
-    normed_input: torch.Tensor, row_norm_weight: torch.Tensor, weight: torch.Tensor
+    normed_input: torch.Tensor, row_norm_weight: torch.Tensor, weight: torch.Tensor, expert_dropout: float = 0.0
 ) -> torch.Tensor:
-    """``softmax(normed_input @ LN_rows(weight).T)`` in fp32: ``[batch, features]`` -> ``[batch, num_experts]``.
+    """``softmax(normed_input @ LN_rows(weight).T)`` in fp32: ``[batch, features]`` -> ``[batch, num_experts]``,
+    with each expert of each example dropped with probability ``expert_dropout`` (training).
 
     Normalising both the input (:func:`normalized_router_input`) and the weight rows helps keep the logits from
     saturating the softmax (paper, section 4.1); the row gain is learned, so routing can still become sharp when that
     helps. The router has no bias.
     """
     normed_rows = F.layer_norm(weight.float(), (weight.shape[-1],), row_norm_weight.float())
-    return (normed_input @ normed_rows.T).softmax(dim=-1)
+    logits = normed_input @ normed_rows.T
+    if expert_dropout > 0:
+        logits = drop_experts(logits, expert_dropout)
+    return logits.softmax(dim=-1)
 
 
-def drop_experts(probs: torch.Tensor, p: float) -> torch.Tensor:
-    """Expert dropout: zero each expert of each example with probability ``p``, then renormalise.
+def drop_experts(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Expert dropout on router logits: each expert of each example is removed with probability ``p`` (its logit
+    becomes -inf), so the softmax renormalises over the rest.
 
-    An example that would lose every expert keeps them all, so its distribution stays defined.
+    Dropping in logit space, not by rescaling probabilities, keeps a sharp router finite: when every kept expert's
+    probability underflows, ``kept / kept.sum()`` has a gradient of ``1 / sum**2`` that overflows to NaN. An example
+    that would lose every expert keeps them all, so its distribution stays defined.
     """
-    keep = torch.rand_like(probs) >= p
+    keep = torch.rand_like(logits) >= p
     keep |= ~keep.any(dim=-1, keepdim=True)
-    kept = probs * keep
-    return kept / kept.sum(dim=-1, keepdim=True)
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def expand_rows(tensor: torch.Tensor | None, batch_size: int, name: str) -> torch.Tensor | None:
