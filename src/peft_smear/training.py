@@ -277,10 +277,14 @@ def fit(
     eval_dataset: Dataset | None = None,
     eval_every: int | None = None,
     quiet: bool = False,
+    use_cpu: bool = False,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> Trainer:
     """Train ``peft_model`` with ``transformers.Trainer`` (AdamW, linear decay after 10% warm-up) and return the
     trainer, ready for :func:`evaluate`. With ``eval_every``, the validation metrics are logged every that many steps;
-    ``quiet`` turns off the progress bar and the logs (for benchmarks that train many models)."""
+    ``quiet`` turns off the progress bar and the logs (for benchmarks that train many models); ``use_cpu`` keeps a
+    machine's GPU out of it; ``optimizer`` replaces Trainer's AdamW (e.g. one with its own rate for the routers), under
+    the same schedule."""
     arguments = _training_arguments(
         Path(output_dir),
         steps,
@@ -289,6 +293,7 @@ def fit(
         seed,
         eval_every if eval_dataset is not None else None,
         quiet,
+        use_cpu,
     )
     trainer = Trainer(
         model=peft_model,
@@ -297,6 +302,7 @@ def fit(
         eval_dataset=eval_dataset,
         data_collator=collator,
         compute_metrics=lambda prediction: task_metrics(prediction.predictions, *prediction.label_ids, tasks),
+        optimizers=(optimizer, None),
     )
     if quiet:
         trainer.remove_callback(PrinterCallback)  # it would print the final training summary
@@ -414,6 +420,7 @@ def _training_arguments(
     seed: int,
     eval_every: int | None,
     quiet: bool,
+    use_cpu: bool,
 ) -> TrainingArguments:
     return TrainingArguments(
         output_dir=str(output_dir),
@@ -434,7 +441,8 @@ def _training_arguments(
         remove_unused_columns=False,  # keeps task_index and smear_task_ids
         label_names=["labels", "task_index"],  # so metrics see each example's task
         dataloader_num_workers=0,
-        dataloader_pin_memory=torch.cuda.is_available(),
+        dataloader_pin_memory=torch.cuda.is_available() and not use_cpu,
+        use_cpu=use_cpu,
     )
 
 
