@@ -216,8 +216,9 @@ def peft_config(name: str, model: MultiTaskModel, preset: Preset) -> PeftConfig:
         experts = None if method.routing == "single" else preset.num_experts
         return smear_config(model, method.routing, preset.r, **{"num_experts": experts, **method.options})
     rank = preset.r if method.lora == "compute" else preset.r * preset.num_experts
-    # lora_alpha = rank: scaling 1, as every SMEAR expert's (lora_alpha = r).
-    return LoraConfig(r=rank, lora_alpha=rank, target_modules=block_linear_names(model), modules_to_save=["heads"])
+    # lora_alpha as SMEAR's (= r), whatever the rank, as PEFT users keep it: rank N·r then has scaling 1/N, and its
+    # update grows per step about as fast as rank r's. (With scaling 1 it diverged at rates rank r trains well at.)
+    return LoraConfig(r=rank, lora_alpha=preset.r, target_modules=block_linear_names(model), modules_to_save=["heads"])
 
 
 def optimizer_for(model: PeftModel, method: Method, learning_rate: float) -> torch.optim.Optimizer | None:
@@ -543,7 +544,7 @@ def report_body(
     lines = [
         f"Tasks: {counts}. Every method: {preset.steps} steps of batch {preset.batch_size}, {preset.max_length} "
         f"tokens, {preset.num_experts} experts of rank {preset.r} where there are experts (LoRA 1× parameters: rank "
-        f"{preset.num_experts * preset.r}; every adapter scaled by lora_alpha / r = 1), learning rate chosen from "
+        f"{preset.num_experts * preset.r}; lora_alpha = {preset.r} for every adapter), learning rate chosen from "
         f"{', '.join(f'{rate:.0e}' for rate in learning_rates)} by the validation average of seed 0, then "
         f"{max(len(s.seeds) for s in summaries.values())} seeds at that rate; test mean ± sample std over seeds. "
         + TARGETS_NOTE
