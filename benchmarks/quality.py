@@ -344,12 +344,14 @@ def _progress(row: dict[str, Any]) -> str:
 
 
 def choose_learning_rates(rows: Iterable[dict[str, Any]]) -> dict[str, float]:
-    """Per method, the swept rate with the best validation average (ties: the smaller rate)."""
+    """Per method, the swept rate with the best validation average (ties: the smaller rate; a diverged run's NaN
+    never wins)."""
     best: dict[str, tuple[float, float]] = {}
     for row in rows:
         if row["phase"] != "sweep":
             continue
-        key = (row["validation_average"], -row["learning_rate"])
+        average = row["validation_average"]
+        key = (-math.inf if math.isnan(average) else average, -row["learning_rate"])
         if row["method"] not in best or key > best[row["method"]]:
             best[row["method"]] = key
     return {method: -key[1] for method, key in best.items()}

@@ -28,6 +28,7 @@ pairs of tasks of the same group and over pairs from different groups, and over 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import shlex
@@ -159,7 +160,7 @@ class TaskConditionedMLP(nn.Module):
 class Settings:
     hidden: int = 64
     r: int = 4
-    steps: int = 3000
+    steps: int = 2000
     batch_size: int = 256
     routing_observations: int = 256  # test observations per task for the routing report
     eval_batch_size: int = 8192
@@ -291,7 +292,7 @@ def run_suite(
     rows = []
     for method in methods:
         sweep = [run_one(data, method, rate, 0, settings) for rate in learning_rates]
-        best = min(sweep, key=lambda row: (row["validation_mse"], row["learning_rate"]))
+        best = min(sweep, key=lambda row: (_finite_or_inf(row["validation_mse"]), row["learning_rate"]))
         others = [run_one(data, method, best["learning_rate"], seed, settings) for seed in range(1, seeds)]
         for row in sweep + others:
             row["chosen"] = row["learning_rate"] == best["learning_rate"]
@@ -301,6 +302,11 @@ def run_suite(
             )
         rows += sweep + others
     return rows
+
+
+def _finite_or_inf(value: float) -> float:
+    """A diverged run's NaN loss ranks last."""
+    return value if math.isfinite(value) else math.inf
 
 
 def _mean_std(values: list[float], digits: int) -> str:

@@ -138,10 +138,10 @@ def test_targets_compare_the_means(quality):
     assert checks["SMEAR's average ≥ every method except Ensemble"] == "missed (methods above SMEAR: Tag 81.50)"
 
 
-def test_ties_keep_the_smaller_learning_rate(quality):
+def test_ties_keep_the_smaller_learning_rate_and_nan_never_wins(quality):
     rows = [
         {"method": "smear", "phase": "sweep", "learning_rate": rate, "validation_average": value}
-        for rate, value in [(4e-3, 0.8), (1e-3, 0.8), (2e-3, 0.7)]
+        for rate, value in [(4e-3, 0.8), (1e-3, 0.8), (2e-3, 0.7), (8e-3, math.nan)]
     ]
     rows.append({"method": "smear", "phase": "seeds", "learning_rate": 2e-3, "validation_average": None})
     assert quality.choose_learning_rates(rows) == {"smear": 1e-3}
