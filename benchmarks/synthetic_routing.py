@@ -36,7 +36,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import peft
@@ -52,23 +52,29 @@ from peft_smear import SmearConfig
 from peft_smear.report import RoutingReport
 
 
-METHOD_OPTIONS: dict[str, dict] = {
-    "smear": {},
-    "top_k": {"top_k": 1},
-    "dselect_k": {"dselect_k_selectors": 1},
-    "tag": {},
-    "ensemble": {},
-    "single": {},
+@dataclass(frozen=True)
+class Method:
+    """A routing method with extra :class:`SmearConfig` options; ``router_lr_ratio`` multiplies the routers' rate."""
+
+    label: str
+    routing: str
+    options: dict = field(default_factory=dict)
+    router_lr_ratio: float = 1.0
+
+
+METHODS = {
+    "smear": Method("SMEAR", "smear"),
+    "top_k": Method("Top-k (k=1)", "top_k"),
+    "dselect_k": Method("DSelect-k (k=1)", "dselect_k"),
+    "tag": Method("Tag (expert = task's group)", "tag"),
+    "ensemble": Method("Ensemble", "ensemble"),
+    "single": Method("Single expert", "single"),
+    # SMEAR variants, to see what its routing depends on.
+    "smear_no_dropout": Method("SMEAR without expert dropout", "smear", {"expert_dropout": 0.0}),
+    "smear_slow_router": Method("SMEAR, router learning rate ×0.1", "smear", router_lr_ratio=0.1),
+    "smear_fast_router": Method("SMEAR, router learning rate ×10", "smear", router_lr_ratio=10.0),
 }
 DEFAULT_METHODS = ("smear", "top_k", "dselect_k", "tag")
-METHOD_LABELS = {
-    "smear": "SMEAR",
-    "top_k": "Top-k (k=1)",
-    "dselect_k": "DSelect-k (k=1)",
-    "tag": "Tag (expert = task's group)",
-    "ensemble": "Ensemble",
-    "single": "Single expert",
-}
 
 
 @dataclass(frozen=True)
@@ -171,14 +177,15 @@ def build(data: SyntheticTasks, method: str, settings: Settings, seed: int) -> p
     torch.manual_seed(seed)
     base = TaskConditionedMLP(data.x.shape[1], data.num_tasks, settings.hidden)
     groups = int(data.group.max()) + 1
-    options = dict(METHOD_OPTIONS[method])
-    if method == "tag":
+    spec = METHODS[method]
+    options = dict(spec.options)
+    if spec.routing == "tag":
         options.update(num_tasks=data.num_tasks, tag_experts=data.group.tolist())
     config = SmearConfig(
         r=settings.r,
         lora_alpha=settings.r,
-        num_experts=None if method == "single" else groups,
-        routing=method,
+        num_experts=None if spec.routing == "single" else groups,
+        routing=spec.routing,
         target_modules=["hidden", "output"],
         **options,
     )
@@ -203,10 +210,23 @@ def standardised(data: SyntheticTasks) -> SyntheticTasks:
     return SyntheticTasks(data.x, y.astype(np.float32), data.group, data.task_weights, data.splits)
 
 
-def train(model: peft.PeftModel, data: SyntheticTasks, settings: Settings, learning_rate: float, seed: int) -> None:
-    """Adam at a constant rate on random (observation, task) pairs of the training split."""
+def train(
+    model: peft.PeftModel,
+    data: SyntheticTasks,
+    settings: Settings,
+    learning_rate: float,
+    seed: int,
+    router_lr_ratio: float = 1.0,
+) -> None:
+    """Adam at a constant rate (the routers' times ``router_lr_ratio``) on random (observation, task) pairs of the
+    training split."""
     rng = np.random.default_rng(seed)
-    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=learning_rate)
+    routers, others = [], []
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad:
+            (routers if "smear_router_" in name else others).append(parameter)
+    groups = [{"params": others}, {"params": routers, "lr": learning_rate * router_lr_ratio}]
+    optimizer = torch.optim.Adam(groups, lr=learning_rate)
     model.train()
     train_rows = data.splits["train"]
     for _ in range(settings.steps):
@@ -266,7 +286,7 @@ def group_scores(report: RoutingReport, group: np.ndarray) -> dict[str, float]:
 def run_one(data: SyntheticTasks, method: str, learning_rate: float, seed: int, settings: Settings) -> dict:
     started = time.perf_counter()
     model = build(data, method, settings, seed)
-    train(model, data, settings, learning_rate, seed)
+    train(model, data, settings, learning_rate, seed, METHODS[method].router_lr_ratio)
     row = {
         "method": method,
         "learning_rate": learning_rate,
@@ -274,7 +294,7 @@ def run_one(data: SyntheticTasks, method: str, learning_rate: float, seed: int, 
         "validation_mse": mse(model, data, "validation", settings),
         "test_mse": mse(model, data, "test", settings),
     }
-    if method != "single":
+    if METHODS[method].routing != "single":
         row.update(group_scores(routing_report(model, data, settings), data.group))
     row["seconds"] = round(time.perf_counter() - started, 1)
     return row
@@ -320,7 +340,7 @@ def markdown_table(rows: list[dict]) -> str:
     for method in dict.fromkeys(row["method"] for row in rows):
         chosen = [row for row in rows if row["method"] == method and row["chosen"]]
         cells = [
-            METHOD_LABELS[method],
+            METHODS[method].label,
             f"{chosen[0]['learning_rate']:.0e}",
             _mean_std([r["test_mse"] for r in chosen], 3),
         ]
@@ -354,7 +374,7 @@ def results_section(table: str, command: str, description: str, seconds: float, 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--methods", nargs="+", choices=sorted(METHOD_OPTIONS), default=list(DEFAULT_METHODS))
+    parser.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=list(DEFAULT_METHODS))
     parser.add_argument("--learning-rates", nargs="+", type=float, default=[1e-3, 3e-3, 1e-2])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--groups", type=int, default=4)
