@@ -350,6 +350,14 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def results_section(table: str, command: str, description: str, seconds: float, load: tuple[tuple, tuple]) -> str:
     load_text = " / ".join(", ".join(f"{x:.2f}" for x in sample) for sample in load)
     return "\n".join(
@@ -357,7 +365,7 @@ def results_section(table: str, command: str, description: str, seconds: float, 
             f"## Synthetic routing (DSelect-k appendix C.1), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
             "",
             f"- Command: `{command}`",
-            f"- Machine: {platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}; "
+            f"- Machine: {_cpu_name()}, torch threads {torch.get_num_threads()}; "
             f"Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
             f"peft {peft.__version__}, peft-smear {peft_smear.__version__}",
             f"- Load average (1, 5, 15 min) before / after the run: {load_text}. Wall time: {seconds / 60:.1f} min.",
