@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -314,22 +314,22 @@ def _run_in_worker(run: Run) -> tuple[dict[str, Any], RoutingReport | None]:
     return run_one(run, _WORKER_SETUP)
 
 
-def run_all(
-    runs: list[Run], setup: Setup, jobs: int, threads: int | None, log: Callable[[str], None]
-) -> list[tuple[dict[str, Any], RoutingReport | None]]:
-    """Every run, in order; ``jobs`` processes side by side (each with ``threads`` torch threads)."""
-    if jobs == 1:
-        results = []
-        for run in runs:
-            results.append(run_one(run, setup))
-            log(_progress(results[-1][0]))
-        return results
-    context = multiprocessing.get_context("spawn")  # never fork a process that has started torch's threads
-    with ProcessPoolExecutor(jobs, mp_context=context, initializer=_init_worker, initargs=(setup, threads)) as pool:
-        futures = [pool.submit(_run_in_worker, run) for run in runs]
-        for future in futures:
-            log(_progress(future.result()[0]))
-        return [future.result() for future in futures]
+class _InlineExecutor:
+    """Runs each job as it is submitted, in this process (``jobs=1``), behind the executor interface."""
+
+    def __init__(self, setup: Setup) -> None:
+        self.setup = setup
+
+    def submit(self, function: Callable[[Run], Any], run: Run) -> Future:
+        future: Future = Future()
+        future.set_result(run_one(run, self.setup))
+        return future
+
+    def __enter__(self) -> _InlineExecutor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
 
 
 def _progress(row: dict[str, Any]) -> str:
@@ -366,20 +366,44 @@ def run_benchmark(
     threads: int | None = None,
     log: Callable[[str], None] = print,
 ) -> tuple[list[dict[str, Any]], dict[str, float], dict[str, RoutingReport]]:
-    """Sweep, choose, then the other seeds. Returns every run's row, the chosen rates, and each routed method's
-    routing report from its seed-0 run at the chosen rate."""
-    sweep = [Run(method, rate, 0, "sweep") for method in methods for rate in learning_rates]
-    swept = run_all(sweep, setup, jobs, threads, log)
-    chosen = choose_learning_rates(row for row, _ in swept)
-    reports = {
-        row["method"]: report
-        for row, report in swept
-        if report is not None and row["learning_rate"] == chosen[row["method"]]
-    }
-    repeats = [Run(method, chosen[method], seed, "seeds") for method in methods for seed in range(1, seeds)]
-    rows = [row for row, _ in swept] + [row for row, _ in run_all(repeats, setup, jobs, threads, log)]
+    """Sweep every method's rates with seed 0, then run its other seeds at the chosen rate, as soon as its own sweep
+    is done (so ``jobs`` processes never wait for the slowest method's sweep). Returns every run's row (in method,
+    phase, rate, seed order), the chosen rates, and each routed method's routing report from its seed-0 run at the
+    chosen rate."""
+    if jobs == 1:
+        executor = _InlineExecutor(setup)
+    else:  # spawn: never fork a process that has started torch's threads
+        context = multiprocessing.get_context("spawn")
+        executor = ProcessPoolExecutor(jobs, mp_context=context, initializer=_init_worker, initargs=(setup, threads))
+    results: dict[Run, tuple[dict[str, Any], RoutingReport | None]] = {}
+    chosen: dict[str, float] = {}
+    with executor:
+        pending = {
+            executor.submit(_run_in_worker, run): run
+            for run in (Run(method, rate, 0, "sweep") for method in methods for rate in learning_rates)
+        }
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                run = pending.pop(future)
+                results[run] = future.result()
+                log(_progress(results[run][0]))
+                swept = [row for other, (row, _) in results.items() if other.method == run.method]
+                if run.phase == "sweep" and len(swept) == len(learning_rates):
+                    chosen[run.method] = choose_learning_rates(swept)[run.method]
+                    for seed in range(1, seeds):
+                        again = Run(run.method, chosen[run.method], seed, "seeds")
+                        pending[executor.submit(_run_in_worker, again)] = again
+    order = {method: i for i, method in enumerate(methods)}
+    runs = sorted(results, key=lambda r: (order[r.method], r.phase != "sweep", r.learning_rate, r.seed))
+    rows = [results[run][0] for run in runs]
     for row in rows:
         row["chosen"] = row["learning_rate"] == chosen[row["method"]]
+    reports = {
+        run.method: report
+        for run in runs
+        if (report := results[run][1]) is not None and run.phase == "sweep" and run.learning_rate == chosen[run.method]
+    }
     return rows, chosen, reports
 
 
