@@ -275,6 +275,7 @@ def run_one(run: Run, setup: Setup) -> tuple[dict[str, Any], RoutingReport | Non
         "cpu_seconds": round(time.process_time() - cpu_started, 2),
         "routing_entropy": _normalised_entropy(report),
         "routing_similarity": _mean_task_similarity(report),
+        "collapsed_routers": _collapsed_share(report),
         **{f"validation_{key}": value for key, value in validation.items()},
         **{f"test_{key}": value for key, value in test.items()},
     }
@@ -296,6 +297,16 @@ def _mean_task_similarity(report: RoutingReport | None) -> float | None:
     similarity = report.similarity()
     n = similarity.shape[0]
     return float((similarity.sum() - similarity.trace()) / (n * (n - 1)))
+
+
+def _collapsed_share(report: RoutingReport | None, threshold: float = 0.9) -> float | None:
+    """Share of the routers that have collapsed: every task sends more than ``threshold`` of its mean routing to one
+    and the same expert."""
+    if report is None:
+        return None
+    top = report.mean_routing.argmax(axis=-1)  # [tasks, routers]
+    collapsed = (report.mean_routing.max(axis=-1) > threshold).all(axis=0) & (top == top[0]).all(axis=0)
+    return float(collapsed.mean())
 
 
 _WORKER_SETUP: Setup | None = None
@@ -418,6 +429,7 @@ def csv_columns(tasks: Sequence[TaskInfo]) -> list[str]:
         "cpu_seconds",
         "routing_entropy",
         "routing_similarity",
+        "collapsed_routers",
         *[f"validation_{name}" for name in metrics],
         *[f"test_{name}" for name in metrics],
     ]
@@ -434,6 +446,7 @@ class Summary:
     trainable_params: int
     routing_entropy: float | None
     routing_similarity: float | None
+    collapsed_routers: float | None
 
     def mean(self, metric: str = "average") -> float:
         return statistics.fmean(self.metrics[metric])
@@ -448,16 +461,17 @@ def summarise(rows: list[dict[str, Any]], tasks: Sequence[TaskInfo]) -> dict[str
     summaries = {}
     for method in dict.fromkeys(row["method"] for row in rows):
         chosen = sorted((row for row in rows if row["method"] == method and row["chosen"]), key=lambda r: r["seed"])
-        entropies = [row["routing_entropy"] for row in chosen if row["routing_entropy"] is not None]
-        similarities = [row["routing_similarity"] for row in chosen if row["routing_similarity"] is not None]
+        routing = {
+            key: [row[key] for row in chosen if row[key] is not None]
+            for key in ("routing_entropy", "routing_similarity", "collapsed_routers")
+        }
         summaries[method] = Summary(
             method=method,
             learning_rate=chosen[0]["learning_rate"],
             seeds=[row["seed"] for row in chosen],
             metrics={name: [100 * row[f"test_{name}"] for row in chosen] for name in names},
             trainable_params=chosen[0]["trainable_params"],
-            routing_entropy=statistics.fmean(entropies) if entropies else None,
-            routing_similarity=statistics.fmean(similarities) if similarities else None,
+            **{key: statistics.fmean(values) if values else None for key, values in routing.items()},
         )
     return summaries
 
@@ -466,7 +480,7 @@ def markdown_table(summaries: dict[str, Summary], tasks: Sequence[TaskInfo]) -> 
     """The paper's table 2 layout: a row per method, test mean ± std per task and on average (×100)."""
     names = [metric_name(task) for task in tasks]
     header = ["method", "lr", "trainable params", *[name.replace("_", " ") for name in names], "average"]
-    header += ["routing entropy", "task similarity"]
+    header += ["routing entropy", "task similarity", "collapsed routers"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for summary in summaries.values():
         cells = [
@@ -477,6 +491,7 @@ def markdown_table(summaries: dict[str, Summary], tasks: Sequence[TaskInfo]) -> 
             f"**{summary.mean():.2f} ± {summary.std():.2f}**",
             _optional(summary.routing_entropy),
             _optional(summary.routing_similarity),
+            _optional(summary.collapsed_routers),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -576,7 +591,8 @@ def report_body(
         + TARGETS_NOTE
         + " Routing entropy: an example's routing entropy as a share of the uniform routing's (1: uniform, 0: one "
         "expert), averaged over tasks and routers; task similarity: 1 − total-variation distance between two "
-        "tasks' mean routing, averaged over routers and task pairs (1: every task routed alike).",
+        "tasks' mean routing, averaged over routers and task pairs (1: every task routed alike); collapsed routers: "
+        "the share of routers where every task sends over 90% of its mean routing to the same expert.",
         "",
         markdown_table(summaries, tasks),
         "",

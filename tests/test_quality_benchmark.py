@@ -11,9 +11,11 @@ import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+from peft_smear.report import RoutingReport
 from test_training import save_tiny_encoder, write_task_files
 
 
@@ -68,6 +70,8 @@ def test_every_run_is_in_the_csv_with_finite_metrics(quality, outputs):
         assert int(row["trainable_params"]) > 0 and float(row["train_seconds"]) > 0
         has_routing = row["method"] in ("smear", "tag")
         assert (row["routing_entropy"] != "") == has_routing, row["method"]
+        if row["method"] == "tag":  # one expert per task, so one expert for all only with one task
+            assert float(row["routing_entropy"]) == 0 and float(row["collapsed_routers"]) == 0
     params = {row["method"]: int(row["trainable_params"]) for row in rows}
     assert params["lora_1x_params"] > params["lora_1x_compute"]  # rank N·r against rank r
 
@@ -118,7 +122,7 @@ def test_table_targets_and_results_section(quality, outputs):
 def test_targets_compare_the_means(quality):
     def summary(method, averages):
         metrics = {"average": averages}
-        return quality.Summary(method, 1e-3, list(range(len(averages))), metrics, 1, None, None)
+        return quality.Summary(method, 1e-3, list(range(len(averages))), metrics, 1, None, None, None)
 
     summaries = {
         "smear": summary("smear", [80.0, 82.0]),
@@ -145,3 +149,14 @@ def test_ties_keep_the_smaller_learning_rate_and_nan_never_wins(quality):
     ]
     rows.append({"method": "smear", "phase": "seeds", "learning_rate": 2e-3, "validation_average": None})
     assert quality.choose_learning_rates(rows) == {"smear": 1e-3}
+
+
+def test_a_router_has_collapsed_when_every_task_sends_its_weight_to_the_same_expert(quality):
+    routing = np.array(
+        [
+            [[0.95, 0.05], [0.95, 0.05], [0.50, 0.50]],  # task a at routers 0, 1, 2
+            [[0.92, 0.08], [0.05, 0.95], [0.95, 0.05]],  # task b: router 1 sends it to the other expert
+        ]
+    )
+    report = RoutingReport(["a", "b"], ["r0", "r1", "r2"], [1, 1], routing, np.zeros(2))
+    assert quality._collapsed_share(report) == pytest.approx(1 / 3)
