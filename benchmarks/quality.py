@@ -582,11 +582,16 @@ def report_body(
 ) -> str:
     """The table, the targets and the figures, in markdown (also the body of the RESULTS.md section)."""
     counts = ", ".join(f"{task.name}" for task in tasks)
+    shown = ", ".join(f"{rate:.0e}" for rate in learning_rates)
+    rates = (
+        f"learning rate chosen from {shown} by the validation average of seed 0"
+        if len(learning_rates) > 1
+        else f"learning rate fixed at {shown} (no sweep)"
+    )
     lines = [
         f"Tasks: {counts}. Every method: {preset.steps} steps of batch {preset.batch_size}, {preset.max_length} "
         f"tokens, {preset.num_experts} experts of rank {preset.r} where there are experts (LoRA 1× parameters: rank "
-        f"{preset.num_experts * preset.r}; lora_alpha = {preset.r} for every adapter), learning rate chosen from "
-        f"{', '.join(f'{rate:.0e}' for rate in learning_rates)} by the validation average of seed 0, then "
+        f"{preset.num_experts * preset.r}; lora_alpha = {preset.r} for every adapter), {rates}, then "
         f"{max(len(s.seeds) for s in summaries.values())} seeds at that rate; test mean ± sample std over seeds. "
         + TARGETS_NOTE
         + " Routing entropy: an example's routing entropy as a share of the uniform routing's (1: uniform, 0: one "
