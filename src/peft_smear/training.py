@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 from datasets import Dataset, DatasetDict
-from peft import PeftModel, get_peft_model
+from peft import PeftConfig, PeftModel, get_peft_model
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, Trainer, TrainingArguments, set_seed
+from transformers.trainer_callback import PrinterCallback
 
 from .config import ROUTING_METHODS, SmearConfig
 from .data import BENCHMARK_TASKS, TaskInfo, benchmark_task_info, load_benchmark
@@ -52,6 +53,8 @@ NOT_PREDICTIONS = ["example_losses", "smear_aux_losses"]
 # What bad input (paths, names, values, existing outputs, missing optional packages) raises: reported in one line.
 USER_ERRORS = (ValueError, OSError, ImportError)
 BENCHMARK_EXTRA = 'pip install "peft-smear[benchmark]"'
+# Routing methods that read each example's task id, so their config needs the number of tasks.
+TASK_ID_ROUTING = ("tag", "latent_skills")
 
 
 def default_model_dir() -> Path:
@@ -178,32 +181,28 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     data = load_benchmark(**data_settings)
     tasks = list(benchmark_task_info(data).values())
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    splits = _tokenize(data, tokenizer, tasks, args.max_length)
-    counts = {t.name: len(_rows_of(splits["train"], i)) for i, t in enumerate(tasks)}
+    splits = tokenize_tasks(data, tokenizer, tasks, args.max_length)
+    counts = {t.name: len(rows_of(splits["train"], i)) for i, t in enumerate(tasks)}
     print("Training examples: " + ", ".join(f"{name} {count}" for name, count in counts.items()))
 
-    set_seed(args.seed)
-    model = MultiTaskModel.from_encoder_dir(model_dir, tasks)
-    config = SmearConfig(
-        r=args.r,
-        num_experts=args.num_experts,
-        routing=args.routing,
-        num_tasks=len(tasks) if args.routing in ("tag", "latent_skills") else None,
-        target_modules=block_linear_names(model),
-        modules_to_save=["heads"],
+    peft_model = build_model(
+        model_dir, tasks, lambda model: smear_config(model, args.routing, args.r, args.num_experts), args.seed
     )
-    peft_model = get_peft_model(model, config)
     peft_model.print_trainable_parameters()
     collator = MultiTaskCollator(tokenizer)
-    trainer = Trainer(
-        model=peft_model,
-        args=_training_arguments(args, output_dir),
-        train_dataset=splits["train"],
+    trainer = fit(
+        peft_model,
+        splits["train"],
+        tasks,
+        collator,
+        output_dir,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        seed=args.seed,
         eval_dataset=splits["validation"],
-        data_collator=collator,
-        compute_metrics=lambda prediction: task_metrics(prediction.predictions, *prediction.label_ids, tasks),
+        eval_every=args.eval_every,
     )
-    trainer.train(ignore_keys_for_eval=NOT_PREDICTIONS)
     trained = time.perf_counter()
 
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -216,17 +215,16 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     }
     (output_dir / RUN_FILE).write_text(json.dumps(run, indent=2) + "\n")
 
-    prediction = trainer.predict(splits["test"], ignore_keys=NOT_PREDICTIONS)
-    metrics = task_metrics(prediction.predictions, *prediction.label_ids, tasks)
+    metrics = evaluate(trainer, splits["test"], tasks)
     print("\n" + _metrics_table(metrics, tasks))
-    report = RoutingReport.collect(peft_model, _batches_by_task(splits["test"], tasks, collator, args.batch_size))
+    report = RoutingReport.collect(peft_model, batches_by_task(splits["test"], tasks, collator, args.batch_size))
     report.save_json(output_dir / "routing.json")
     report.save_heatmaps(output_dir / "routing.png")
     print("\n" + report.table())
     summary = {
         "split": "test",
         "metrics": metrics,
-        "examples": {t.name: len(_rows_of(splits["test"], i)) for i, t in enumerate(tasks)},
+        "examples": {t.name: len(rows_of(splits["test"], i)) for i, t in enumerate(tasks)},
         "steps": args.steps,
         "train_seconds": round(trained - started, 1),
         "total_seconds": round(time.perf_counter() - started, 1),
@@ -234,6 +232,88 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     (output_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"\nSaved the adapter, metrics and routing report to {output_dir} ({summary['total_seconds']:.0f} s).")
     return metrics
+
+
+def smear_config(
+    model: MultiTaskModel, routing: str = "smear", r: int = 8, num_experts: int | None = None, **options: Any
+) -> SmearConfig:
+    """The SMEAR adapter of a multi-task model: every linear layer of its blocks, the heads trained in full, and the
+    number of tasks for the methods that route by task id. ``options``: any other :class:`SmearConfig` field."""
+    return SmearConfig(
+        r=r,
+        num_experts=num_experts,
+        routing=routing,
+        num_tasks=len(model.tasks) if routing in TASK_ID_ROUTING else None,
+        target_modules=block_linear_names(model),
+        modules_to_save=["heads"],
+        **options,
+    )
+
+
+def build_model(
+    model_dir: str | Path,
+    tasks: Sequence[TaskInfo],
+    make_config: Callable[[MultiTaskModel], PeftConfig],
+    seed: int,
+) -> PeftModel:
+    """The multi-task model with the adapter ``make_config`` gives for it (SMEAR, or any PEFT config such as a
+    ``LoraConfig``), initialised from ``seed``: heads and experts start the same in every run with that seed."""
+    set_seed(seed)
+    model = MultiTaskModel.from_encoder_dir(model_dir, tasks)
+    return get_peft_model(model, make_config(model))
+
+
+def fit(
+    peft_model: PeftModel,
+    train_dataset: Dataset,
+    tasks: Sequence[TaskInfo],
+    collator: MultiTaskCollator,
+    output_dir: str | Path,
+    *,
+    steps: int,
+    batch_size: int,
+    learning_rate: float,
+    seed: int,
+    eval_dataset: Dataset | None = None,
+    eval_every: int | None = None,
+    quiet: bool = False,
+    use_cpu: bool = False,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> Trainer:
+    """Train ``peft_model`` with ``transformers.Trainer`` (AdamW, linear decay after 10% warm-up) and return the
+    trainer, ready for :func:`evaluate`. With ``eval_every``, the validation metrics are logged every that many steps;
+    ``quiet`` turns off the progress bar and the logs (for benchmarks that train many models); ``use_cpu`` keeps a
+    machine's GPU out of it; ``optimizer`` replaces Trainer's AdamW (e.g. one with its own rate for the routers), under
+    the same schedule."""
+    arguments = _training_arguments(
+        Path(output_dir),
+        steps,
+        batch_size,
+        learning_rate,
+        seed,
+        eval_every if eval_dataset is not None else None,
+        quiet,
+        use_cpu,
+    )
+    trainer = Trainer(
+        model=peft_model,
+        args=arguments,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        data_collator=collator,
+        compute_metrics=lambda prediction: task_metrics(prediction.predictions, *prediction.label_ids, tasks),
+        optimizers=(optimizer, None),
+    )
+    if quiet:
+        trainer.remove_callback(PrinterCallback)  # it would print the final training summary
+    trainer.train(ignore_keys_for_eval=NOT_PREDICTIONS)
+    return trainer
+
+
+def evaluate(trainer: Trainer, dataset: Dataset, tasks: Sequence[TaskInfo]) -> dict[str, float]:
+    """The :func:`~peft_smear.multitask.task_metrics` of the trained model on a tokenised split."""
+    prediction = trainer.predict(dataset, ignore_keys=NOT_PREDICTIONS)
+    return task_metrics(prediction.predictions, *prediction.label_ids, tasks)
 
 
 def export_tasks(
@@ -279,8 +359,8 @@ def run_batches(run_dir: str | Path, split: str, batch_size: int) -> dict[str, l
     tasks = [TaskInfo(**task) for task in run["tasks"]]
     tokenizer = AutoTokenizer.from_pretrained(run["model"], local_files_only=True)
     data = load_benchmark(**run["data"])
-    examples = _tokenize(DatasetDict({split: data[split]}), tokenizer, tasks, run["max_length"])[split]
-    return _batches_by_task(examples, tasks, MultiTaskCollator(tokenizer), batch_size)
+    examples = tokenize_tasks(DatasetDict({split: data[split]}), tokenizer, tasks, run["max_length"])[split]
+    return batches_by_task(examples, tasks, MultiTaskCollator(tokenizer), batch_size)
 
 
 def _read_run(directory: Path) -> dict[str, Any]:
@@ -302,7 +382,7 @@ def _parse_task_files(entries: Sequence[str]) -> dict[str, str]:
     return task_files
 
 
-def _tokenize(
+def tokenize_tasks(
     data: DatasetDict, tokenizer: PreTrainedTokenizerBase, tasks: Sequence[TaskInfo], max_length: int
 ) -> DatasetDict:
     """Token ids, float ``labels`` and the ``task_index`` of every example, in the order of ``tasks``."""
@@ -315,11 +395,11 @@ def _tokenize(
     return data.map(encode, batched=True, remove_columns=["text", "label", "task"], desc="Tokenising")
 
 
-def _rows_of(dataset: Dataset, task_index: int) -> list[int]:
+def rows_of(dataset: Dataset, task_index: int) -> list[int]:
     return [row for row, index in enumerate(dataset["task_index"]) if index == task_index]
 
 
-def _batches_by_task(
+def batches_by_task(
     dataset: Dataset, tasks: Sequence[TaskInfo], collator: MultiTaskCollator, batch_size: int
 ) -> dict[str, list[dict[str, torch.Tensor]]]:
     """Each task's examples as model inputs (no labels: routing does not need them)."""
@@ -329,28 +409,40 @@ def _batches_by_task(
             batch = collator(list(dataset.select(rows[start : start + batch_size])))
             yield {key: value for key, value in batch.items() if key != "labels"}
 
-    return {task.name: list(batches(_rows_of(dataset, i))) for i, task in enumerate(tasks)}
+    return {task.name: list(batches(rows_of(dataset, i))) for i, task in enumerate(tasks)}
 
 
-def _training_arguments(args: argparse.Namespace, output_dir: Path) -> TrainingArguments:
+def _training_arguments(
+    output_dir: Path,
+    steps: int,
+    batch_size: int,
+    learning_rate: float,
+    seed: int,
+    eval_every: int | None,
+    quiet: bool,
+    use_cpu: bool,
+) -> TrainingArguments:
     return TrainingArguments(
         output_dir=str(output_dir),
-        max_steps=args.steps,
-        learning_rate=args.learning_rate,  # heads too: a 5x larger head rate did no better (measured on MiniLM)
-        per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=2 * args.batch_size,
-        warmup_steps=max(1, args.steps // 10),
+        max_steps=steps,
+        learning_rate=learning_rate,  # heads too: a 5x larger head rate did no better (measured on MiniLM)
+        per_device_train_batch_size=batch_size,
+        per_device_eval_batch_size=2 * batch_size,
+        warmup_steps=max(1, steps // 10),
         lr_scheduler_type="linear",
-        eval_strategy="steps",
-        eval_steps=args.eval_every,
-        logging_steps=min(args.eval_every, 25),
+        eval_strategy="steps" if eval_every else "no",
+        eval_steps=eval_every,
+        logging_strategy="no" if quiet else "steps",
+        logging_steps=min(eval_every or 25, 25),
+        disable_tqdm=quiet or None,
         save_strategy="no",
         report_to=[],
-        seed=args.seed,
+        seed=seed,
         remove_unused_columns=False,  # keeps task_index and smear_task_ids
         label_names=["labels", "task_index"],  # so metrics see each example's task
         dataloader_num_workers=0,
-        dataloader_pin_memory=torch.cuda.is_available(),
+        dataloader_pin_memory=torch.cuda.is_available() and not use_cpu,
+        use_cpu=use_cpu,
     )
 
 

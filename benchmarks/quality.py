@@ -1,0 +1,753 @@
+"""Does SMEAR win? Every routing method of the SMEAR paper, and PEFT LoRA at 1x compute and 1x parameters, fine-tuned
+on the real multi-task benchmark (``peft-smear train``'s data and MiniLM encoder) under one protocol.
+
+Protocol: the same steps, batch, sequence length, schedule (AdamW, 10% warm-up, linear decay) and data order for
+every method. Each method sweeps the preset's learning rates with seed 0 and keeps the rate with the best
+validation average (ties: the smaller rate); it then trains with that rate for every seed, and the test metrics of
+those runs are reported as mean ± std (sample std over seeds). The seed sets the adapter's and heads' initialisation
+and the data order; the splits never change.
+
+    python benchmarks/quality.py --preset reduced --jobs 2 --threads 1 --append-results benchmarks/RESULTS.md
+
+Writes ``<output-dir>/runs.csv`` (every run), ``<output-dir>/quality.md`` (the table and the targets) and
+``<figures-dir>/<method>_routing.png`` (each routed method's mean routing per task and router, from its seed-0 run at
+the chosen rate, on test examples).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import multiprocessing
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import peft
+import torch
+import transformers
+from datasets import DatasetDict
+from peft import LoraConfig, PeftConfig, PeftModel
+from transformers import AutoTokenizer
+
+import peft_smear
+from peft_smear.data import TaskInfo, benchmark_task_info, load_benchmark
+from peft_smear.multitask import MultiTaskCollator, MultiTaskModel, block_linear_names, metric_name
+from peft_smear.report import RoutingReport
+from peft_smear.training import (
+    batches_by_task,
+    build_model,
+    default_model_dir,
+    evaluate,
+    fit,
+    rows_of,
+    smear_config,
+    tokenize_tasks,
+)
+
+
+@dataclass(frozen=True)
+class Method:
+    """One row of the table: a SMEAR ``routing`` (with extra :class:`SmearConfig` options), or a PEFT LoRA matching
+    one expert's compute (``lora="compute"``, rank r) or all experts' parameters (``lora="params"``, rank N·r).
+    ``router_lr_ratio`` multiplies the learning rate of the routing parameters (``smear_router_*``,
+    ``smear_skill_logits``)."""
+
+    label: str
+    routing: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    lora: str | None = None
+    router_lr_ratio: float = 1.0
+
+    @property
+    def routed(self) -> bool:
+        """Whether the method has a routing worth a heatmap (more than one expert)."""
+        return self.routing not in (None, "single")
+
+
+# The compared methods, in the order of the paper's table 2, then our additions. Latent Skills' skill logits learn 10x
+# faster than the experts: the ratio the paper chose for it (appendix B). Every other method keeps one rate.
+METHODS = {
+    "smear": Method("SMEAR", "smear"),
+    "lora_1x_params": Method("LoRA 1× parameters (rank N·r)", lora="params"),
+    "lora_1x_compute": Method("LoRA 1× compute (rank r)", lora="compute"),
+    "adamix": Method("Adamix", "adamix"),
+    "hash": Method("Hash", "hash"),
+    "tag": Method("Tag", "tag"),
+    "latent_skills": Method("Latent Skills", "latent_skills", router_lr_ratio=10.0),
+    "top_k": Method("Top-k (k=1)", "top_k"),
+    "st_gumbel": Method("ST-Gumbel", "st_gumbel"),
+    "reinforce": Method("REINFORCE", "reinforce"),
+    "dselect_k": Method("DSelect-k (k=1)", "dselect_k"),
+    "ensemble": Method("Ensemble", "ensemble"),
+    "single": Method("Single expert (routing='single', rank r)", "single"),
+    "smear_no_dropout": Method("SMEAR without expert dropout", "smear", {"expert_dropout": 0.0}),
+}
+# Variants of SMEAR for investigating why it wins or loses; not part of the default comparison.
+INVESTIGATIONS = {
+    "smear_slow_router": Method("SMEAR, router learning rate ×0.1", "smear", router_lr_ratio=0.1),
+    "smear_fast_router": Method("SMEAR, router learning rate ×10", "smear", router_lr_ratio=10.0),
+    "smear_init_smear": Method(
+        "SMEAR, experts initialised N(0, 0.01²) (reference code)", "smear", {"init_weights": "smear"}
+    ),
+    "smear_2x_experts": Method("SMEAR 2× (16 experts)", "smear", {"num_experts": 16}),
+}
+ALL_METHODS = {**METHODS, **INVESTIGATIONS}
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A benchmark scale. ``max_examples_per_task`` caps each task's training examples; validation and test keep an
+    eighth of it per task. ``routing_examples``: test examples per task for the routing report (``None``: all)."""
+
+    steps: int
+    batch_size: int
+    max_length: int
+    max_examples_per_task: int
+    learning_rates: tuple[float, ...]
+    seeds: int
+    routing_examples: int | None
+    note: str
+    num_experts: int = 8
+    r: int = 8
+
+
+PRESETS = {
+    "tiny": Preset(
+        steps=4,
+        batch_size=8,
+        max_length=16,
+        max_examples_per_task=64,
+        learning_rates=(1e-3, 3e-3, 1e-2),
+        seeds=2,
+        routing_examples=8,
+        num_experts=3,
+        r=2,
+        note="A smoke test on whatever tiny model and tasks it is given; its numbers mean nothing.",
+    ),
+    "reduced": Preset(
+        steps=80,
+        batch_size=16,
+        max_length=32,
+        max_examples_per_task=640,
+        learning_rates=(1e-3, 2e-3, 4e-3),
+        seeds=3,
+        routing_examples=32,
+        note="Reduced for 2 CPU cores: 80 steps of batch 16 (1,280 training examples, not 8,000), 32 tokens per "
+        "example (not 64), 80 validation and 80 test examples per task; the routing heatmaps use 32 test examples "
+        "per task.",
+    ),
+    "full": Preset(
+        steps=250,
+        batch_size=32,
+        max_length=64,
+        max_examples_per_task=2000,
+        learning_rates=(1e-3, 2e-3, 4e-3),
+        seeds=3,
+        routing_examples=None,
+        note="The scale of `peft-smear train`'s defaults: 250 steps of batch 32, 64 tokens, up to 2,000 training and "
+        "250 validation and test examples per task.",
+    ),
+}
+TARGETS_NOTE = "Metrics are ×100 (accuracy, or Pearson correlation for nyt_reg); a point is 1 on that scale."
+
+
+@dataclass(frozen=True)
+class Run:
+    method: str
+    learning_rate: float
+    seed: int
+    phase: str  # "sweep": seed 0 at every rate; "seeds": the other seeds at the chosen rate
+
+
+@dataclass
+class Setup:
+    """Everything a run needs, built once and shared (pickled to worker processes)."""
+
+    preset: Preset
+    model_dir: Path
+    tasks: list[TaskInfo]
+    splits: DatasetDict
+    collator: MultiTaskCollator
+    routing_batches: dict[str, list[dict[str, torch.Tensor]]]
+    use_cpu: bool
+    scratch: Path
+
+
+def load_setup(
+    preset: Preset,
+    model_dir: Path,
+    tasks: Sequence[str] | None,
+    task_files: dict[str, str],
+    cache_dir: str | None,
+    use_cpu: bool,
+    scratch: Path,
+) -> Setup:
+    """Load and tokenise the benchmark once for all runs."""
+    data = load_benchmark(
+        tasks, cache_dir=cache_dir, task_files=task_files, max_examples_per_task=preset.max_examples_per_task
+    )
+    infos = list(benchmark_task_info(data).values())
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    splits = tokenize_tasks(data, tokenizer, infos, preset.max_length)
+    test = splits["test"]
+    if preset.routing_examples is not None:
+        keep = [row for i in range(len(infos)) for row in rows_of(test, i)[: preset.routing_examples]]
+        test = test.select(keep)
+    collator = MultiTaskCollator(tokenizer)
+    routing_batches = batches_by_task(test, infos, collator, 2 * preset.batch_size)
+    return Setup(preset, model_dir, infos, splits, collator, routing_batches, use_cpu, scratch)
+
+
+def peft_config(name: str, model: MultiTaskModel, preset: Preset) -> PeftConfig:
+    """The adapter of method ``name`` on ``model``: the preset's experts and rank unless the method sets its own."""
+    method = ALL_METHODS[name]
+    if method.routing is not None:
+        experts = None if method.routing == "single" else preset.num_experts
+        return smear_config(model, method.routing, preset.r, **{"num_experts": experts, **method.options})
+    rank = preset.r if method.lora == "compute" else preset.r * preset.num_experts
+    # lora_alpha as SMEAR's (= r), whatever the rank, as PEFT users keep it: rank N·r then has scaling 1/N, and its
+    # update grows per step about as fast as rank r's. (With scaling 1 it diverged at rates rank r trains well at.)
+    return LoraConfig(r=rank, lora_alpha=preset.r, target_modules=block_linear_names(model), modules_to_save=["heads"])
+
+
+def optimizer_for(model: PeftModel, method: Method, learning_rate: float) -> torch.optim.Optimizer | None:
+    """AdamW with the routing parameters at ``router_lr_ratio`` times the rate, or ``None`` (Trainer's AdamW)."""
+    if method.router_lr_ratio == 1.0:
+        return None
+    routing, other = [], []
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad:
+            is_routing = "smear_router_" in name or "smear_skill_logits" in name
+            (routing if is_routing else other).append(parameter)
+    groups = [{"params": other}, {"params": routing, "lr": learning_rate * method.router_lr_ratio}]
+    return torch.optim.AdamW(groups, lr=learning_rate, weight_decay=0.0)
+
+
+def run_one(run: Run, setup: Setup) -> tuple[dict[str, Any], RoutingReport | None]:
+    """Train one method at one rate and seed; its metrics (validation in the sweep only) and routing report."""
+    preset, method = setup.preset, ALL_METHODS[run.method]
+    started, cpu_started = time.perf_counter(), time.process_time()
+    model = build_model(setup.model_dir, setup.tasks, lambda base: peft_config(run.method, base, preset), run.seed)
+    trainable, _ = model.get_nb_trainable_parameters()
+    with tempfile.TemporaryDirectory(dir=setup.scratch) as output_dir:
+        trainer = fit(
+            model,
+            setup.splits["train"],
+            setup.tasks,
+            setup.collator,
+            output_dir,
+            steps=preset.steps,
+            batch_size=preset.batch_size,
+            learning_rate=run.learning_rate,
+            seed=run.seed,
+            quiet=True,
+            use_cpu=setup.use_cpu,
+            optimizer=optimizer_for(model, method, run.learning_rate),
+        )
+        trained = time.perf_counter()
+        validation = evaluate(trainer, setup.splits["validation"], setup.tasks) if run.phase == "sweep" else {}
+        test = evaluate(trainer, setup.splits["test"], setup.tasks)
+    model.eval()
+    report = None
+    if method.routed:
+        device = next(model.parameters()).device
+        batches = {
+            task: [{key: value.to(device) for key, value in batch.items()} for batch in task_batches]
+            for task, task_batches in setup.routing_batches.items()
+        }
+        report = RoutingReport.collect(model, batches)
+    row = {
+        **asdict(run),
+        "trainable_params": trainable,
+        "train_seconds": round(trained - started, 2),
+        "total_seconds": round(time.perf_counter() - started, 2),
+        "cpu_seconds": round(time.process_time() - cpu_started, 2),
+        "routing_entropy": _normalised_entropy(report),
+        "routing_similarity": _mean_task_similarity(report),
+        "collapsed_routers": _collapsed_share(report),
+        **{f"validation_{key}": value for key, value in validation.items()},
+        **{f"test_{key}": value for key, value in test.items()},
+    }
+    return row, report
+
+
+def _normalised_entropy(report: RoutingReport | None) -> float | None:
+    """Mean routing entropy of an example over tasks and routers, as a share of the uniform routing's entropy: 1 is
+    uniform routing, 0 one expert per example."""
+    if report is None:
+        return None
+    return float(report.entropy.mean() / math.log(report.num_experts))
+
+
+def _mean_task_similarity(report: RoutingReport | None) -> float | None:
+    """Mean routing similarity of two different tasks (1: routed alike; 0: to disjoint experts)."""
+    if report is None or len(report.tasks) < 2:
+        return None
+    similarity = report.similarity()
+    n = similarity.shape[0]
+    return float((similarity.sum() - similarity.trace()) / (n * (n - 1)))
+
+
+def _collapsed_share(report: RoutingReport | None, threshold: float = 0.9) -> float | None:
+    """Share of the routers that have collapsed: every task sends more than ``threshold`` of its mean routing to one
+    and the same expert."""
+    if report is None:
+        return None
+    top = report.mean_routing.argmax(axis=-1)  # [tasks, routers]
+    collapsed = (report.mean_routing.max(axis=-1) > threshold).all(axis=0) & (top == top[0]).all(axis=0)
+    return float(collapsed.mean())
+
+
+_WORKER_SETUP: Setup | None = None
+
+
+def _init_worker(setup: Setup, threads: int | None) -> None:
+    global _WORKER_SETUP
+    _WORKER_SETUP = setup
+    if threads is not None:
+        torch.set_num_threads(threads)
+    transformers.logging.set_verbosity_error()
+
+
+def _run_in_worker(run: Run) -> tuple[dict[str, Any], RoutingReport | None]:
+    assert _WORKER_SETUP is not None
+    return run_one(run, _WORKER_SETUP)
+
+
+class _InlineExecutor:
+    """Runs each job as it is submitted, in this process (``jobs=1``), behind the executor interface."""
+
+    def __init__(self, setup: Setup) -> None:
+        self.setup = setup
+
+    def submit(self, function: Callable[[Run], Any], run: Run) -> Future:
+        future: Future = Future()
+        future.set_result(run_one(run, self.setup))
+        return future
+
+    def __enter__(self) -> _InlineExecutor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def _progress(row: dict[str, Any]) -> str:
+    validation = row.get("validation_average")
+    shown = f"validation {validation:.4f}, " if validation is not None else ""
+    entropy = row["routing_entropy"]
+    routing = f", routing entropy {entropy:.2f}" if entropy is not None else ""
+    return (
+        f"{row['method']:<18} lr {row['learning_rate']:.0e} seed {row['seed']}: {shown}test "
+        f"{row['test_average']:.4f} ({row['total_seconds']:.0f} s{routing})"
+    )
+
+
+def choose_learning_rates(rows: Iterable[dict[str, Any]]) -> dict[str, float]:
+    """Per method, the swept rate with the best validation average (ties: the smaller rate; a diverged run's NaN
+    never wins)."""
+    best: dict[str, tuple[float, float]] = {}
+    for row in rows:
+        if row["phase"] != "sweep":
+            continue
+        average = row["validation_average"]
+        key = (-math.inf if math.isnan(average) else average, -row["learning_rate"])
+        if row["method"] not in best or key > best[row["method"]]:
+            best[row["method"]] = key
+    return {method: -key[1] for method, key in best.items()}
+
+
+def run_benchmark(
+    setup: Setup,
+    methods: Sequence[str],
+    learning_rates: Sequence[float],
+    seeds: int,
+    jobs: int = 1,
+    threads: int | None = None,
+    log: Callable[[str], None] = print,
+) -> tuple[list[dict[str, Any]], dict[str, float], dict[str, RoutingReport]]:
+    """Sweep every method's rates with seed 0, then run its other seeds at the chosen rate, as soon as its own sweep
+    is done (so ``jobs`` processes never wait for the slowest method's sweep). Returns every run's row (in method,
+    phase, rate, seed order), the chosen rates, and each routed method's routing report from its seed-0 run at the
+    chosen rate."""
+    if jobs == 1:
+        executor = _InlineExecutor(setup)
+    else:  # spawn: never fork a process that has started torch's threads
+        context = multiprocessing.get_context("spawn")
+        executor = ProcessPoolExecutor(jobs, mp_context=context, initializer=_init_worker, initargs=(setup, threads))
+    results: dict[Run, tuple[dict[str, Any], RoutingReport | None]] = {}
+    chosen: dict[str, float] = {}
+    with executor:
+        pending = {
+            executor.submit(_run_in_worker, run): run
+            for run in (Run(method, rate, 0, "sweep") for method in methods for rate in learning_rates)
+        }
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                run = pending.pop(future)
+                results[run] = future.result()
+                log(_progress(results[run][0]))
+                swept = [row for other, (row, _) in results.items() if other.method == run.method]
+                if run.phase == "sweep" and len(swept) == len(learning_rates):
+                    chosen[run.method] = choose_learning_rates(swept)[run.method]
+                    for seed in range(1, seeds):
+                        again = Run(run.method, chosen[run.method], seed, "seeds")
+                        pending[executor.submit(_run_in_worker, again)] = again
+    order = {method: i for i, method in enumerate(methods)}
+    runs = sorted(results, key=lambda r: (order[r.method], r.phase != "sweep", r.learning_rate, r.seed))
+    rows = [results[run][0] for run in runs]
+    for row in rows:
+        row["chosen"] = row["learning_rate"] == chosen[row["method"]]
+    reports = {
+        run.method: report
+        for run in runs
+        if (report := results[run][1]) is not None and run.phase == "sweep" and run.learning_rate == chosen[run.method]
+    }
+    return rows, chosen, reports
+
+
+def csv_columns(tasks: Sequence[TaskInfo]) -> list[str]:
+    metrics = [metric_name(task) for task in tasks] + ["average"]
+    return [
+        *[f.name for f in Run.__dataclass_fields__.values()],
+        "chosen",
+        "trainable_params",
+        "train_seconds",
+        "total_seconds",
+        "cpu_seconds",
+        "routing_entropy",
+        "routing_similarity",
+        "collapsed_routers",
+        *[f"validation_{name}" for name in metrics],
+        *[f"test_{name}" for name in metrics],
+    ]
+
+
+@dataclass
+class Summary:
+    """One method's chosen-rate runs: test metrics ×100 per seed, by metric name."""
+
+    method: str
+    learning_rate: float
+    seeds: list[int]
+    metrics: dict[str, list[float]]
+    trainable_params: int
+    routing_entropy: float | None
+    routing_similarity: float | None
+    collapsed_routers: float | None
+
+    def mean(self, metric: str = "average") -> float:
+        return statistics.fmean(self.metrics[metric])
+
+    def std(self, metric: str = "average") -> float:
+        values = self.metrics[metric]
+        return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def summarise(rows: list[dict[str, Any]], tasks: Sequence[TaskInfo]) -> dict[str, Summary]:
+    names = [metric_name(task) for task in tasks] + ["average"]
+    summaries = {}
+    for method in dict.fromkeys(row["method"] for row in rows):
+        chosen = sorted((row for row in rows if row["method"] == method and row["chosen"]), key=lambda r: r["seed"])
+        routing = {
+            key: [row[key] for row in chosen if row[key] is not None]
+            for key in ("routing_entropy", "routing_similarity", "collapsed_routers")
+        }
+        summaries[method] = Summary(
+            method=method,
+            learning_rate=chosen[0]["learning_rate"],
+            seeds=[row["seed"] for row in chosen],
+            metrics={name: [100 * row[f"test_{name}"] for row in chosen] for name in names},
+            trainable_params=chosen[0]["trainable_params"],
+            **{key: statistics.fmean(values) if values else None for key, values in routing.items()},
+        )
+    return summaries
+
+
+def markdown_table(summaries: dict[str, Summary], tasks: Sequence[TaskInfo]) -> str:
+    """The paper's table 2 layout: a row per method, test mean ± std per task and on average (×100)."""
+    names = [metric_name(task) for task in tasks]
+    header = ["method", "lr", "trainable params", *[name.replace("_", " ") for name in names], "average"]
+    header += ["routing entropy", "task similarity", "collapsed routers"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for summary in summaries.values():
+        cells = [
+            ALL_METHODS[summary.method].label,
+            f"{summary.learning_rate:.0e}",
+            f"{summary.trainable_params / 1e6:.2f} M",
+            *[f"{summary.mean(name):.1f} ± {summary.std(name):.1f}" for name in names],
+            f"**{summary.mean():.2f} ± {summary.std():.2f}**",
+            _optional(summary.routing_entropy),
+            _optional(summary.routing_similarity),
+            _optional(summary.collapsed_routers),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _optional(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}"
+
+
+def paired_difference(a: Summary, b: Summary) -> tuple[float, float]:
+    """Mean and sample std over the shared seeds of ``a``'s test average minus ``b``'s (points)."""
+    seeds = sorted(set(a.seeds) & set(b.seeds))
+    differences = [a.metrics["average"][a.seeds.index(s)] - b.metrics["average"][b.seeds.index(s)] for s in seeds]
+    return statistics.fmean(differences), statistics.stdev(differences) if len(differences) > 1 else 0.0
+
+
+def check_targets(summaries: dict[str, Summary]) -> list[tuple[str, str]]:
+    """The issue's targets, each with ``met``/``missed`` and the numbers behind it; a target whose methods were not
+    run says so."""
+    if "smear" not in summaries:
+        return [("SMEAR was not run", "no targets can be checked")]
+    smear = summaries["smear"]
+
+    def versus(other: str) -> str:
+        mean, std = paired_difference(smear, summaries[other])
+        return (
+            f"SMEAR {smear.mean():.2f} vs {ALL_METHODS[other].label} {summaries[other].mean():.2f}; "
+            f"paired difference over seeds {mean:+.2f} ± {std:.2f}"
+        )
+
+    def verdict(ok: bool, detail: str) -> str:
+        return f"{'met' if ok else 'missed'} ({detail})"
+
+    checks = []
+    others = [m for m in summaries if m in METHODS and m not in ("smear", "ensemble", "smear_no_dropout")]
+    if others:
+        above = [m for m in others if summaries[m].mean() > smear.mean()]
+        detail = "methods above SMEAR: " + (
+            ", ".join(f"{ALL_METHODS[m].label} {summaries[m].mean():.2f}" for m in above) if above else "none"
+        )
+        checks.append(("SMEAR's average ≥ every method except Ensemble", verdict(not above, detail)))
+    comparisons = [
+        ("SMEAR ≥ Tag", "tag", lambda s, o: s >= o),
+        ("SMEAR within 0.5 points of Ensemble", "ensemble", lambda s, o: s >= o - 0.5),
+        ("SMEAR > LoRA 1× compute", "lora_1x_compute", lambda s, o: s > o),
+        ("SMEAR ≥ LoRA 1× parameters", "lora_1x_params", lambda s, o: s >= o),
+    ]
+    for label, other, ok in comparisons:
+        if other in summaries:
+            checks.append((label, verdict(ok(smear.mean(), summaries[other].mean()), versus(other))))
+        else:
+            checks.append((label, f"not run ({other})"))
+    if "smear_no_dropout" in summaries:
+        checks.append(
+            ("Ablation: SMEAR with expert dropout 0.1 vs without (not a target)", versus("smear_no_dropout"))
+        )
+    return checks
+
+
+def save_figures(reports: dict[str, RoutingReport], figures_dir: Path) -> dict[str, Path]:
+    figures_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for method, report in reports.items():
+        paths[method] = figures_dir / f"{method}_routing.png"
+        report.save_heatmaps(paths[method])
+    return paths
+
+
+def write_outputs(
+    rows: list[dict[str, Any]], tasks: Sequence[TaskInfo], output_dir: Path, body: str
+) -> dict[str, Path]:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"csv": output_dir / "runs.csv", "markdown": output_dir / "quality.md"}
+    with open(paths["csv"], "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=csv_columns(tasks), restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+    paths["markdown"].write_text(body)
+    return paths
+
+
+def report_body(
+    summaries: dict[str, Summary],
+    tasks: Sequence[TaskInfo],
+    learning_rates: Sequence[float],
+    preset: Preset,
+    figures: dict[str, Path],
+) -> str:
+    """The table, the targets and the figures, in markdown (also the body of the RESULTS.md section)."""
+    counts = ", ".join(f"{task.name}" for task in tasks)
+    shown = ", ".join(f"{rate:.0e}" for rate in learning_rates)
+    rates = (
+        f"learning rate chosen from {shown} by the validation average of seed 0"
+        if len(learning_rates) > 1
+        else f"learning rate fixed at {shown} (no sweep)"
+    )
+    lines = [
+        f"Tasks: {counts}. Every method: {preset.steps} steps of batch {preset.batch_size}, {preset.max_length} "
+        f"tokens, {preset.num_experts} experts of rank {preset.r} where there are experts (LoRA 1× parameters: rank "
+        f"{preset.num_experts * preset.r}; lora_alpha = {preset.r} for every adapter), {rates}, then "
+        f"{max(len(s.seeds) for s in summaries.values())} seeds at that rate; test mean ± sample std over seeds. "
+        + TARGETS_NOTE
+        + " Routing entropy: an example's routing entropy as a share of the uniform routing's (1: uniform, 0: one "
+        "expert), averaged over tasks and routers; task similarity: 1 − total-variation distance between two "
+        "tasks' mean routing, averaged over routers and task pairs (1: every task routed alike); collapsed routers: "
+        "the share of routers where every task sends over 90% of its mean routing to the same expert.",
+        "",
+        markdown_table(summaries, tasks),
+        "",
+        "### Targets",
+        "",
+        *[f"- {label}: {result}" for label, result in check_targets(summaries)],
+    ]
+    if figures:
+        lines += [
+            "",
+            "### Routing heatmaps (seed 0, chosen rate, test examples)",
+            "",
+            *[f"- {ALL_METHODS[m].label}: `{path.as_posix()}`" for m, path in figures.items()],
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def machine_description(device: str, threads: int | None, jobs: int) -> str:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            cpu = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    parts = [f"{cpu}, {cores} cores usable, {jobs} run(s) at a time with {threads or torch.get_num_threads()} torch "
+             "thread(s) each"]  # fmt: skip
+    if device.startswith("cuda"):
+        parts.append(f"GPU {torch.cuda.get_device_name(device)}")
+    parts.append(
+        f"Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"peft {peft.__version__}, peft-smear {peft_smear.__version__}"
+    )
+    return "; ".join(parts)
+
+
+def results_section(
+    body: str,
+    preset_name: str,
+    command: str,
+    machine: str,
+    load: tuple[tuple, tuple],
+    seconds: float,
+    cpu_seconds: float,
+) -> str:
+    load_text = " / ".join(", ".join(f"{x:.2f}" for x in sample) for sample in load)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if max(sample[0] for sample in load) > cores:
+        load_text += f": above the {cores} cores, so other jobs shared the machine and slowed the run"
+    return "\n".join(
+        [
+            f"## Quality, preset `{preset_name}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+            "",
+            f"- Command: `{command}`",
+            f"- Machine: {machine}",
+            f"- Load average (1, 5, 15 min) before / after the run: {load_text}.",
+            f"- Wall time: {seconds / 60:.1f} min; the runs took {cpu_seconds / 60:.0f} CPU-minutes in all (about "
+            f"{cpu_seconds / 120:.0f} min of 2 idle cores at this machine's speed). {PRESETS[preset_name].note}",
+            "",
+            body,
+        ]
+    )
+
+
+RESULTS_HEADER = """# Benchmark results
+
+Measurements of peft-smear against PEFT LoRA, PEFT Poly and other routing methods. Each section is appended by a
+script in `benchmarks/` together with the machine, the package versions and the exact command that produced it;
+the numbers are never edited by hand.
+"""
+
+
+def append_results(path: Path, section: str) -> None:
+    text = path.read_text() if path.exists() else RESULTS_HEADER
+    path.write_text(text.rstrip("\n") + "\n\n" + section)
+
+
+def _task_file(entry: str) -> tuple[str, str]:
+    name, separator, path = entry.partition("=")
+    if not separator or not name or not path:
+        raise argparse.ArgumentTypeError(f"--task-file takes NAME=PATH, got {entry!r}")
+    return name, path
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="reduced")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--methods", nargs="+", choices=sorted(ALL_METHODS), default=list(METHODS))
+    parser.add_argument("--learning-rates", nargs="+", type=float, help="default: the preset's")
+    parser.add_argument("--seeds", type=int, help="seeds per method at the chosen rate (default: the preset's)")
+    parser.add_argument("--steps", type=int, help="training steps (default: the preset's)")
+    parser.add_argument("--model", type=Path, help="local encoder directory (default: the MiniLM of the benchmark)")
+    parser.add_argument("--tasks", nargs="+", help="benchmark tasks (default: all, or only the --task-file tasks)")
+    parser.add_argument("--task-file", action="append", type=_task_file, default=[], metavar="NAME=PATH")
+    parser.add_argument("--cache-dir", help="data cache (default: $PEFT_SMEAR_CACHE or ~/.cache/peft_smear)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs side by side, one process each (default: 1)")
+    parser.add_argument("--threads", type=int, help="torch threads per run; 1 on a shared CPU")
+    parser.add_argument("--output-dir", type=Path, default=Path("outputs/quality"))
+    parser.add_argument("--figures-dir", type=Path, default=Path("benchmarks/figures"))
+    parser.add_argument("--append-results", type=Path, default=None, metavar="RESULTS_MD")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> int:
+    args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    preset = PRESETS[args.preset]
+    preset = replace(preset, steps=args.steps or preset.steps, seeds=args.seeds or preset.seeds)
+    learning_rates = args.learning_rates or list(preset.learning_rates)
+    task_files = dict(args.task_file)
+    tasks = args.tasks if args.tasks or not task_files else list(task_files)
+    load_before, started = os.getloadavg(), time.perf_counter()
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=args.output_dir) as scratch:
+        setup = load_setup(
+            preset,
+            args.model or default_model_dir(),
+            tasks,
+            task_files,
+            args.cache_dir,
+            args.device == "cpu",
+            Path(scratch),
+        )
+        rows, _, reports = run_benchmark(
+            setup, args.methods, learning_rates, preset.seeds, args.jobs, args.threads, log
+        )
+    seconds, load_after = time.perf_counter() - started, os.getloadavg()
+    summaries = summarise(rows, setup.tasks)
+    figures = save_figures(reports, args.figures_dir)
+    body = report_body(summaries, setup.tasks, learning_rates, preset, figures)
+    paths = write_outputs(rows, setup.tasks, args.output_dir, body)
+    log(body)
+    if args.append_results is not None:
+        environment = f"PYTHONPATH={os.environ['PYTHONPATH']} " if os.environ.get("PYTHONPATH") else ""
+        threads = "OMP_NUM_THREADS=1 " if os.environ.get("OMP_NUM_THREADS") == "1" else ""
+        command = (
+            threads
+            + environment
+            + shlex.join(["python", "benchmarks/quality.py", *(sys.argv[1:] if argv is None else argv)])
+        )
+        machine = machine_description(args.device, args.threads, args.jobs)
+        cpu_seconds = sum(row["cpu_seconds"] for row in rows)
+        section = results_section(body, args.preset, command, machine, (load_before, load_after), seconds, cpu_seconds)
+        append_results(args.append_results, section)
+        paths["results"] = args.append_results
+    log("wrote " + ", ".join(str(path) for path in [*paths.values(), *figures.values()]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
