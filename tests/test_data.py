@@ -235,6 +235,20 @@ def test_cap_limits_each_split_deterministically_and_keeps_nested_subsets(cache)
     assert all(set(caps[4][split]) <= set(caps[9][split]) for split in full)
 
 
+def test_evaluation_cap_overrides_the_eighth_of_the_train_cap_and_keeps_nested_subsets(cache):
+    full = _assignment(load_benchmark(cache_dir=cache))
+    default = _assignment(load_benchmark(cache_dir=cache, max_examples_per_task=4))  # ceil(4 / 8) = 1
+    wider = _assignment(load_benchmark(cache_dir=cache, max_examples_per_task=4, max_eval_examples_per_task=3))
+    assert wider["train"] == default["train"]
+    for split in ("validation", "test"):
+        for task in BENCHMARK_TASKS:
+            available = sum(row[0] == task for row in full[split])
+            assert sum(row[0] == task for row in wider[split]) == min(3, available)
+        assert set(default[split]) < set(wider[split]) <= set(full[split])
+    with pytest.raises(ValueError, match="max_eval_examples_per_task must be at least 1, got 0"):
+        load_benchmark(cache_dir=cache, max_eval_examples_per_task=0)
+
+
 def test_user_tasks_from_csv_json_and_jsonl(cache, tmp_path):
     path = tmp_path / "intent.csv"
     rows = [["id", "text", "label"], *[[str(i), f"Book a table for {i}", "book"] for i in range(12)]]

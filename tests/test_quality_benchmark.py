@@ -20,7 +20,9 @@ from test_training import save_tiny_encoder, write_task_files
 
 
 QUALITY_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "quality.py"
-METHODS = ["smear", "tag", "lora_1x_compute", "lora_1x_params"]
+SWEPT = ["smear", "tag", "lora_1x_compute", "lora_1x_params"]
+ABLATION = "smear_no_dropout"  # takes SMEAR's chosen rate instead of sweeping
+METHODS = [*SWEPT, ABLATION]
 RATES = [1e-3, 3e-3, 1e-2]
 METRICS = ["topic_accuracy", "count_pearson", "average"]
 
@@ -58,7 +60,7 @@ def test_every_run_is_in_the_csv_with_finite_metrics(quality, outputs):
     tasks = [quality.TaskInfo("topic", "classification", ("a", "b")), quality.TaskInfo("count", "regression")]
     assert columns == quality.csv_columns(tasks)
     seeds = quality.PRESETS["tiny"].seeds
-    assert len(rows) == len(METHODS) * (len(RATES) + seeds - 1)
+    assert len(rows) == len(SWEPT) * (len(RATES) + seeds - 1) + seeds
     for row in rows:
         metrics = [f"test_{name}" for name in METRICS]
         if row["phase"] == "sweep":
@@ -68,7 +70,7 @@ def test_every_run_is_in_the_csv_with_finite_metrics(quality, outputs):
         for name in metrics:
             assert math.isfinite(float(row[name])), (row["method"], name)
         assert int(row["trainable_params"]) > 0 and float(row["train_seconds"]) > 0
-        has_routing = row["method"] in ("smear", "tag")
+        has_routing = row["method"] in ("smear", "tag", ABLATION)
         assert (row["routing_entropy"] != "") == has_routing, row["method"]
         if row["method"] == "tag":  # one expert per task, so one expert for all only with one task
             assert float(row["routing_entropy"]) == 0 and float(row["collapsed_routers"]) == 0
@@ -78,7 +80,7 @@ def test_every_run_is_in_the_csv_with_finite_metrics(quality, outputs):
 
 def test_the_learning_rate_kept_is_the_validation_argmax(outputs):
     _, _, rows = outputs
-    for method in METHODS:
+    for method in SWEPT:
         sweep = [row for row in rows if row["method"] == method and row["phase"] == "sweep"]
         assert sorted(float(row["learning_rate"]) for row in sweep) == RATES
         assert {row["seed"] for row in sweep} == {"0"}
@@ -89,10 +91,19 @@ def test_the_learning_rate_kept_is_the_validation_argmax(outputs):
         assert [row["seed"] for row in others] == ["1"] and others[0]["learning_rate"] == best["learning_rate"]
 
 
+def test_the_ablation_trains_every_seed_at_smears_chosen_rate_without_a_sweep(quality, outputs):
+    _, _, rows = outputs
+    smear_rate = {row["learning_rate"] for row in rows if row["method"] == "smear" and row["chosen"] == "True"}
+    ablation = [row for row in rows if row["method"] == ABLATION]
+    assert [row["seed"] for row in ablation] == [str(seed) for seed in range(quality.PRESETS["tiny"].seeds)]
+    assert {row["phase"] for row in ablation} == {"seeds"} and {row["chosen"] for row in ablation} == {"True"}
+    assert {row["learning_rate"] for row in ablation} == smear_rate
+
+
 def test_table_targets_and_results_section(quality, outputs):
     root, _, rows = outputs
     text = (root / "out" / "quality.md").read_text()
-    table = [line for line in text.splitlines() if line.startswith("|")]
+    table = [line for line in text.split("### Targets")[0].splitlines() if line.startswith("|")]
     header = [cell.strip() for cell in table[0].strip("|").split("|")]
     assert header[3:6] == ["topic accuracy", "count pearson", "average"]
     assert len(table) == 2 + len(METHODS)
@@ -111,7 +122,23 @@ def test_table_targets_and_results_section(quality, outputs):
 
     for method in ("smear", "tag"):
         assert (root / "figures" / f"{method}_routing.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert sorted(path.name for path in (root / "figures").iterdir()) == ["smear_routing.png", "tag_routing.png"]
+    figures = ["smear_no_dropout_routing.png", "smear_routing.png", "tag_routing.png"]
+    assert sorted(path.name for path in (root / "figures").iterdir()) == figures
+
+    sweep = text.split("### Learning-rate sweep (seed 0)")[1].split("###")[0]
+    sweep_rows = [line for line in sweep.splitlines() if line.startswith("|")][2:]
+    assert [row.split("|")[1].strip() for row in sweep_rows] == [quality.ALL_METHODS[m].label for m in SWEPT]
+    for method, line in zip(SWEPT, sweep_rows, strict=True):
+        cells = [cell.strip() for cell in line.strip("|").split("|")][1:]
+        runs = sorted(
+            (row for row in rows if row["method"] == method and row["phase"] == "sweep"),
+            key=lambda row: float(row["learning_rate"]),
+        )
+        for cell, row in zip(cells, runs, strict=True):
+            validation, test = (float(x) for x in cell.strip("*").split(" / "))
+            assert validation == pytest.approx(100 * float(row["validation_average"]), abs=0.051)
+            assert test == pytest.approx(100 * float(row["test_average"]), abs=0.051)
+            assert cell.startswith("**") == (row["chosen"] == "True")
 
     results = (root / "RESULTS.md").read_text()
     assert results.startswith("# Benchmark results") and "## Quality, preset `tiny`" in results

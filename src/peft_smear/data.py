@@ -14,9 +14,9 @@ Split rule (stable across runs, processes and machines): for an example of task 
 case-folded, whitespace-collapsed text) is ``key``, and the integer ``seed``, let ``d`` be the SHA-256 digest of the
 UTF-8 string ``f"{seed}\\x1f{task}\\x1f{key}"``. ``int.from_bytes(d[:8], "big") % 10`` is 0-7 for train, 8 for
 validation and 9 for test (80/10/10). With ``max_examples_per_task=n``, each task keeps at most ``n`` train examples
-and ``ceil(n / 8)`` validation and test examples each: those with the smallest ``int.from_bytes(d[8:16], "big")``, so
-a smaller cap keeps a subset of a larger one. Within a split, tasks come in the requested order and each task's
-examples in file order.
+and ``ceil(n / 8)`` validation and test examples each (or ``max_eval_examples_per_task``): those with the smallest
+``int.from_bytes(d[8:16], "big")``, so a smaller cap keeps a subset of a larger one. Within a split, tasks come in
+the requested order and each task's examples in file order.
 """
 
 from __future__ import annotations
@@ -372,7 +372,9 @@ def load_task_file(path: str | os.PathLike, name: str, kind: str | None = None) 
     return _task_dataset(rows, info, str(path)), info
 
 
-def _assign_splits(texts: Iterable[str], task: str, seed: int, cap: int | None) -> dict[str, list[int]]:
+def _assign_splits(
+    texts: Iterable[str], task: str, seed: int, cap: int | None, eval_cap: int | None
+) -> dict[str, list[int]]:
     """Indices of the examples of each split, by the rule of the module docstring."""
     members: dict[str, list[tuple[int, int]]] = {split: [] for split in SPLITS}
     for index, text in enumerate(texts):
@@ -380,7 +382,6 @@ def _assign_splits(texts: Iterable[str], task: str, seed: int, cap: int | None) 
         bucket = int.from_bytes(digest[:8], "big") % 10
         split = "train" if bucket < 8 else "validation" if bucket == 8 else "test"
         members[split].append((int.from_bytes(digest[8:16], "big"), index))
-    eval_cap = None if cap is None else -(-cap // 8)
     limits = {"train": cap, "validation": eval_cap, "test": eval_cap}
     return {split: sorted(index for _, index in sorted(ranked)[: limits[split]]) for split, ranked in members.items()}
 
@@ -392,6 +393,7 @@ def load_benchmark(
     seed: int = 0,
     task_files: Mapping[str, str | os.PathLike] | None = None,
     max_examples_per_task: int | None = None,
+    max_eval_examples_per_task: int | None = None,
 ) -> DatasetDict:
     """The benchmark as ``train``/``validation``/``test`` splits with columns ``text``, ``label`` (float32: the class
     index, or the value of a regression task) and ``task``.
@@ -403,7 +405,10 @@ def load_benchmark(
         seed: Seed of the split rule; the same seed gives the same splits everywhere.
         task_files: Your own tasks, ``{name: path}`` (see :func:`load_task_file`); those not named in ``tasks`` come
             after the requested ones. They are split by the same rule and never cached.
-        max_examples_per_task: Cap on each task's train examples (validation and test keep ``ceil(cap / 8)``).
+        max_examples_per_task: Cap on each task's train examples.
+        max_eval_examples_per_task: Cap on each task's validation and test examples; default ``ceil(cap / 8)`` of
+            ``max_examples_per_task`` (the splits' 8:1:1 proportion), or none without it. Larger evaluation sets
+            than that proportion make comparisons of short training runs less noisy.
 
     The task metadata travels in every split's ``DatasetInfo.description``; read it with :func:`benchmark_task_info`.
     """
@@ -421,6 +426,10 @@ def load_benchmark(
         raise ValueError(f"Request each task once and at least one task, got {names}.")
     if max_examples_per_task is not None and max_examples_per_task < 1:
         raise ValueError(f"max_examples_per_task must be at least 1, got {max_examples_per_task}.")
+    if max_eval_examples_per_task is not None and max_eval_examples_per_task < 1:
+        raise ValueError(f"max_eval_examples_per_task must be at least 1, got {max_eval_examples_per_task}.")
+    if max_eval_examples_per_task is None and max_examples_per_task is not None:
+        max_eval_examples_per_task = -(-max_examples_per_task // 8)
 
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     columns = {split: {"text": [], "label": [], "task": []} for split in SPLITS}
@@ -432,12 +441,20 @@ def load_benchmark(
             dataset, info = _builtin_task(name, cache), BENCHMARK_TASKS[name]
         infos.append(info)
         texts, labels = list(dataset["text"]), list(dataset["label"])
-        for split, indices in _assign_splits(texts, name, seed, max_examples_per_task).items():
+        for split, indices in _assign_splits(
+            texts, name, seed, max_examples_per_task, max_eval_examples_per_task
+        ).items():
             columns[split]["text"] += [texts[i] for i in indices]
             columns[split]["label"] += [labels[i] for i in indices]
             columns[split]["task"] += [name] * len(indices)
     info = DatasetInfo(
-        description=_metadata(infos, seed=seed, max_examples_per_task=max_examples_per_task), features=FEATURES
+        description=_metadata(
+            infos,
+            seed=seed,
+            max_examples_per_task=max_examples_per_task,
+            max_eval_examples_per_task=max_eval_examples_per_task,
+        ),
+        features=FEATURES,
     )
     return DatasetDict({split: Dataset.from_dict(columns[split], info=info.copy()) for split in SPLITS})
 
