@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from speed import append_results, machine_description
 
-from peft_smear.experts import apply_per_example_experts, merge_lora_experts, mixture_lora_delta
+from peft_smear.experts import add_lora_mixture, add_per_example_experts, merge_lora_experts
 
 
 STRATEGIES = ("lora", "merge_then_bmm", "dense_concatenated", "ensemble")
@@ -58,13 +58,12 @@ def layer_under(strategy: str, in_features: int, num_experts: int, r: int) -> Ca
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         probs = logits.expand(x.shape[0], -1).softmax(dim=-1)
+        y = x @ base.T
         if strategy == "merge_then_bmm":
-            delta = apply_per_example_experts(x, *merge_lora_experts(A, B, probs, x.dtype), 1.0)
-        elif strategy == "dense_concatenated":
-            delta = dense_concatenated_delta(x, A, B, probs, 1.0)
-        else:
-            delta = mixture_lora_delta(x, A, B, probs, 1.0)
-        return x @ base.T + delta
+            return add_per_example_experts(y, x, *merge_lora_experts(A, B, probs, x.dtype), 1.0)
+        if strategy == "dense_concatenated":
+            return y + dense_concatenated_delta(x, A, B, probs, 1.0)
+        return add_lora_mixture(y, x, A, B, probs, 1.0)
 
     return forward
 

@@ -22,6 +22,7 @@ import peft_smear
 from peft_smear import SmearConfig, SmearLinear, cli, export_merged_adapter
 from peft_smear.adapter_experts import BottleneckAdapterExperts
 from peft_smear.config import ROUTING_METHODS
+from peft_smear.experts import add_per_example_experts
 from peft_smear.ia3_experts import IA3Experts
 from peft_smear.routing_methods import merged, mixed, one_expert
 from test_trainer import (
@@ -653,3 +654,18 @@ def test_a_model_type_without_a_default_placement_asks_for_target_modules():
         smear(OPTForCausalLM(config), "adapter")
     placed = smear(OPTForCausalLM(config), "adapter", target_modules=["out_proj", "fc2"])
     assert len(smear_layers(placed)) == 2
+
+
+@pytest.mark.parametrize("y_dtype", [torch.float32, torch.bfloat16])
+def test_lora_experts_add_into_the_base_output_with_scaling_and_output_scale(y_dtype):
+    """The fused path (the second matmul adds into ``y``) and the path for a base output of another dtype (as under
+    autocast) against an explicit per-example computation."""
+    torch.manual_seed(0)
+    tokens, y = torch.randn(3, 5, 6, dtype=torch.bfloat16), torch.randn(3, 5, 4).to(y_dtype)
+    expert_A, expert_B_t = torch.randn(3, 2, 6, dtype=torch.bfloat16), torch.randn(3, 2, 4, dtype=torch.bfloat16)
+    output_scale = torch.tensor([1.0, 0.5, 0.0])
+    result = add_per_example_experts(y, tokens, expert_A, expert_B_t, 0.25, output_scale)
+    assert result.dtype == y_dtype
+    for b in range(3):
+        delta = tokens[b].float() @ expert_A[b].float().T @ expert_B_t[b].float() * 0.25 * output_scale[b]
+        torch.testing.assert_close(result[b].float(), y[b].float() + delta, atol=0.1, rtol=0.02)

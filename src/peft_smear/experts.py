@@ -209,27 +209,50 @@ def gather_lora_experts(
     return lora_A[expert_index].to(dtype), lora_B[expert_index].transpose(1, 2).to(dtype)
 
 
-def apply_per_example_experts(
-    tokens: torch.Tensor, expert_A: torch.Tensor, expert_B_t: torch.Tensor, scaling: float
+def add_per_example_experts(
+    y: torch.Tensor,
+    tokens: torch.Tensor,
+    expert_A: torch.Tensor,
+    expert_B_t: torch.Tensor,
+    scaling: float,
+    output_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``tokens [batch, seq, in]`` through each example's own expert (``[batch, r, in]``, ``[batch, r, out]``, from
-    :func:`merge_lora_experts` or :func:`gather_lora_experts`): two batched matmuls, the cost of one rank-r LoRA."""
-    return torch.bmm(torch.bmm(tokens, expert_A.transpose(1, 2)), expert_B_t) * scaling
+    """``y [batch, seq, out]`` plus ``tokens [batch, seq, in]`` through each example's own expert (``[batch, r, in]``,
+    ``[batch, r, out]``, from :func:`merge_lora_experts` or :func:`gather_lora_experts`), times ``scaling`` and each
+    example's ``output_scale``: the cost of one rank-r LoRA. The per-example scale goes on the rank-r hidden units
+    and the second matmul adds into ``y`` with the scaling as its ``alpha``, so no elementwise pass over the output
+    is left (a LoRA forward makes two: the scaling and the addition)."""
+    hidden = torch.bmm(tokens, expert_A.transpose(1, 2))
+    if output_scale is not None:
+        hidden = hidden * output_scale.to(hidden.dtype).view(-1, 1, 1)
+    if hidden.dtype != y.dtype:  # e.g. an fp32 base output under autocast
+        return y + (torch.bmm(hidden, expert_B_t) * scaling).to(y.dtype)
+    return torch.baddbmm(y, hidden, expert_B_t, alpha=scaling)
 
 
-def mixture_lora_delta(
-    tokens: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, weights: torch.Tensor, scaling: float
+def add_lora_mixture(
+    y: torch.Tensor,
+    tokens: torch.Tensor,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    weights: torch.Tensor,
+    scaling: float,
 ) -> torch.Tensor:
-    """The experts' *outputs* mixed per example, ``sum_n w_n B_n A_n x`` (ensemble, Top-k with k > 1, DSelect-k).
+    """``y`` plus the experts' *outputs* mixed per example, ``sum_n w_n B_n A_n x`` (ensemble, Top-k with k > 1,
+    DSelect-k).
 
     All experts run as one rank ``N * r`` LoRA whose rank dimensions are weighted by their expert's ``w_n``: one
-    dense matmul pair instead of N, but still N times the work of one expert.
+    dense matmul pair instead of N, but still N times the work of one expert. The second matmul adds into ``y``, as
+    in :func:`add_per_example_experts`.
     """
     n, r, _ = lora_A.shape
     stacked_A = lora_A.reshape(n * r, -1).to(tokens.dtype)
     stacked_B = lora_B.permute(1, 0, 2).reshape(-1, n * r).to(tokens.dtype)
     hidden = tokens @ stacked_A.T * weights.repeat_interleave(r, dim=1).unsqueeze(1).to(tokens.dtype)
-    return hidden @ stacked_B.T * scaling
+    if hidden.dtype != y.dtype:
+        return y + (hidden @ stacked_B.T * scaling).to(y.dtype)
+    flat = torch.addmm(y.reshape(-1, y.shape[-1]), hidden.reshape(-1, n * r), stacked_B.T, alpha=scaling)
+    return flat.view(y.shape)
 
 
 class LoraExperts(ExpertKind):
@@ -265,11 +288,10 @@ class LoraExperts(ExpertKind):
     def apply(
         self, x: torch.Tensor, y: torch.Tensor, expert: Expert, output_scale: torch.Tensor | None
     ) -> torch.Tensor:
-        return y + scaled(apply_per_example_experts(x, *expert, self.scaling), output_scale).to(y.dtype)
+        return add_per_example_experts(y, x, *expert, self.scaling, output_scale)
 
     def mix(self, x: torch.Tensor, y: torch.Tensor, params: Params, weights: torch.Tensor) -> torch.Tensor:
-        delta = mixture_lora_delta(x, params["smear_lora_A"], params["smear_lora_B"], weights, self.scaling)
-        return y + delta.to(y.dtype)
+        return add_lora_mixture(y, x, params["smear_lora_A"], params["smear_lora_B"], weights, self.scaling)
 
     def export_weights(self, params: Params, distribution: torch.Tensor) -> dict[str, torch.Tensor]:
         """A plain LoRA: for a fixed ``p`` the merged expert *is* ``A = sum_n p_n A_n``, ``B = sum_n p_n B_n``."""
