@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -381,10 +381,13 @@ def run_benchmark(
     methods: list[str] | None = None,
     memory: str = "subprocess",
     log: Callable[[str], None] = print,
+    num_experts: list[int] | None = None,
 ) -> list[dict]:
-    """Measure every shape of the preset's sweep; one CSV row per shape and method, each figure summarised over the
-    repetitions as ``SUMMARY`` says."""
+    """Measure every shape of the preset's sweep (``num_experts`` replaces its N); one CSV row per shape and method,
+    each figure summarised over the repetitions as ``SUMMARY`` says."""
     preset = PRESETS[preset_name]
+    if num_experts is not None:
+        preset = replace(preset, num_experts=list(num_experts))
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     repeats = repeats or preset.repeats
     methods = list(methods or METHODS)
@@ -561,7 +564,7 @@ def results_section(
         f"- Command: `{command}`",
         f"- Machine: {machine_description(device)}",
         f"- Load average (1, 5, 15 min) before / after the run: {load_text}.",
-        f"- Wall time: {seconds / 60:.1f} min. {PRESETS[preset_name].note}",
+        f"- Wall time: {seconds / 60:.1f} min. {PRESETS[preset_name].note}{_overrides(rows, PRESETS[preset_name])}",
         "- Times are the fastest of the repetitions (peak memory: the median), methods interleaved; each figure is "
         "divided by LoRA rank r's at the same shape (generation: tokens/s, higher is better; the rest: lower is "
         "better). Peak memory: what wrapping the base model and one training step add to it (CUDA: max "
@@ -583,6 +586,15 @@ def results_section(
     return "\n".join(lines)
 
 
+def _overrides(rows: list[dict], preset: Preset) -> str:
+    """What the command line changed in the preset's sweep, as measured (empty if nothing)."""
+    measured = sorted({row["num_experts"] for row in rows})
+    changes = [f"N {{{', '.join(map(str, measured))}}}"] if measured != sorted(preset.num_experts) else []
+    if rows and rows[0]["repeats"] != preset.repeats:
+        changes.append(f"{rows[0]['repeats']} repetitions")
+    return f" Changed on the command line: {', '.join(changes)}." if changes else ""
+
+
 RESULTS_HEADER = """# Benchmark results
 
 Measurements of peft-smear against PEFT LoRA, PEFT Poly and other routing methods. Each section is appended by a
@@ -602,6 +614,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="Default: bfloat16 on CUDA, float32 on CPU.")
     parser.add_argument("--repeats", type=int, default=None, help="Default: the preset's.")
+    parser.add_argument(
+        "--num-experts",
+        type=int,
+        nargs="+",
+        default=None,
+        help="The N to sweep instead of the preset's, e.g. only the target's 8 with more --repeats.",
+    )
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument(
         "--memory",
@@ -626,7 +645,9 @@ def main(argv: list[str] | None = None) -> int:
         run_memory_probe(args.memory_probe)
         return 0
     load_before, start = os.getloadavg(), time.perf_counter()
-    rows = run_benchmark(args.preset, args.device, args.dtype, args.repeats, args.methods, args.memory)
+    rows = run_benchmark(
+        args.preset, args.device, args.dtype, args.repeats, args.methods, args.memory, num_experts=args.num_experts
+    )
     seconds, load_after = time.perf_counter() - start, os.getloadavg()
     if not all(math.isfinite(row[name]) for row in rows for name in FIGURES):
         raise RuntimeError("A measurement is not finite.")

@@ -63,3 +63,18 @@ def test_results_section_reports_command_machine_and_targets(speed, rows, tmp_pa
     assert text.startswith("# Benchmark results") and "never edited by hand" in text
     assert "`python benchmarks/speed.py`" in text and f"torch {torch.__version__}" in text
     assert "not checked" in text  # the toy sweep does not include the target shape
+    assert "Changed on the command line" not in text  # the preset's own sweep
+
+
+def test_command_line_overrides_of_the_sweep_are_measured_and_reported(speed):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = speed.run_benchmark(
+            "tiny", repeats=2, methods=["smear"], memory="inprocess", log=lambda _: None, num_experts=[3]
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert [(row["method"], row["num_experts"], row["repeats"]) for row in rows] == [("lora", 3, 2), ("smear", 3, 2)]
+    section = speed.results_section(rows, "tiny", "cpu", "inprocess", "python benchmarks/speed.py", ((1,) * 3,) * 2, 1)
+    assert "Changed on the command line: N {3}, 2 repetitions." in section
