@@ -100,13 +100,14 @@ class ExpertKind:
         self, x: torch.Tensor, y: torch.Tensor, expert: Expert, output_scale: torch.Tensor | None
     ) -> torch.Tensor:
         """The module's output with each example's own expert: ``x [batch, tokens, in]`` is the module's input,
-        ``y [batch, tokens, out]`` its output. ``output_scale [batch]`` multiplies the expert's contribution (Top-k's
-        probability, ST-Gumbel's straight-through factor)."""
+        ``y [batch, tokens, out]`` its output, which may be updated in place and returned (the caller passes the
+        module's fresh output and uses only the result). ``output_scale [batch]`` multiplies the expert's
+        contribution (Top-k's probability, ST-Gumbel's straight-through factor)."""
         raise NotImplementedError
 
     def mix(self, x: torch.Tensor, y: torch.Tensor, params: Params, weights: torch.Tensor) -> torch.Tensor:
         """The module's output with the experts' contributions mixed by ``weights [batch, N]`` (ensemble, Top-k with
-        k > 1, DSelect-k)."""
+        k > 1, DSelect-k); ``y`` as in :meth:`apply`."""
         raise NotImplementedError
 
     def scale_input(self, x: torch.Tensor, params: Params, decision: RoutingDecision) -> torch.Tensor:
@@ -139,7 +140,8 @@ class ExpertKind:
         return decision.per_example_expert
 
     def output(self, x: torch.Tensor, y: torch.Tensor, params: Params, decision: RoutingDecision) -> torch.Tensor:
-        """The module's output ``y`` changed by the experts as ``decision`` says: merged or chosen, or mixed."""
+        """The module's output ``y`` changed by the experts as ``decision`` says: merged or chosen, or mixed (``y``
+        may be updated in place, see :meth:`apply`)."""
         if decision.mixture:
             return self.mix(x, y, params, decision.weights)
         return self.apply(x, y, self.expert_for(params, decision, y.dtype), decision.output_scale)
@@ -219,15 +221,18 @@ def add_per_example_experts(
 ) -> torch.Tensor:
     """``y [batch, seq, out]`` plus ``tokens [batch, seq, in]`` through each example's own expert (``[batch, r, in]``,
     ``[batch, r, out]``, from :func:`merge_lora_experts` or :func:`gather_lora_experts`), times ``scaling`` and each
-    example's ``output_scale``: the cost of one rank-r LoRA. The per-example scale goes on the rank-r hidden units
-    and the second matmul adds into ``y`` with the scaling as its ``alpha``, so no elementwise pass over the output
-    is left (a LoRA forward makes two: the scaling and the addition)."""
+    example's ``output_scale``: the cost of one rank-r LoRA.
+
+    ``y`` is updated in place: it is the wrapped module's fresh output, which nothing else holds (a linear layer
+    keeps its input for backward, not its output). The per-example scale goes on the rank-r hidden units and the
+    second matmul accumulates into ``y`` with the scaling as its ``alpha``, so no pass over the output is left (a
+    LoRA forward makes two, the scaling and the addition; an out-of-place ``baddbmm`` would copy ``y``)."""
     hidden = torch.bmm(tokens, expert_A.transpose(1, 2))
     if output_scale is not None:
         hidden = hidden * output_scale.to(hidden.dtype).view(-1, 1, 1)
     if hidden.dtype != y.dtype:  # e.g. an fp32 base output under autocast
-        return y + (torch.bmm(hidden, expert_B_t) * scaling).to(y.dtype)
-    return torch.baddbmm(y, hidden, expert_B_t, alpha=scaling)
+        return y.add_((torch.bmm(hidden, expert_B_t) * scaling).to(y.dtype))
+    return y.baddbmm_(hidden, expert_B_t, alpha=scaling)
 
 
 def add_lora_mixture(
@@ -242,17 +247,17 @@ def add_lora_mixture(
     DSelect-k).
 
     All experts run as one rank ``N * r`` LoRA whose rank dimensions are weighted by their expert's ``w_n``: one
-    dense matmul pair instead of N, but still N times the work of one expert. The second matmul adds into ``y``, as
-    in :func:`add_per_example_experts`.
+    dense matmul pair instead of N, but still N times the work of one expert. The second matmul accumulates into
+    ``y`` in place, as in :func:`add_per_example_experts`.
     """
     n, r, _ = lora_A.shape
     stacked_A = lora_A.reshape(n * r, -1).to(tokens.dtype)
     stacked_B = lora_B.permute(1, 0, 2).reshape(-1, n * r).to(tokens.dtype)
     hidden = tokens @ stacked_A.T * weights.repeat_interleave(r, dim=1).unsqueeze(1).to(tokens.dtype)
     if hidden.dtype != y.dtype:
-        return y + (hidden @ stacked_B.T * scaling).to(y.dtype)
-    flat = torch.addmm(y.reshape(-1, y.shape[-1]), hidden.reshape(-1, n * r), stacked_B.T, alpha=scaling)
-    return flat.view(y.shape)
+        return y.add_((hidden @ stacked_B.T * scaling).to(y.dtype))
+    y.view(-1, y.shape[-1]).addmm_(hidden.reshape(-1, n * r), stacked_B.T, alpha=scaling)
+    return y
 
 
 class LoraExperts(ExpertKind):
