@@ -23,7 +23,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from speed import append_results, machine_description
+from speed import append_results, load_description, machine_description
 
 from peft_smear.experts import add_lora_mixture, add_per_example_experts, merge_lora_experts
 
@@ -98,7 +98,7 @@ def results_section(rows: list[dict], command: str, width: int, wall_seconds: fl
         "",
         f"- Command: `{command}`",
         f"- Machine: {machine_description('cpu')}",
-        f"- Load average (1, 5, 15 min) before / after: {' / '.join(', '.join(f'{x:.2f}' for x in a) for a in load)}.",
+        f"- Load average (1, 5, 15 min) before / after: {load_description(load, 'the timings are noisy')}.",
         f"- One linear layer of width {width} (base weight + adapter); wall time {wall_seconds / 60:.1f} min. Times "
         "are the fastest repetition, strategies interleaved, divided by the same layer with LoRA rank r. Train: "
         "forward + backward; inference: forward without autograd.",

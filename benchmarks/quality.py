@@ -22,7 +22,6 @@ import csv
 import math
 import multiprocessing
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -34,14 +33,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import peft
 import torch
 import transformers
 from datasets import DatasetDict
 from peft import LoraConfig, PeftConfig, PeftModel
+from speed import append_results, load_description, machine_description
 from transformers import AutoTokenizer
 
-import peft_smear
 from peft_smear.data import TaskInfo, benchmark_task_info, load_benchmark
 from peft_smear.multitask import MultiTaskCollator, MultiTaskModel, block_linear_names, metric_name
 from peft_smear.report import RoutingReport
@@ -658,25 +656,6 @@ def report_body(
     return "\n".join(lines) + "\n"
 
 
-def machine_description(device: str, threads: int | None, jobs: int) -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            cpu = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    parts = [f"{cpu}, {cores} cores usable, {jobs} run(s) at a time with {threads or torch.get_num_threads()} torch "
-             "thread(s) each"]  # fmt: skip
-    if device.startswith("cuda"):
-        parts.append(f"GPU {torch.cuda.get_device_name(device)}")
-    parts.append(
-        f"Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"peft {peft.__version__}, peft-smear {peft_smear.__version__}"
-    )
-    return "; ".join(parts)
-
-
 def results_section(
     body: str,
     preset_name: str,
@@ -686,10 +665,7 @@ def results_section(
     seconds: float,
     cpu_seconds: float,
 ) -> str:
-    load_text = " / ".join(", ".join(f"{x:.2f}" for x in sample) for sample in load)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if max(sample[0] for sample in load) > cores:
-        load_text += f": above the {cores} cores, so other jobs shared the machine and slowed the run"
+    load_text = load_description(load, "slowed the run")
     return "\n".join(
         [
             f"## Quality, preset `{preset_name}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
@@ -703,19 +679,6 @@ def results_section(
             body,
         ]
     )
-
-
-RESULTS_HEADER = """# Benchmark results
-
-Measurements of peft-smear against PEFT LoRA, PEFT Poly and other routing methods. Each section is appended by a
-script in `benchmarks/` together with the machine, the package versions and the exact command that produced it;
-the numbers are never edited by hand.
-"""
-
-
-def append_results(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else RESULTS_HEADER
-    path.write_text(text.rstrip("\n") + "\n\n" + section)
 
 
 def _task_file(entry: str) -> tuple[str, str]:
@@ -783,7 +746,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
             + environment
             + shlex.join(["python", "benchmarks/quality.py", *(sys.argv[1:] if argv is None else argv)])
         )
-        machine = machine_description(args.device, args.threads, args.jobs)
+        machine = f"{machine_description(args.device)}; {args.jobs} run(s) side by side, each with those threads"
         cpu_seconds = sum(row["cpu_seconds"] for row in rows)
         section = results_section(body, args.preset, command, machine, (load_before, load_after), seconds, cpu_seconds)
         append_results(args.append_results, section)

@@ -528,6 +528,15 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
+def load_description(load: tuple[tuple, tuple], consequence: str) -> str:
+    """The load averages before / after a run, and ``consequence`` when they say other jobs shared the machine."""
+    text = " / ".join(", ".join(f"{x:.2f}" for x in sample) for sample in load)
+    cores = usable_cores()
+    if max(sample[0] for sample in load) > cores:
+        text += f": above the {cores} cores, so other jobs shared the machine and {consequence}"
+    return text
+
+
 def machine_description(device: str) -> str:
     cpu = platform.processor() or "unknown CPU"
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
@@ -554,10 +563,7 @@ def results_section(
 ) -> str:
     target_rows = [row for row in rows if all(row[k] == v for k, v in TARGET_SHAPE.items())]
     checks = check_targets(rows)
-    load_text = " / ".join(", ".join(f"{x:.2f}" for x in sample) for sample in load)
-    cores = usable_cores()
-    if max(sample[0] for sample in load) > cores:
-        load_text += f": above the {cores} cores, so other jobs shared the machine and the timings are noisy"
+    load_text = load_description(load, "the timings are noisy")
     lines = [
         f"## Speed, preset `{preset_name}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",

@@ -30,24 +30,23 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import platform
 import shlex
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import peft
 import torch
 import torch.nn.functional as F
-import transformers
 from peft import get_peft_model
+from speed import append_results, load_description, machine_description
 from torch import nn
 from transformers.utils import ModelOutput
 
-import peft_smear
 from peft_smear import SmearConfig
 from peft_smear.report import RoutingReport
 
@@ -350,25 +349,15 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
 def results_section(table: str, command: str, description: str, seconds: float, load: tuple[tuple, tuple]) -> str:
-    load_text = " / ".join(", ".join(f"{x:.2f}" for x in sample) for sample in load)
     return "\n".join(
         [
             f"## Synthetic routing (DSelect-k appendix C.1), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
             "",
             f"- Command: `{command}`",
-            f"- Machine: {_cpu_name()}, torch threads {torch.get_num_threads()}; "
-            f"Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
-            f"peft {peft.__version__}, peft-smear {peft_smear.__version__}",
-            f"- Load average (1, 5, 15 min) before / after the run: {load_text}. Wall time: {seconds / 60:.1f} min.",
+            f"- Machine: {machine_description('cpu')}",
+            f"- Load average (1, 5, 15 min) before / after the run: {load_description(load, 'slowed the run')}. "
+            f"Wall time: {seconds / 60:.1f} min.",
             f"- {description}",
             "",
             table,
@@ -392,7 +381,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--steps", type=int, default=Settings.steps)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--append-results", default=None, metavar="RESULTS_MD")
+    parser.add_argument("--append-results", type=Path, default=None, metavar="RESULTS_MD")
     return parser.parse_args(argv)
 
 
@@ -418,8 +407,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
         )
         command = shlex.join(["python", "benchmarks/synthetic_routing.py", *(sys.argv[1:] if argv is None else argv)])
         section = results_section(table, command, description, seconds, (load_before, load_after))
-        with open(args.append_results, "a") as results:
-            results.write("\n" + section)
+        append_results(args.append_results, section)
     return 0
 
 

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 from peft import get_peft_model
 
 import peft_smear
+from benchmark_scripts import import_script
 from peft_smear import SmearLinear
 from tiny_models import tiny_bert
 
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from export_gap import weight_gap
+weight_gap = import_script("export_gap").weight_gap
 
 
 def test_weight_gap_is_the_relative_error_of_the_mean_routing_update():

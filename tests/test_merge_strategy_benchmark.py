@@ -5,25 +5,16 @@ from __future__ import annotations
 
 import math
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from benchmark_scripts import import_script
 
 
 @pytest.fixture(scope="module")
 def merge_strategy():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import merge_strategy
-
-        yield merge_strategy
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    return import_script("merge_strategy")
 
 
 def test_dense_concatenated_equals_an_explicit_per_example_merge(merge_strategy):

@@ -5,21 +5,18 @@ section are written. Only the plumbing is tested: these numbers mean nothing."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import math
 import re
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from benchmark_scripts import import_script
 from peft_smear.report import RoutingReport
 from test_training import save_tiny_encoder, write_task_files
 
 
-QUALITY_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "quality.py"
 SWEPT = ["smear", "tag", "lora_1x_compute", "lora_1x_params"]
 ABLATION = "smear_no_dropout"  # takes SMEAR's chosen rate instead of sweeping
 METHODS = [*SWEPT, ABLATION]
@@ -29,11 +26,7 @@ METRICS = ["topic_accuracy", "count_pearson", "average"]
 
 @pytest.fixture(scope="module")
 def quality():
-    spec = importlib.util.spec_from_file_location("quality_benchmark", QUALITY_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return import_script("quality")
 
 
 @pytest.fixture(scope="module")

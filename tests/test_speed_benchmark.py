@@ -3,26 +3,20 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from benchmark_scripts import import_script
 
-SPEED_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "speed.py"
+
 METHODS = ["lora", "smear", "ensemble", "poly", "exported"]
 
 
 @pytest.fixture(scope="module")
 def speed():
-    spec = importlib.util.spec_from_file_location("speed_benchmark", SPEED_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return import_script("speed")
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +72,11 @@ def test_command_line_overrides_of_the_sweep_are_measured_and_reported(speed):
     assert [(row["method"], row["num_experts"], row["repeats"]) for row in rows] == [("lora", 3, 2), ("smear", 3, 2)]
     section = speed.results_section(rows, "tiny", "cpu", "inprocess", "python benchmarks/speed.py", ((1,) * 3,) * 2, 1)
     assert "Changed on the command line: N {3}, 2 repetitions." in section
+
+
+def test_load_description_says_when_other_jobs_shared_the_machine(speed):
+    quiet, busy = ((0.5, 0.4, 0.3), (0.6, 0.5, 0.4)), ((1e4,) * 3, (0.5,) * 3)
+    assert speed.load_description(quiet, "timings are noisy") == "0.50, 0.40, 0.30 / 0.60, 0.50, 0.40"
+    assert speed.load_description(busy, "timings are noisy").endswith(
+        f"above the {speed.usable_cores()} cores, so other jobs shared the machine and timings are noisy"
+    )

@@ -4,26 +4,18 @@ experts; and the suite's plumbing on a few steps."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-
-SYNTHETIC_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "synthetic_routing.py"
+from benchmark_scripts import import_script
 
 
 @pytest.fixture(scope="module")
 def synthetic():
-    spec = importlib.util.spec_from_file_location("synthetic_routing", SYNTHETIC_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return import_script("synthetic_routing")
 
 
 def test_task_weights_correlate_within_groups_only(synthetic):
@@ -84,3 +76,19 @@ def test_the_suite_runs_and_tag_routing_is_the_groups(synthetic):
     assert (tag["jaccard_within"], tag["jaccard_across"]) == (1.0, 0.0)
     table = synthetic.markdown_table(rows).splitlines()
     assert len(table) == 4 and table[2].startswith("| SMEAR |") and "Tag" in table[3]
+
+
+def test_the_command_appends_its_table_with_command_and_machine(synthetic, tmp_path):
+    results = tmp_path / "RESULTS.md"
+    argv = ["--methods", "tag", "--learning-rates", "1e-2", "--seeds", "1", "--groups", "2", "--tasks-per-group", "2"]
+    argv += ["--observations", "64", "16", "16", "--steps", "2", "--append-results", str(results)]
+    tables, threads = [], torch.get_num_threads()
+    try:
+        assert synthetic.main(argv, log=tables.append) == 0
+    finally:
+        torch.set_num_threads(threads)  # the command sets its own
+    text = results.read_text()
+    assert text.startswith("# Benchmark results") and "## Synthetic routing (DSelect-k appendix C.1)" in text
+    assert f"- Command: `python benchmarks/synthetic_routing.py {' '.join(argv)}`" in text
+    assert f"torch {torch.__version__}" in text and "Load average" in text
+    assert tables[-1] in text  # the very table it printed
