@@ -227,9 +227,7 @@ def add_per_example_experts(
     keeps its input for backward, not its output). The per-example scale goes on the rank-r hidden units and the
     second matmul accumulates into ``y`` with the scaling as its ``alpha``, so no pass over the output is left (a
     LoRA forward makes two, the scaling and the addition; an out-of-place ``baddbmm`` would copy ``y``)."""
-    hidden = torch.bmm(tokens, expert_A.transpose(1, 2))
-    if output_scale is not None:
-        hidden = hidden * output_scale.to(hidden.dtype).view(-1, 1, 1)
+    hidden = scaled(torch.bmm(tokens, expert_A.transpose(1, 2)), output_scale)
     if hidden.dtype != y.dtype:  # e.g. an fp32 base output under autocast
         return y.add_((torch.bmm(hidden, expert_B_t) * scaling).to(y.dtype))
     return y.baddbmm_(hidden, expert_B_t, alpha=scaling)
