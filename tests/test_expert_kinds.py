@@ -20,11 +20,10 @@ from transformers.pytorch_utils import Conv1D
 
 import peft_smear
 from peft_smear import SmearConfig, SmearLinear, cli, export_merged_adapter
-from peft_smear.adapter_experts import BottleneckAdapterExperts
-from peft_smear.config import ROUTING_METHODS
-from peft_smear.experts import add_per_example_experts
-from peft_smear.ia3_experts import IA3Experts
-from peft_smear.routing_methods import merged, mixed, one_expert
+from peft_smear.experts import BottleneckAdapterExperts, IA3Experts
+from peft_smear.experts.lora import add_per_example_experts
+from peft_smear.routers import ROUTING_METHODS
+from peft_smear.routers.base import merged, mixed, one_expert
 from test_trainer import (
     assert_loss_fell,
     changed_keys,
@@ -104,10 +103,10 @@ def reference_layer_output(layer, name, config, x, token_mask, encoder_summary, 
     router's distribution merges every expert parameter, and the merged expert of the configured kind is applied."""
     adapter = "default"
     params = {key: value.detach().double() for key, value in layer.expert_params(adapter).items()}
-    W = layer.smear_router_weight[adapter].double()
-    row_gain = layer.smear_router_row_norm_weight[adapter].double()
-    in_gain = layer.smear_router_input_norm_weight[adapter].double()
-    in_bias = layer.smear_router_input_norm_bias[adapter].double()
+    W = layer.smear_router[adapter].weight.double()
+    row_gain = layer.smear_router[adapter].row_norm_weight.double()
+    in_gain = layer.smear_router[adapter].input_norm_weight.double()
+    in_bias = layer.smear_router[adapter].input_norm_bias.double()
     num_experts = W.shape[0]
     outputs = []
     for b in range(x.shape[0]):
@@ -232,7 +231,7 @@ def test_every_routing_method_trains_with_every_kind(kind, routing):
     assert torch.isfinite(outputs.loss)
     grads = {n: p.grad for n, p in model.named_parameters() if ".smear_" in n}
     assert any(g is not None and g.abs().sum() > 0 for n, g in grads.items() if "router" not in n and "skill" not in n)
-    learned = [n for n in grads if "smear_router_weight" in n or "smear_skill_logits" in n]
+    learned = [n for n in grads if n.endswith((".smear_router.default.weight", ".smear_router.default.skill_logits"))]
     assert all(grads[n] is not None and grads[n].abs().sum() > 0 for n in learned), "every router must learn"
     weights = peft_smear.get_routing_weights(model, **batch, smear_task_ids=torch.tensor([0, 1, 2, 0]))
     assert all(torch.allclose(w.sum(-1), torch.ones(4)) for w in weights.values())

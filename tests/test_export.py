@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 import peft_smear
 from peft_smear import SmearConfig, SmearLinear, export_merged_adapter
-from peft_smear.routing_methods import merged
+from peft_smear.routers.base import merged
 from tiny_models import random_batch, tiny_bert, tiny_gpt2, tiny_llama
 
 

@@ -33,10 +33,10 @@ def reference_layer_output(
     """SMEAR written out one example at a time with explicit loops, in float64, sharing no code with the package."""
     name = "default"
     A, B = layer.smear_lora_A[name].double(), layer.smear_lora_B[name].double()
-    W = layer.smear_router_weight[name].double()
-    row_gain = layer.smear_router_row_norm_weight[name].double()
-    in_gain = layer.smear_router_input_norm_weight[name].double()
-    in_bias = layer.smear_router_input_norm_bias[name].double()
+    W = layer.smear_router[name].weight.double()
+    row_gain = layer.smear_router[name].row_norm_weight.double()
+    in_gain = layer.smear_router[name].input_norm_weight.double()
+    in_bias = layer.smear_router[name].input_norm_bias.double()
     num_experts = A.shape[0]
 
     def layer_norm(v):
@@ -154,7 +154,7 @@ def test_expert_dropout_only_in_training():
 
 
 def test_drop_experts_keeps_an_example_that_lost_every_expert():
-    from peft_smear.routing import drop_experts
+    from peft_smear.routers.learned import drop_experts
 
     dropped = drop_experts(torch.zeros(2000, 2), 0.9).softmax(-1)
     assert torch.isfinite(dropped).all()
@@ -165,7 +165,7 @@ def test_drop_experts_keeps_an_example_that_lost_every_expert():
 def test_expert_dropout_on_a_sharp_router_keeps_gradients_finite():
     """The dominant expert dropped from a saturated router: the kept experts' probabilities all underflow, which
     renormalising probabilities turned into NaN gradients."""
-    from peft_smear.routing import router_probabilities
+    from peft_smear.routers.learned import router_probabilities
 
     torch.manual_seed(0)
     normed = torch.randn(64, 4)

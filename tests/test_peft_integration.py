@@ -239,11 +239,11 @@ def test_loading_onto_a_head_of_another_size_fails_clearly(tmp_path):
 def test_missing_adapter_weight_is_an_error(tmp_path):
     smear_llama().save_pretrained(tmp_path)
     weights = load_file(tmp_path / "adapter_model.safetensors")
-    dropped = "base_model.model.model.layers.1.self_attn.v_proj.smear_router_weight"
+    dropped = "base_model.model.model.layers.1.self_attn.v_proj.smear_router.weight"
     del weights[dropped]
     save_file(weights, tmp_path / "adapter_model.safetensors")
     with pytest.raises(
-        ValueError, match=r"missing from the checkpoint:\n  .*layers\.1\.self_attn\.v_proj\.smear_router_w"
+        ValueError, match=r"missing from the checkpoint:\n  .*layers\.1\.self_attn\.v_proj\.smear_router\.default\.weight"
     ):
         PeftModel.from_pretrained(tiny_llama(), tmp_path)
 

@@ -17,9 +17,9 @@ from transformers.utils import ModelOutput
 
 import peft_smear
 from peft_smear import SmearConfig, SmearLinear
-from peft_smear.config import ROUTING_METHODS
 from peft_smear.losses import per_example_task_loss, reinforce_losses
-from peft_smear.routing_methods import PolicyStep
+from peft_smear.routers import ROUTING_METHODS, PolicyStep
+from peft_smear.routers.learned import annealed_temperature
 from tiny_models import VOCAB, random_batch, tiny_bert, tiny_llama, tiny_t5
 
 
@@ -125,7 +125,7 @@ def test_gradients_reach_the_router(routing):
     router_grads = {
         name: param.grad
         for name, param in model.named_parameters()
-        if "smear_router_weight" in name and param.requires_grad
+        if name.endswith(".smear_router.default.weight") and param.requires_grad
     }
     assert router_grads
     for name, grad in router_grads.items():
@@ -208,11 +208,11 @@ def test_latent_skills_merges_by_the_normalised_sigmoid_of_the_task_logits_at_in
     model = bert_with("latent_skills")
     layer = layer_of(model)
     with torch.no_grad():
-        layer.smear_skill_logits["default"].copy_(torch.randn(NUM_TASKS, 4) * 3)
+        layer.smear_router["default"].skill_logits.copy_(torch.randn(NUM_TASKS, 4) * 3)
     task_ids = torch.tensor([2, 0, 1])
     weights = peft_smear.get_routing_weights(model, **random_batch(3, 6), smear_task_ids=task_ids)
     name = next(n for n, m in model.base_model.model.named_modules() if m is layer)
-    active = layer.smear_skill_logits["default"].detach().sigmoid()[task_ids]
+    active = layer.smear_router["default"].skill_logits.detach().sigmoid()[task_ids]
     torch.testing.assert_close(weights[name], active / active.sum(dim=-1, keepdim=True))
 
 
@@ -360,7 +360,9 @@ def test_reinforce_rewards_generative_heads_with_their_own_task_loss(arch):
     outputs = model(**batch, labels=labels)
     assert {"reinforce_policy", "reinforce_value"} <= set(outputs.smear_aux_losses)
     outputs.loss.backward()
-    baseline_grads = [p.grad for n, p in model.named_parameters() if "smear_baseline_output_weight" in n]
+    baseline_grads = [
+        p.grad for n, p in model.named_parameters() if n.endswith(".smear_router.default.baseline_output_weight")
+    ]
     assert baseline_grads and all(g is not None and g.abs().sum() > 0 for g in baseline_grads)
 
 
@@ -421,8 +423,12 @@ def test_every_method_saves_and_reloads_exactly(routing, tmp_path):
     model.save_pretrained(tmp_path)
     reloaded = PeftModel.from_pretrained(tiny_bert(), tmp_path).eval()
     assert reloaded.peft_config["default"].routing == routing
+    # Under another adapter name: PEFT re-inserts the name into each router parameter's key.
+    renamed = PeftModel.from_pretrained(tiny_bert(), tmp_path, adapter_name="renamed").eval()
+    assert not any(p.is_meta for p in renamed.parameters())
     with torch.no_grad():
         torch.testing.assert_close(reloaded(**batch).logits, expected)
+        torch.testing.assert_close(renamed(**batch).logits, expected)
 
 
 @pytest.mark.parametrize("routing", ["ensemble", "top_k", "dselect_k"])
@@ -447,8 +453,8 @@ def test_st_gumbel_temperature_anneals_with_training_calls():
     model.eval()
     model(**batch)
     assert context.training_calls == 3
-    assert peft_smear.routing_methods.annealed_temperature(10.0, 0.5, 2.0, 3) == pytest.approx(10 * 2.718281828**-1.5)
-    assert peft_smear.routing_methods.annealed_temperature(10.0, 0.5, 2.0, 100) == 2.0
+    assert annealed_temperature(10.0, 0.5, 2.0, 3) == pytest.approx(10 * 2.718281828**-1.5)
+    assert annealed_temperature(10.0, 0.5, 2.0, 100) == 2.0
 
 
 def test_auxiliary_losses_are_added_to_a_tuple_output_too():

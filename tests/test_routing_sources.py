@@ -182,13 +182,13 @@ def test_t5_decoder_routing_equals_routing_on_the_encoder_output_by_hand():
     for name, layer in decoder.named_modules():
         if not isinstance(layer, SmearLinear):
             continue
-        W = layer.smear_router_weight["default"]
-        rows = torch.nn.functional.layer_norm(W, W.shape[-1:]) * layer.smear_router_row_norm_weight["default"]
+        W = layer.smear_router["default"].weight
+        rows = torch.nn.functional.layer_norm(W, W.shape[-1:]) * layer.smear_router["default"].row_norm_weight
         normed = torch.nn.functional.layer_norm(
             summary,
             summary.shape[-1:],
-            layer.smear_router_input_norm_weight["default"],
-            layer.smear_router_input_norm_bias["default"],
+            layer.smear_router["default"].input_norm_weight,
+            layer.smear_router["default"].input_norm_bias,
         )
         expected = (normed @ rows.T).softmax(-1)
         torch.testing.assert_close(weights[f"decoder.{name}"], expected, atol=1e-6, rtol=1e-5)

@@ -19,7 +19,7 @@ from peft_smear import SmearLinear, get_routing_weights, training
 from peft_smear.cli import main
 from peft_smear.data import TaskInfo
 from peft_smear.multitask import UNUSED_CLASS_LOGIT, MultiTaskModel
-from peft_smear.routing_methods import merged
+from peft_smear.routers.base import merged
 from peft_smear.training import load_run
 
 

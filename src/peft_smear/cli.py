@@ -30,7 +30,7 @@ from transformers import (
 )
 
 from .config import SmearConfig
-from .expert_kinds import EXPERT_KINDS
+from .experts import EXPERT_KINDS
 from .export import export_merged_adapter, refuse_occupied
 from .layer import SmearLinear
 from .registration import SmearPeftType
@@ -136,7 +136,7 @@ def export_command(args: argparse.Namespace) -> None:
     model = _load_model(auto_class, args.base_model, args.adapter, args.adapter_name)
     if args.task_data is None:
         routing = {
-            name: torch.eye(layer.num_experts[args.adapter_name])[args.expert]
+            name: torch.eye(layer.num_experts(args.adapter_name))[args.expert]
             for name, layer in model.base_model.model.named_modules()
             if isinstance(layer, SmearLinear) and args.adapter_name in layer.expert_kind
         }

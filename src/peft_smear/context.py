@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .routing import expand_rows, prompt_mask
-from .routing_methods import PolicyStep
+from .pooling import expand_rows, prompt_mask
+from .routers.base import PolicyStep, RoutingDecision
 
 
 PROMPT_UNKNOWN_IN_TRAINING = (
@@ -44,8 +44,8 @@ class RoutingContext:
     encoder_summary: torch.Tensor | None = None
     """``[batch, hidden]`` fp32 masked mean of the encoder's final hidden states (decoders of encoder-decoders)."""
 
-    routing_cache: dict[tuple[torch.nn.Module, str], torch.Tensor] | None = None
-    """During ``generate``: the routing weights every layer computed at prefill, reused for every later step."""
+    routing_cache: dict[tuple[torch.nn.Module, str], RoutingDecision] | None = None
+    """During ``generate``: the decision every layer made at prefill, reused for every later step."""
 
     recorded: dict[tuple[torch.nn.Module, str], torch.Tensor] | None = None
     """When a dict, every layer stores its routing weights here under ``(layer, adapter_name)``."""
@@ -90,6 +90,26 @@ class RoutingContext:
         self._last_summary = (x, x._version, key, summary)
         return summary
 
+    def cached_decision(self, key: tuple[torch.nn.Module, str], batch_size: int) -> RoutingDecision | None:
+        """Inside ``generate``, the decision ``key`` (a layer and adapter) made at prefill: decode steps see only the
+        new token, and routing on it would both differ from training and change as the answer grows."""
+        if self.routing_cache is None or key not in self.routing_cache:
+            return None
+        decision = self.routing_cache[key]
+        if decision.weights.shape[0] != batch_size:
+            raise RuntimeError(
+                f"Routing cached at prefill has batch {decision.weights.shape[0]}; a generation step has {batch_size}."
+            )
+        return decision
+
+    def observe(self, key: tuple[torch.nn.Module, str], decision: RoutingDecision) -> None:
+        """Every decision a layer applies passes here: kept for reuse inside ``generate``, and recorded when asked
+        (:func:`peft_smear.get_routing_weights`)."""
+        if self.routing_cache is not None:
+            self.routing_cache[key] = decision
+        if self.recorded is not None:
+            self.recorded[key] = decision.weights.detach()
+
     def add_aux_loss(self, name: str, value: torch.Tensor) -> None:
         self.aux_losses[name] = self.aux_losses[name] + value if name in self.aux_losses else value
 
@@ -130,7 +150,7 @@ class RoutingContext:
     def prompt_mask_for(
         self, batch_size: int, seq_len: int, prefix_length: int | None, training: bool
     ) -> torch.Tensor:
-        """The tokens a prompt-routed layer pools over; see :func:`peft_smear.routing.prompt_mask` for the rule.
+        """The tokens a prompt-routed layer pools over; see :func:`peft_smear.pooling.prompt_mask` for the rule.
 
         Computed once per call and shared by every layer. A training call that marks no prompt at all (no labels,
         no routing mask, no prefix length) would route on the response too, so it warns.

@@ -12,9 +12,10 @@ from torch import nn
 
 from .config import SmearConfig
 from .context import RoutingContext
-from .expert_kinds import EXPERT_KINDS
+from .experts import EXPERT_KINDS
 from .layer import MERGE_UNSUPPORTED, SUPPORTED_BASE_LAYERS, SmearLinear
 from .losses import consistency_loss, per_example_task_loss, predicting_positions, reinforce_losses
+from .pooling import masked_mean
 from .registration import (
     DEFAULT_TARGET_MODULES,
     BaseTuner,
@@ -22,7 +23,7 @@ from .registration import (
     adapter_state_dict_prefixes,
     select_adapter_entries,
 )
-from .routing import masked_mean
+from .routers import ROUTERS
 
 
 ROUTING_INPUTS = ("smear_routing_mask", "smear_task_ids")
@@ -113,17 +114,15 @@ class SmearModel(BaseTuner):
                 rewards = -per_example_task_loss(output.logits, labels, shift_tokens)
             losses.update(reinforce_losses(context.policy_steps, rewards))
             context.policy_steps = []
-        adamix_weight = max(
-            (self.peft_config[name].adamix_consistency_weight for name in self._adamix_adapters()), default=None
-        )
-        if adamix_weight is not None and model.training and labels is not None:
+        consistency_weight = self._consistency_weight()
+        if consistency_weight is not None and model.training and labels is not None:
             self._second_pass = True
             try:
                 second = model(*args, **kwargs)
             finally:
                 self._second_pass = False
             mask = predicting_positions(labels, shift_tokens) if labels.dim() == 2 else None
-            losses["adamix_consistency"] = adamix_weight * consistency_loss(output.logits, second.logits, mask)
+            losses["adamix_consistency"] = consistency_weight * consistency_loss(output.logits, second.logits, mask)
             if getattr(output, "loss", None) is not None:
                 output.loss = (output.loss + second.loss) / 2  # both passes learn the task
         if not losses:
@@ -135,8 +134,14 @@ class SmearModel(BaseTuner):
         output.smear_aux_losses = {name: value.detach() for name, value in losses.items()}
         return output
 
-    def _adamix_adapters(self) -> list[str]:
-        return [name for name in self.active_adapters if self.peft_config[name].routing == "adamix"]
+    def _consistency_weight(self) -> float | None:
+        """The largest consistency-loss weight among the active adapters whose routing runs each training batch
+        twice (Adamix), or ``None`` when none does."""
+        weights = [ROUTERS[config.routing].consistency_weight(config) for config in self._active_configs()]
+        return max((weight for weight in weights if weight is not None), default=None)
+
+    def _active_configs(self) -> list[SmearConfig]:
+        return [self.peft_config[name] for name in self.active_adapters]
 
     def _record_encoder_summary(self, arguments: dict[str, Any], routing_inputs: dict[str, Any]) -> None:
         states = arguments.get("encoder_hidden_states")

@@ -26,7 +26,7 @@ from transformers.utils import ModelOutput
 
 from .data import TaskInfo
 from .layer import SUPPORTED_BASE_LAYERS
-from .routing import masked_mean
+from .pooling import masked_mean
 
 
 # Logit of the classes a task does not have, in the ``[batch, max_num_labels]`` logits: finite, so that sums and

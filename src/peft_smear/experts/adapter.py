@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from .experts import Expert, ExpertKind, Params, exported_config_fields, fan_in_uniform_, merge_parameter, scaled
+from .base import Expert, ExpertKind, Params, exported_config_fields, fan_in_uniform_, merge_parameter, scaled
 
 
 if TYPE_CHECKING:
-    from .config import SmearConfig
+    from ..config import SmearConfig
 
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

@@ -3,9 +3,10 @@ entry here (plus its options as ``SmearConfig`` fields)."""
 
 from __future__ import annotations
 
-from .adapter_experts import BottleneckAdapterExperts
-from .experts import ExpertKind, LoraExperts
-from .ia3_experts import IA3Experts
+from .adapter import BottleneckAdapterExperts
+from .base import ExpertKind
+from .ia3 import IA3Experts
+from .lora import LoraExperts
 
 
 EXPERT_KINDS: dict[str, type[ExpertKind]] = {
@@ -14,3 +15,13 @@ EXPERT_KINDS: dict[str, type[ExpertKind]] = {
 EXPERT_TYPES = tuple(EXPERT_KINDS)
 # Every per-adapter parameter any kind may own: SmearLinear declares them all as its adapter_layer_names.
 EXPERT_PARAMETER_NAMES = tuple(name for kind in EXPERT_KINDS.values() for name in kind.parameter_names)
+
+__all__ = [
+    "EXPERT_KINDS",
+    "EXPERT_PARAMETER_NAMES",
+    "EXPERT_TYPES",
+    "BottleneckAdapterExperts",
+    "ExpertKind",
+    "IA3Experts",
+    "LoraExperts",
+]

@@ -1,14 +1,10 @@
-"""The SMEAR router: one distribution over experts per example, from a pooled summary of its sequence."""
+"""What a router reads: each example's summary, a masked mean of its tokens, and which tokens count (its real
+tokens, or for a causal LM its prompt)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-
-# Gain of the LayerNorm over the router's weight rows at initialisation. Small, so that initial routing is close to
-# uniform and every expert receives gradient early (the reference implementation's choice).
-ROW_NORM_INIT_GAIN = 1e-2
 
 
 def masked_mean(hidden: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
@@ -25,44 +21,6 @@ def masked_mean(hidden: torch.Tensor, token_mask: torch.Tensor | None) -> torch.
     weights = (token_mask != 0).to(device=hidden.device, dtype=hidden.dtype)
     weights = weights / weights.sum(dim=1, keepdim=True).clamp(min=1)
     return torch.bmm(weights.unsqueeze(1), hidden).squeeze(1)
-
-
-def normalized_router_input(
-    pooled: torch.Tensor, input_norm_weight: torch.Tensor, input_norm_bias: torch.Tensor
-) -> torch.Tensor:
-    """``LN(pooled)`` in fp32: the summary every learned router (and REINFORCE's baseline) reads."""
-    features = pooled.shape[-1]
-    return F.layer_norm(pooled.float(), (features,), input_norm_weight.float(), input_norm_bias.float())
-
-
-def router_probabilities(
-    normed_input: torch.Tensor, row_norm_weight: torch.Tensor, weight: torch.Tensor, expert_dropout: float = 0.0
-) -> torch.Tensor:
-    """``softmax(normed_input @ LN_rows(weight).T)`` in fp32: ``[batch, features]`` -> ``[batch, num_experts]``,
-    with each expert of each example dropped with probability ``expert_dropout`` (training).
-
-    Normalising both the input (:func:`normalized_router_input`) and the weight rows helps keep the logits from
-    saturating the softmax (paper, section 4.1); the row gain is learned, so routing can still become sharp when that
-    helps. The router has no bias.
-    """
-    normed_rows = F.layer_norm(weight.float(), (weight.shape[-1],), row_norm_weight.float())
-    logits = normed_input @ normed_rows.T
-    if expert_dropout > 0:
-        logits = drop_experts(logits, expert_dropout)
-    return logits.softmax(dim=-1)
-
-
-def drop_experts(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Expert dropout on router logits: each expert of each example is removed with probability ``p`` (its logit
-    becomes -inf), so the softmax renormalises over the rest.
-
-    Dropping in logit space, not by rescaling probabilities, keeps a sharp router finite: when every kept expert's
-    probability underflows, ``kept / kept.sum()`` has a gradient of ``1 / sum**2`` that overflows to NaN. An example
-    that would lose every expert keeps them all, so its distribution stays defined.
-    """
-    keep = torch.rand_like(logits) >= p
-    keep |= ~keep.any(dim=-1, keepdim=True)
-    return logits.masked_fill(~keep, float("-inf"))
 
 
 def expand_rows(tensor: torch.Tensor | None, batch_size: int, name: str) -> torch.Tensor | None:

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 import torch
 from peft import IA3Config
 
-from .experts import Expert, ExpertKind, Params, exported_config_fields, merge_parameter
-from .registration import DEFAULT_IA3_FEEDFORWARD_MODULES, DEFAULT_IA3_TARGET_MODULES
-from .routing_methods import RoutingDecision
+from ..registration import DEFAULT_IA3_FEEDFORWARD_MODULES, DEFAULT_IA3_TARGET_MODULES
+from ..routers.base import RoutingDecision
+from .base import Expert, ExpertKind, Params, exported_config_fields, merge_parameter
 
 
 if TYPE_CHECKING:
-    from .config import SmearConfig
+    from ..config import SmearConfig
 
 
 VECTOR = "smear_ia3_l"
