@@ -28,9 +28,9 @@ from peft import PeftModel
 from transformers import AutoTokenizer
 
 from peft_smear import SmearLinear, export_merged_adapter, get_routing_weights
-from peft_smear.data import TaskInfo, load_benchmark
-from peft_smear.multitask import MultiTaskCollator, MultiTaskModel, task_metrics
-from peft_smear.training import load_run
+from peft_smear.multitask.data import TaskInfo, load_benchmark
+from peft_smear.multitask.model import MultiTaskCollator, MultiTaskModel, task_metrics
+from peft_smear.multitask.training import load_run
 
 
 def task_batches(run: dict, split: str, batch_size: int) -> dict[str, list[dict[str, torch.Tensor]]]:

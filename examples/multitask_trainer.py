@@ -37,10 +37,11 @@ from datasets import Dataset
 from peft import get_peft_model
 from transformers import AutoTokenizer, EvalPrediction, Trainer, TrainingArguments, set_seed
 
-from peft_smear import MultiTaskCollator, MultiTaskModel, RoutingReport, SmearConfig
+from peft_smear import SmearConfig
 from peft_smear.config import ROUTING_METHODS
-from peft_smear.data import benchmark_task_info, load_benchmark
-from peft_smear.multitask import block_linear_names, metric_name, task_metrics
+from peft_smear.multitask.data import benchmark_task_info, load_benchmark
+from peft_smear.multitask.model import MultiTaskCollator, MultiTaskModel, block_linear_names, metric_name, task_metrics
+from peft_smear.multitask.report import RoutingReport
 
 
 TASKS = ["trec6", "sms_spam", "tweets_sent", "nyt_reg"]  # three classification tasks and one regression task

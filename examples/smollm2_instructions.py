@@ -39,8 +39,9 @@ import torch
 from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from peft_smear import RoutingReport, SmearConfig, get_routing_weights
-from peft_smear.data import BENCHMARK_TASKS, load_benchmark
+from peft_smear import SmearConfig, get_routing_weights
+from peft_smear.multitask.data import BENCHMARK_TASKS, load_benchmark
+from peft_smear.multitask.report import RoutingReport
 
 
 SYSTEM = "You are a text classifier. Answer with one word."

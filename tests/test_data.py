@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from datasets import Dataset, concatenate_datasets, disable_progress_bars, load_from_disk
 
-from peft_smear import data
-from peft_smear.data import BENCHMARK_TASKS, FEATURES, benchmark_task_info, load_benchmark, load_task_file
+from peft_smear.multitask import data
+from peft_smear.multitask.data import BENCHMARK_TASKS, FEATURES, benchmark_task_info, load_benchmark, load_task_file
 
 
 disable_progress_bars()
@@ -174,15 +174,11 @@ def test_splits_are_stable_across_runs_caches_and_processes(cache, wheels, tmp_p
         (second_cache / "downloads" / path.name).write_bytes(path.read_bytes())
     assert _assignment(load_benchmark(cache_dir=second_cache, seed=3)) == _assignment(first)  # converted afresh
 
-    # A fresh interpreter with another hash seed. data.py is loaded by its path, so that the child skips the package
-    # __init__ (torch, peft: seconds); the converted cache spares it the (pinned) wheels.
+    # A fresh interpreter with another hash seed; the converted cache spares it the (pinned) wheels.
     script = textwrap.dedent(f"""
-        import importlib.util, json, sys
-        spec = importlib.util.spec_from_file_location("smear_data", {data.__file__!r})
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["smear_data"] = module
-        spec.loader.exec_module(module)
-        ds = module.load_benchmark(cache_dir={str(cache)!r}, seed=3)
+        import json
+        from peft_smear.multitask.data import load_benchmark
+        ds = load_benchmark(cache_dir={str(cache)!r}, seed=3)
         print(json.dumps({{s: list(zip(p["task"], p["text"], p["label"])) for s, p in ds.items()}}))
     """)
     env = {**os.environ, "PYTHONHASHSEED": "12345"}

@@ -243,7 +243,8 @@ def test_missing_adapter_weight_is_an_error(tmp_path):
     del weights[dropped]
     save_file(weights, tmp_path / "adapter_model.safetensors")
     with pytest.raises(
-        ValueError, match=r"missing from the checkpoint:\n  .*layers\.1\.self_attn\.v_proj\.smear_router\.default\.weight"
+        ValueError,
+        match=r"missing from the checkpoint:\n  .*layers\.1\.self_attn\.v_proj\.smear_router\.default\.weight",
     ):
         PeftModel.from_pretrained(tiny_llama(), tmp_path)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from benchmark_scripts import import_script
-from peft_smear.report import RoutingReport
+from peft_smear.multitask.report import RoutingReport
 from test_training import save_tiny_encoder, write_task_files
 
 

@@ -15,12 +15,13 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 from transformers import AutoModelForSequenceClassification, BertConfig, BertModel, PreTrainedTokenizerFast
 
-from peft_smear import SmearLinear, get_routing_weights, training
+from peft_smear import SmearLinear, get_routing_weights
 from peft_smear.cli import main
-from peft_smear.data import TaskInfo
-from peft_smear.multitask import UNUSED_CLASS_LOGIT, MultiTaskModel
+from peft_smear.multitask import training
+from peft_smear.multitask.data import TaskInfo
+from peft_smear.multitask.model import UNUSED_CLASS_LOGIT, MultiTaskModel
+from peft_smear.multitask.training import load_run
 from peft_smear.routers.base import merged
-from peft_smear.training import load_run
 
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]

@@ -29,12 +29,13 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from .arguments import listing, positive_int
 from .config import SmearConfig
 from .experts import EXPERT_KINDS
 from .export import export_merged_adapter, refuse_occupied
 from .layer import SmearLinear
+from .multitask.commands import add_export_tasks_command, add_train_command
 from .registration import SmearPeftType
-from .training import add_export_tasks_command, add_train_command
 
 
 AUTO_MODEL_CLASSES = {
@@ -99,10 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--text-column", default="text", metavar="NAME", help="the column of the texts (default: text)")
     data.add_argument("--task", metavar="NAME", help="keep only the rows whose 'task' column is NAME")
     data.add_argument(
-        "--batch-size", type=_positive_int, default=32, metavar="N", help="examples per batch (default: 32)"
+        "--batch-size", type=positive_int, default=32, metavar="N", help="examples per batch (default: 32)"
     )
     data.add_argument(
-        "--max-length", type=_positive_int, default=256, metavar="N", help="truncate texts to N tokens (default: 256)"
+        "--max-length", type=positive_int, default=256, metavar="N", help="truncate texts to N tokens (default: 256)"
     )
     export.add_argument(
         "--adapter-name",
@@ -214,7 +215,9 @@ def _task_texts(path: Path, text_column: str, task: str | None) -> list[str]:
         tasks = sorted({_task_of(row) for row in rows} - {None})
         numbered = [(number, row) for number, row in numbered if _task_of(row) == task]
         if not numbered:
-            raise CommandError(f"--task-data {path} has no row of task {task!r}; its tasks: {_listing(tasks)}.")
+            raise CommandError(
+                f"--task-data {path} has no row of task {task!r}; its tasks: {listing(list(map(repr, tasks)))}."
+            )
     texts = []
     for number, row in numbered:
         text = row.get(text_column)
@@ -304,16 +307,6 @@ def _batches(
             # so the start token alone gives every layer its routing.
             batch["decoder_input_ids"] = torch.full((batch["input_ids"].shape[0], 1), decoder_start)
         yield batch
-
-
-def _listing(names: list[str], limit: int = 10) -> str:
-    return ", ".join(map(repr, names[:limit])) + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def _positive_int(value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}")
-    return int(value)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .arguments import listing
 from .config import SmearConfig
 from .context import RoutingContext
 from .experts import EXPERT_KINDS
@@ -320,9 +321,8 @@ def _check_adapter_state_dict(model: nn.Module, adapter_name: str, state_dict: d
         )
 
 
-def _listing(lines: list[str], limit: int = 8) -> str:
-    shown = "".join(f"\n  {line}" for line in lines[:limit])
-    return shown + (f"\n  ... and {len(lines) - limit} more" if len(lines) > limit else "")
+def _listing(lines: list[str]) -> str:
+    return "\n  " + listing(lines, limit=8, separator="\n  ")
 
 
 def get_routing_weights(

