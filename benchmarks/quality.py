@@ -62,7 +62,8 @@ class Method:
     one expert's compute (``lora="compute"``, rank r) or all experts' parameters (``lora="params"``, rank N·r).
     ``router_lr_ratio`` multiplies the learning rate of the routers' parameters (see
     :func:`peft_smear.create_router_optimizer`). ``rate_of``: an ablation of that method, trained at its chosen rate
-    rather than sweeping its own, so that the ablated option is the only difference (it sweeps when that method is not run)."""
+    rather than sweeping its own, so that the ablated option is the only difference (it sweeps when that method is
+    not run)."""
 
     label: str
     routing: str | None = None
