@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shlex
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from common import append_results, machine_description
 from peft import PeftModel
 from transformers import AutoTokenizer
 
@@ -167,13 +167,12 @@ def main() -> None:
         run_config = json.loads((args.run / "adapter_config.json").read_text())
         trained = json.loads((args.run / "metrics.json").read_text())
         section = (
-            "\n## Export: a task's mean-routing LoRA vs SMEAR's per-example experts\n\n"
-            f"`{command}`\n\nThe run: `peft-smear train` with routing={run_config.get('routing')!r}, "
-            f"num_experts={run_config['num_experts']}, r={run_config['r']}, {trained['steps']} steps; compared on "
-            f"its {args.split} split. {platform.platform()}, torch {torch.__version__}.\n\n{table}\n"
+            "## Export: a task's mean-routing LoRA vs SMEAR's per-example experts\n\n"
+            f"- Command: `{command}`\n- Machine: {machine_description('cpu')}\n\nThe run: `peft-smear train` with "
+            f"routing={run_config.get('routing')!r}, num_experts={run_config['num_experts']}, r={run_config['r']}, "
+            f"{trained['steps']} steps; compared on its {args.split} split.\n\n{table}\n"
         )
-        with args.append_results.open("a") as results_file:
-            results_file.write(section)
+        append_results(args.append_results, section)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from speed import append_results, load_description, machine_description
+from common import append_results, load_description, machine_description
 
 from peft_smear.experts.lora import add_lora_mixture, add_per_example_experts, merge_lora_experts
 

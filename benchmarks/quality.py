@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 import transformers
+from common import append_results, load_description, machine_description
 from datasets import DatasetDict
 from peft import LoraConfig, PeftConfig, PeftModel
-from speed import append_results, load_description, machine_description
 from transformers import AutoTokenizer
 
 from peft_smear import create_router_optimizer

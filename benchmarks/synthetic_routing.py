@@ -42,8 +42,8 @@ import numpy as np
 import peft
 import torch
 import torch.nn.functional as F
+from common import append_results, load_description, machine_description
 from peft import get_peft_model
-from speed import append_results, load_description, machine_description
 from torch import nn
 from transformers.utils import ModelOutput
 

@@ -18,9 +18,8 @@ from peft import LoraConfig, PeftConfig, PeftModel, PeftType, get_peft_model
 from safetensors.torch import load_file
 
 import peft_smear
+from conftest import BUILDERS, tiny_bert, tiny_tokenizer, trained_like_smear
 from peft_smear import SmearLinear, cli, export_merged_adapter
-from test_export import BUILDERS, trained_like_smear
-from tiny_models import tiny_bert, tiny_tokenizer
 
 
 TASK_A = ["w3 w5 w7 w9", "w11 w13", "w15 w17 w19 w21 w23"]

@@ -28,8 +28,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import distributed_worker as worker
 import peft_smear
+from conftest import random_batch, tiny_llama
 from peft_smear.routers import ROUTING_METHODS
-from tiny_models import random_batch, tiny_llama
 
 
 # One process with batch 4 and two with batch 2 each compute the same mean loss and gradient, up to the order of

@@ -6,9 +6,8 @@ import torch
 from peft import get_peft_model
 
 import peft_smear
-from benchmark_scripts import import_script
+from conftest import import_script, tiny_bert
 from peft_smear import SmearLinear
-from tiny_models import tiny_bert
 
 
 weight_gap = import_script("export_gap").weight_gap

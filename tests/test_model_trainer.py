@@ -4,102 +4,26 @@ from a checkpoint continues exactly as the uninterrupted run did."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
 from peft import get_peft_model
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 
 import peft_smear
+from conftest import (
+    assert_loss_fell,
+    changed_keys,
+    classification_data,
+    lm_data,
+    logged_losses,
+    pad_collator,
+    snapshot,
+    tiny_bert,
+    tiny_llama,
+    training_args,
+)
 from peft_smear import SmearLinear
-from tiny_models import VOCAB, tiny_bert, tiny_llama
-
-
-PAD = 0
-
-
-def pad_collator(features: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
-    """Right-pad ``input_ids`` with the pad id, ``attention_mask`` with 0 and token ``labels`` with -100; stack
-    per-example integer labels."""
-    width = max(len(f["input_ids"]) for f in features)
-    batch = {
-        "input_ids": torch.tensor([f["input_ids"] + [PAD] * (width - len(f["input_ids"])) for f in features]),
-        "attention_mask": torch.tensor(
-            [[1] * len(f["input_ids"]) + [0] * (width - len(f["input_ids"])) for f in features]
-        ),
-    }
-    labels = [f["labels"] for f in features]
-    if isinstance(labels[0], list):
-        batch["labels"] = torch.tensor([label + [-100] * (width - len(label)) for label in labels])
-    else:
-        batch["labels"] = torch.tensor(labels)
-    return batch
-
-
-def classification_data(n: int = 64, seed: int = 0) -> list[dict]:
-    """Random sequences of 6-12 tokens; the label says which marker token (3 or 4) was planted in them (at two random
-    positions), or 2 if neither was."""
-    rng = random.Random(seed)
-    data = []
-    for i in range(n):
-        label = i % 3
-        ids = [rng.randrange(5, VOCAB) for _ in range(rng.randrange(6, 13))]
-        if label < 2:
-            for position in rng.sample(range(len(ids)), 2):
-                ids[position] = 3 + label
-        data.append({"input_ids": ids, "attention_mask": [1] * len(ids), "labels": label})
-    rng.shuffle(data)
-    return data
-
-
-def lm_data(n: int = 64, seed: int = 0, cycle_len: int = 8) -> list[dict]:
-    """Windows of 8-16 tokens from one fixed repeating cycle of ``cycle_len`` tokens: after the first token, every
-    next token is determined by the current one."""
-    rng = random.Random(seed)
-    cycle = rng.sample(range(2, VOCAB), cycle_len)
-    data = []
-    for _ in range(n):
-        start, length = rng.randrange(cycle_len), rng.randrange(8, 17)
-        ids = [cycle[(start + i) % cycle_len] for i in range(length)]
-        data.append({"input_ids": ids, "attention_mask": [1] * length, "labels": list(ids)})
-    return data
-
-
-def training_args(output_dir, **overrides) -> TrainingArguments:
-    defaults = {
-        "per_device_train_batch_size": 8,
-        "learning_rate": 1e-2,
-        "logging_steps": 1,
-        "save_strategy": "no",
-        "report_to": [],
-        "use_cpu": True,
-        "disable_tqdm": True,
-        "seed": 0,
-        "dataloader_num_workers": 0,
-    }
-    return TrainingArguments(output_dir=str(output_dir), **{**defaults, **overrides})
-
-
-def logged_losses(trainer: Trainer) -> dict[int, float]:
-    return {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry}
-
-
-def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-
-
-def assert_loss_fell(losses: dict[int, float], window: int = 5, factor: float = 0.6) -> None:
-    ordered = [losses[step] for step in sorted(losses)]
-    first = sum(ordered[:window]) / window
-    last = sum(ordered[-window:]) / window
-    assert last < factor * first, f"training loss did not fall clearly: first {first:.4f}, last {last:.4f}"
-
-
-def changed_keys(before: dict[str, torch.Tensor], model: torch.nn.Module) -> set[str]:
-    after = model.state_dict()
-    assert after.keys() == before.keys()
-    return {name for name, tensor in after.items() if not torch.equal(tensor, before[name])}
 
 
 def test_trainer_lowers_loss_sequence_classification(tmp_path):

@@ -21,8 +21,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import peft_smear
+from conftest import random_batch, tiny_bert, tiny_llama
 from peft_smear import SmearConfig, SmearLinear, SmearModel
-from tiny_models import random_batch, tiny_bert, tiny_llama
 
 
 def smear_llama(**overrides):

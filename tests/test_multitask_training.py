@@ -4,7 +4,6 @@ data cache), plus the multi-task model's per-example losses."""
 from __future__ import annotations
 
 import json
-import random
 import shutil
 
 import pytest
@@ -12,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from peft import PeftConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
-from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-from transformers import AutoModelForSequenceClassification, BertConfig, BertModel, PreTrainedTokenizerFast
+from transformers import AutoModelForSequenceClassification, BertConfig, BertModel
 
+from conftest import save_tiny_encoder, write_task_files
 from peft_smear import SmearLinear, get_routing_weights
 from peft_smear.cli import main
 from peft_smear.multitask import training
@@ -24,57 +23,11 @@ from peft_smear.multitask.training import load_run
 from peft_smear.routers.base import merged
 
 
-SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-TOPICS = {"animals": ["cat", "dog", "horse", "bird"], "food": ["bread", "apple", "soup", "rice"]}
-FILLER = ["the", "a", "is", "very", "quite", "small", "big", "here", "there", "today"]
 STEPS, EXPERTS = 4, 3
 
 
 def run_cli(*argv: str) -> int:
     return main([str(arg) for arg in argv])
-
-
-def save_tiny_encoder(directory) -> None:
-    """A random 2-layer BERT encoder and a word-level tokenizer over the fixture's words, saved like a hub model."""
-    words = SPECIALS + sorted({word for topic in TOPICS.values() for word in topic} | set(FILLER))
-    tokenizer = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="[UNK]"))
-    tokenizer.normalizer = normalizers.Lowercase()
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
-    )
-    special = dict(zip(["pad_token", "unk_token", "cls_token", "sep_token", "mask_token"], SPECIALS, strict=True))
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, **special).save_pretrained(directory)
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=len(words),
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=64,
-        pad_token_id=0,
-    )
-    BertModel(config).save_pretrained(directory)
-
-
-def write_task_files(directory) -> dict[str, str]:
-    """``topic`` (classification, CSV): which topic's words a sentence uses; ``count`` (regression, JSONL): how many
-    topic words it holds."""
-    rng = random.Random(0)
-    topic_rows, count_rows = ["text,label"], []
-    for i in range(80):
-        topic = sorted(TOPICS)[i % 2]
-        words = rng.sample(FILLER, 4) + rng.sample(TOPICS[topic], 2)
-        rng.shuffle(words)
-        topic_rows.append(f"{' '.join(words)},{topic}")
-        count = rng.randrange(4)
-        words = rng.sample(FILLER, 4) + rng.choices(TOPICS["animals"], k=count)
-        rng.shuffle(words)
-        count_rows.append(json.dumps({"text": " ".join(words), "label": count}))
-    (directory / "topic.csv").write_text("\n".join(topic_rows) + "\n")
-    (directory / "count.jsonl").write_text("\n".join(count_rows) + "\n")
-    return {"topic": str(directory / "topic.csv"), "count": str(directory / "count.jsonl")}
 
 
 def train_args(model_dir, task_files: dict[str, str], output_dir, *extra: str) -> list[str]:

@@ -16,24 +16,30 @@ import torch
 from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Trainer
-from transformers.pytorch_utils import Conv1D
 
 import peft_smear
-from peft_smear import SmearConfig, SmearLinear, cli, export_merged_adapter
-from peft_smear.experts import BottleneckAdapterExperts, IA3Experts
-from peft_smear.experts.lora import add_per_example_experts
-from peft_smear.routers import ROUTING_METHODS
-from peft_smear.routers.base import merged, mixed, one_expert
-from test_trainer import (
+from conftest import (
+    VOCAB,
     assert_loss_fell,
     changed_keys,
     classification_data,
     logged_losses,
     pad_collator,
+    random_batch,
+    reference_smear_forward,
     snapshot,
+    tiny_bert,
+    tiny_gpt2,
+    tiny_llama,
+    tiny_t5,
+    tiny_tokenizer,
     training_args,
 )
-from tiny_models import VOCAB, random_batch, tiny_bert, tiny_gpt2, tiny_llama, tiny_t5, tiny_tokenizer
+from peft_smear import SmearConfig, SmearLinear, cli, export_merged_adapter
+from peft_smear.experts import BottleneckAdapterExperts, IA3Experts
+from peft_smear.experts.lora import add_per_example_experts
+from peft_smear.routers import ROUTING_METHODS
+from peft_smear.routers.base import merged, mixed, one_expert
 
 
 KINDS = {
@@ -81,64 +87,6 @@ def smear_layers(model) -> dict[str, SmearLinear]:
     return {name: m for name, m in model.base_model.model.named_modules() if isinstance(m, SmearLinear)}
 
 
-# --- the forward pass against an explicit per-example merge ----------------------------------------------------
-
-
-def base_output(layer: SmearLinear, x: torch.Tensor) -> torch.Tensor:
-    base = layer.get_base_layer()
-    weight = base.weight.double()
-    out = x @ weight if isinstance(base, Conv1D) else x @ weight.T
-    return out if base.bias is None else out + base.bias.double()
-
-
-def normalized(v: torch.Tensor) -> torch.Tensor:
-    return (v - v.mean(-1, keepdim=True)) / torch.sqrt(v.var(-1, unbiased=False, keepdim=True) + 1e-5)
-
-
-ACTIVATIONS = {"swish": lambda z: z / (1 + torch.exp(-z)), "gelu": lambda z: 0.5 * z * (1 + torch.erf(z / 2**0.5))}
-
-
-def reference_layer_output(layer, name, config, x, token_mask, encoder_summary, input_scaled):
-    """One example at a time with explicit loops over experts, in float64, sharing no code with the package: the
-    router's distribution merges every expert parameter, and the merged expert of the configured kind is applied."""
-    adapter = "default"
-    params = {key: value.detach().double() for key, value in layer.expert_params(adapter).items()}
-    W = layer.smear_router[adapter].weight.double()
-    row_gain = layer.smear_router[adapter].row_norm_weight.double()
-    in_gain = layer.smear_router[adapter].input_norm_weight.double()
-    in_bias = layer.smear_router[adapter].input_norm_bias.double()
-    num_experts = W.shape[0]
-    outputs = []
-    for b in range(x.shape[0]):
-        xb = x[b].double()
-        yb = base_output(layer, xb)
-        routed = yb if config.expert_type == "adapter" else xb  # the adapter's router reads the adapter's input
-        if layer.router_source[adapter] == "encoder":
-            summary = encoder_summary[b]
-        else:
-            real = [t for t in range(routed.shape[0]) if token_mask is None or token_mask[b, t] != 0]
-            summary = sum(routed[t] for t in real) / len(real)
-        normed = normalized(summary) * in_gain + in_bias
-        logits_ = torch.stack([normed @ (normalized(W[n]) * row_gain) for n in range(num_experts)])
-        p = torch.softmax(logits_, dim=0)
-        merged_ = {key: sum(p[n] * value[n] for n in range(num_experts)) for key, value in params.items()}
-        if config.expert_type == "lora":
-            A, B = merged_["smear_lora_A"], merged_["smear_lora_B"]
-            outputs.append(yb + xb @ A.T @ B.T * config.lora_alpha / config.r)
-        elif config.expert_type == "adapter":
-            act = ACTIVATIONS[config.adapter_activation]
-            hidden = act(yb @ merged_["smear_adapter_down"] + merged_["smear_adapter_down_bias"])
-            out = hidden @ merged_["smear_adapter_up"] + merged_["smear_adapter_up_bias"]
-            if config.adapter_layer_norm:
-                out = normalized(out) * merged_["smear_adapter_norm_weight"] + merged_["smear_adapter_norm_bias"]
-            outputs.append(yb + out)
-        elif name.endswith(input_scaled):
-            outputs.append(base_output(layer, xb * merged_["smear_ia3_l"]))
-        else:
-            outputs.append(yb * merged_["smear_ia3_l"])
-    return torch.stack(outputs)
-
-
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_output_equals_explicit_per_example_merge(kind, arch):
@@ -162,9 +110,8 @@ def test_output_equals_explicit_per_example_merge(kind, arch):
     config = model.peft_config["default"]
     assert {layer for layer, _, _ in captured} == set(names)
     for layer, x, out in captured:
-        expected = reference_layer_output(
-            layer, names[layer], config, x, batch["attention_mask"], encoder_summary, IA3_INPUT_SCALED[arch]
-        )
+        input_scaled = kind == "ia3" and names[layer].endswith(IA3_INPUT_SCALED[arch])
+        expected = reference_smear_forward(layer, config, x, batch["attention_mask"], encoder_summary, input_scaled)
         torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
 
 

@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from benchmark_scripts import import_script
+from conftest import import_script, save_tiny_encoder, write_task_files
 from peft_smear.multitask.report import RoutingReport
-from test_training import save_tiny_encoder, write_task_files
 
 
 SWEPT = ["smear", "tag", "lora_1x_compute", "lora_1x_params"]

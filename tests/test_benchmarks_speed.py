@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from benchmark_scripts import import_script
+from conftest import import_script
 
 
 METHODS = ["lora", "smear", "ensemble", "poly", "exported"]
@@ -17,6 +17,9 @@ METHODS = ["lora", "smear", "ensemble", "poly", "exported"]
 @pytest.fixture(scope="module")
 def speed():
     return import_script("speed")
+
+
+common = import_script("common")
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +55,7 @@ def test_outputs_have_the_documented_columns(speed, rows, tmp_path):
 def test_results_section_reports_command_machine_and_targets(speed, rows, tmp_path):
     section = speed.results_section(rows, "tiny", "cpu", "inprocess", "python benchmarks/speed.py", ((1,) * 3,) * 2, 1)
     results = tmp_path / "RESULTS.md"
-    speed.append_results(results, section)
+    common.append_results(results, section)
     text = results.read_text()
     assert text.startswith("# Benchmark results") and "never edited by hand" in text
     assert "`python benchmarks/speed.py`" in text and f"torch {torch.__version__}" in text
@@ -76,7 +79,7 @@ def test_command_line_overrides_of_the_sweep_are_measured_and_reported(speed):
 
 def test_load_description_says_when_other_jobs_shared_the_machine(speed):
     quiet, busy = ((0.5, 0.4, 0.3), (0.6, 0.5, 0.4)), ((1e4,) * 3, (0.5,) * 3)
-    assert speed.load_description(quiet, "timings are noisy") == "0.50, 0.40, 0.30 / 0.60, 0.50, 0.40"
-    assert speed.load_description(busy, "timings are noisy").endswith(
-        f"above the {speed.usable_cores()} cores, so other jobs shared the machine and timings are noisy"
+    assert common.load_description(quiet, "timings are noisy") == "0.50, 0.40, 0.30 / 0.60, 0.50, 0.40"
+    assert common.load_description(busy, "timings are noisy").endswith(
+        f"above the {common.usable_cores()} cores, so other jobs shared the machine and timings are noisy"
     )

@@ -16,11 +16,11 @@ from peft import PeftModel, get_peft_model
 from transformers.utils import ModelOutput
 
 import peft_smear
+from conftest import VOCAB, random_batch, tiny_bert, tiny_llama, tiny_t5
 from peft_smear import SmearConfig, SmearLinear
 from peft_smear.losses import per_example_task_loss, reinforce_losses
 from peft_smear.routers import ROUTING_METHODS, PolicyStep
 from peft_smear.routers.learned import annealed_temperature
-from tiny_models import VOCAB, random_batch, tiny_bert, tiny_llama, tiny_t5
 
 
 NUM_TASKS = 3
@@ -222,7 +222,7 @@ HASH_SCRIPT = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from peft import get_peft_model
     import peft_smear
-    from tiny_models import random_batch, tiny_bert
+    from conftest import random_batch, tiny_bert
     config = peft_smear.SmearConfig(
         routing="hash", num_experts=4, r=4, target_modules="all-linear", task_type="SEQ_CLS"
     )

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from benchmark_scripts import import_script
+from conftest import import_script
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ from peft import get_peft_model
 from transformers import LlamaConfig, LlamaForSequenceClassification, Trainer, TrainingArguments
 
 import peft_smear
+from conftest import VOCAB, random_batch, tiny_bert, tiny_gpt2, tiny_llama, tiny_t5
 from peft_smear import SmearConfig, SmearDataCollator, SmearLinear
-from tiny_models import VOCAB, random_batch, tiny_bert, tiny_gpt2, tiny_llama, tiny_t5
 
 
 def smear(model, **overrides):

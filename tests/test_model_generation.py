@@ -7,8 +7,8 @@ import torch
 from peft import get_peft_model
 
 import peft_smear
+from conftest import VOCAB, tiny_gpt2, tiny_llama, tiny_t5
 from peft_smear import SmearConfig
-from tiny_models import VOCAB, tiny_gpt2, tiny_llama, tiny_t5
 
 
 DECODER_ONLY = {"llama": tiny_llama, "gpt2": tiny_gpt2}

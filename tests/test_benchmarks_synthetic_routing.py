@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmark_scripts import import_script
+from conftest import import_script
 
 
 @pytest.fixture(scope="module")
