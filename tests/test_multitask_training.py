@@ -248,3 +248,23 @@ def test_multitask_losses_match_a_per_example_loop():
     torch.testing.assert_close(output.example_losses, torch.stack(expected))
     torch.testing.assert_close(output.loss, torch.stack(expected).mean())
     assert (output.logits[task_index == 1, 1:] == UNUSED_CLASS_LOGIT).all()
+
+
+def test_router_lr_ratio_gives_the_routers_their_own_rate(workspace, tmp_path, monkeypatch, capsys):
+    """``--router-lr-ratio`` reaches Trainer as an optimizer whose router group has that multiple of the rate."""
+    root, task_files = workspace
+    seen = {}
+
+    def stop_at_fit(peft_model, *args, optimizer=None, learning_rate=None, **kwargs):
+        seen.update(model=peft_model, optimizer=optimizer, learning_rate=learning_rate)
+        raise ValueError("stopped before training")
+
+    monkeypatch.setattr(training, "fit", stop_at_fit)
+    argv = train_args(root / "encoder", task_files, tmp_path / "out", "--router-lr-ratio", "0.25")
+    assert run_cli(*argv, "--learning-rate", "4e-3") == 2  # the stop above, reported as one error line
+    routers = {id(p) for name, p in seen["model"].named_parameters() if ".smear_router." in name}
+    rates = {group["lr"]: {id(p) for p in group["params"]} for group in seen["optimizer"].param_groups}
+    assert rates[1e-3] == routers and seen["learning_rate"] == 4e-3 and len(rates[4e-3]) > 0
+    with pytest.raises(SystemExit) as refused:
+        run_cli(*train_args(root / "encoder", task_files, tmp_path / "bad", "--router-lr-ratio", "0"))
+    assert refused.value.code == 2 and "--router-lr-ratio: must be a number > 0, got '0'" in capsys.readouterr().err
