@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .pooling import expand_rows, prompt_mask
+from .pooling import expand_rows, prompt_mask, require
 from .routers.base import PolicyStep, RoutingDecision
 
 
@@ -82,7 +82,12 @@ class RoutingContext:
     def shared_summary(self, x: torch.Tensor, key: tuple, pool: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``pool()``, the pooled summary of the layer input ``x``, computed once for consecutive layers that read
         the very same tensor under the same ``key`` (the pooling rule): q/k/v, or gate/up, then pool once, not
-        three or two times. One entry only, so no more than one activation is ever held."""
+        three or two times. One entry only, so no more than one activation is ever held.
+
+        Under ``torch.compile`` every layer pools for itself: a tensor's version counter is data the compiler
+        cannot guard on (a graph break per layer), and the compiled graph shares identical pooling anyway."""
+        if torch.compiler.is_compiling():
+            return pool()
         last = self._last_summary
         if last is not None and last[0] is x and last[1] == x._version and last[2] == key:
             return last[3]
@@ -184,11 +189,13 @@ class RoutingContext:
         device, so it happens once per call (and limit), not in every layer."""
         if limit in self._task_id_limits_checked or self.task_ids is None:
             return
-        if (self.task_ids < 0).any() or (self.task_ids >= limit).any():
-            raise ValueError(
-                f"smear_task_ids must be in [0, {limit}) for routing={method!r}, got "
-                f"{sorted(set(self.task_ids.tolist()))}."
-            )
+        task_ids = self.task_ids
+        require(
+            ((task_ids >= 0) & (task_ids < limit)).all(),
+            lambda: (
+                f"smear_task_ids must be in [0, {limit}) for routing={method!r}, got {sorted(set(task_ids.tolist()))}."
+            ),
+        )
         self._task_id_limits_checked.add(limit)
 
 

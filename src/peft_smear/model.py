@@ -139,7 +139,8 @@ class SmearModel(BaseTuner):
         """The largest consistency-loss weight among the active adapters whose routing runs each training batch
         twice (Adamix), or ``None`` when none does."""
         weights = [ROUTERS[config.routing].consistency_weight(config) for config in self._active_configs()]
-        return max((weight for weight in weights if weight is not None), default=None)
+        weights = [weight for weight in weights if weight is not None]
+        return max(weights) if weights else None
 
     def _active_configs(self) -> list[SmearConfig]:
         return [self.peft_config[name] for name in self.active_adapters]

@@ -3,6 +3,8 @@ tokens, or for a causal LM its prompt)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +23,26 @@ def masked_mean(hidden: torch.Tensor, token_mask: torch.Tensor | None) -> torch.
     weights = (token_mask != 0).to(device=hidden.device, dtype=hidden.dtype)
     weights = weights / weights.sum(dim=1, keepdim=True).clamp(min=1)
     return torch.bmm(weights.unsqueeze(1), hidden).squeeze(1)
+
+
+NO_PROMPT = (
+    "their labels are set from the first real token on, so routing on anything would leak the targets into the "
+    "router. Mark the prompt with labels=-100, pass smear_routing_mask, or set SmearConfig(routing_prefix_length=k) "
+    "to route plain language-model training on the first k tokens."
+)
+
+
+def require(condition: torch.Tensor, message: Callable[[], str]) -> None:
+    """Raise ``ValueError(message())`` unless the one-element bool tensor ``condition`` holds.
+
+    A check on tensor values reads them on the host, once per call. Under ``torch.compile`` it becomes an assertion
+    inside the graph instead (``torch._assert_async``, raising ``RuntimeError`` with the message's fixed part), so
+    that validating the input costs no graph break.
+    """
+    if torch.compiler.is_compiling():
+        torch._assert_async(condition, "peft-smear: invalid routing input; run the model uncompiled for details")
+    elif not bool(condition):
+        raise ValueError(message())
 
 
 def expand_rows(tensor: torch.Tensor | None, batch_size: int, name: str) -> torch.Tensor | None:
@@ -79,14 +101,14 @@ def prompt_mask(
         supervised = (labels.to(real.device) != -100) & real
         first_label = torch.where(supervised.any(dim=1), supervised.int().argmax(dim=1), seq_len)
         prompt = real & (torch.arange(seq_len, device=real.device) < first_label.unsqueeze(1))
-        without_prompt = (~prompt.any(dim=1) & real.any(dim=1)).nonzero().flatten().tolist()
-        if without_prompt:
-            raise ValueError(
-                f"Prompt routing found no prompt in example(s) {without_prompt}: their labels are set from the first "
-                "real token on, so routing on anything would leak the targets into the router. Mark the prompt "
-                "with labels=-100, pass smear_routing_mask, or set SmearConfig(routing_prefix_length=k) to route "
-                "plain language-model training on the first k tokens."
-            )
+        without_prompt = ~prompt.any(dim=1) & real.any(dim=1)
+        require(
+            ~without_prompt.any(),
+            lambda: (
+                f"Prompt routing found no prompt in example(s) {without_prompt.nonzero().flatten().tolist()}: "
+                + NO_PROMPT
+            ),
+        )
         return prompt
 
     return real
