@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas
+import pyarrow
 from datasets import (
     ClassLabel,
     Dataset,
@@ -197,13 +198,21 @@ def task_features(tasks: Iterable[TaskInfo]) -> Features:
 
 def _examples(texts: list[str], labels: list[float], names: list[str], tasks: Sequence[TaskInfo]) -> Dataset:
     """A dataset of ``tasks``' examples: ``names[i]`` is the task of example ``i``, ``labels[i]`` its float label."""
-    classification = {task.name: task.kind == "classification" for task in tasks}
-    absent = dict.fromkeys(classification)
-    by_task = [
-        {**absent, name: int(label) if classification[name] else label}
-        for label, name in zip(labels, names, strict=True)
-    ]
-    columns = {"text": texts, "label": labels, "task": names, LABEL_BY_TASK: by_task}
+    fields = []
+    for task in tasks:
+        classification = task.kind == "classification"
+        own = [
+            (int(label) if classification else label) if name == task.name else None
+            for label, name in zip(labels, names, strict=True)
+        ]
+        fields.append(pyarrow.array(own, pyarrow.int64() if classification else pyarrow.float32()))
+    columns = {
+        "text": pyarrow.array(texts, pyarrow.string()),
+        "label": pyarrow.array(labels, pyarrow.float32()),
+        "task": pyarrow.array(names, pyarrow.string()),
+        LABEL_BY_TASK: pyarrow.StructArray.from_arrays(fields, names=[task.name for task in tasks]),
+    }
+    # Arrow arrays, which from_dict casts to the features at once (lists it encodes value by value, much slower).
     return Dataset.from_dict(columns, features=task_features(tasks))
 
 
