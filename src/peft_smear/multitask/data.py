@@ -379,12 +379,12 @@ def read_data_file(path: str | os.PathLike) -> Dataset:
             if suffix == ".csv":
                 # Every column as a string column, so that pandas infers no numbers or missing values.
                 options = {"keep_default_na": False, "na_filter": False, "index_col": False, "encoding": encoding}
-                with warnings.catch_warnings():  # datasets' read below warns about a row too long once
+                with warnings.catch_warnings():  # the full read below warns once about rows longer than the header
                     warnings.simplefilter("ignore", pandas.errors.ParserWarning)
-                    columns = pandas.read_csv(path, nrows=1, dtype=str, **options)
-                if columns.empty:
-                    return Dataset.from_dict({name: [] for name in columns.columns})
-                strings = Features({name: Value("string") for name in columns.columns})
+                    first_row = pandas.read_csv(path, nrows=1, dtype=str, **options)
+                if first_row.empty:
+                    return Dataset.from_dict({name: [] for name in first_row.columns})
+                strings = Features({name: Value("string") for name in first_row.columns})
                 return Dataset.from_csv(str(path), features=strings, cache_dir=cache, keep_in_memory=True, **options)
             if head.startswith(b"["):
                 first = head[1:].lstrip()[:1]
