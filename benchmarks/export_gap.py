@@ -28,7 +28,7 @@ from peft import PeftModel
 from transformers import AutoTokenizer
 
 from peft_smear import SmearLinear, export_merged_adapter, get_routing_weights
-from peft_smear.multitask.data import TaskInfo, load_benchmark
+from peft_smear.multitask.data import TaskInfo, benchmark_task_info, load_benchmark
 from peft_smear.multitask.model import MultiTaskCollator, MultiTaskModel, task_metrics
 from peft_smear.multitask.training import load_run
 
@@ -39,6 +39,9 @@ def task_batches(run: dict, split: str, batch_size: int) -> dict[str, list[dict[
     tokenizer = AutoTokenizer.from_pretrained(run["model"], local_files_only=True)
     collate = MultiTaskCollator(tokenizer)
     data = load_benchmark(**run["data"])[split]
+    found = list(benchmark_task_info(data).values())
+    if found != tasks:  # labels are class indices: other class names would score against the wrong classes
+        raise ValueError(f"The run's data now holds the tasks {found}, not {tasks}: did a task file change?")
     batches = {}
     for index, task in enumerate(tasks):
         rows = data.filter(lambda example, name=task.name: example["task"] == name)

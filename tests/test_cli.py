@@ -197,6 +197,30 @@ def test_bad_task_data_is_refused(saved, tmp_path, output, capsys, rows, options
     assert_refused(export(base, adapter, output, "--task-data", str(data), *options), capsys, message)
 
 
+@pytest.mark.parametrize(
+    ("name", "content", "problem"),
+    [
+        ("data.jsonl", '{"text": "w3"}\n{"text": \n', ": not valid JSON objects (an array, or one per line): "),
+        ("data.json", '["w3", "w5"]', ": not valid JSON objects (an array, or one per line): row 1 is not an object."),
+        ("data.csv", 'text,task\n"w3,a\n', ": not valid CSV: "),
+        ("data.tsv", "text\nw3\n", ": unsupported file type '.tsv'; use .csv, .json or .jsonl."),
+        ("data.csv", None, ": no such file."),
+    ],
+    ids=["invalid json", "rows not objects", "invalid csv", "unsupported suffix", "missing file"],
+)
+def test_unreadable_task_data_is_refused_in_one_line_naming_the_file(
+    saved, tmp_path, output, capsys, name, content, problem
+):
+    base, adapter, _ = saved["llama"]
+    data = tmp_path / name
+    if content is not None:
+        data.write_text(content)
+    code = export(base, adapter, output, "--task-data", str(data))
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"peft-smear export: error: --task-data {data}{problem}"), err
+    assert len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("index", ["3", "-1"])
 def test_expert_index_out_of_range_is_refused(saved, output, capsys, index):
     base, adapter, _ = saved["llama"]

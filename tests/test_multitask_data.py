@@ -17,10 +17,26 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from datasets import Dataset, concatenate_datasets, disable_progress_bars, load_from_disk
+from datasets import (
+    ClassLabel,
+    Dataset,
+    DatasetDict,
+    Value,
+    concatenate_datasets,
+    disable_progress_bars,
+    load_from_disk,
+)
 
 from peft_smear.multitask import data
-from peft_smear.multitask.data import BENCHMARK_TASKS, FEATURES, benchmark_task_info, load_benchmark, load_task_file
+from peft_smear.multitask.data import (
+    BENCHMARK_TASKS,
+    LABEL_BY_TASK,
+    benchmark_task_info,
+    concatenate_tasks,
+    load_benchmark,
+    load_task_file,
+    task_features,
+)
 
 
 disable_progress_bars()
@@ -135,15 +151,34 @@ def cache(pinned, tmp_path) -> Path:
 
 
 def _decoded(ds) -> dict[str, set]:
-    """Per task, the ``(text, label name or value)`` pairs over all splits."""
+    """Per task, the ``(text, label name or value)`` pairs over all splits; each row's ``label_by_task`` holds its
+    label under its own task (decoded by that task's ClassLabel feature) and None under the others."""
     infos = benchmark_task_info(ds)
     pairs: dict[str, set] = {name: set() for name in infos}
     for split in ds.values():
+        by_task = split.features[LABEL_BY_TASK]
         for row in split:
             info = infos[row["task"]]
-            label = info.labels[int(row["label"])] if info.kind == "classification" else round(row["label"], 4)
+            own = row[LABEL_BY_TASK][row["task"]]
+            assert row[LABEL_BY_TASK] == {name: own if name == row["task"] else None for name in infos}
+            if info.kind == "classification":
+                label = info.labels[int(row["label"])]
+                assert own == row["label"] and by_task[row["task"]].int2str(own) == label
+            else:
+                label = round(row["label"], 4)
+                assert own == row["label"]
             pairs[row["task"]].add((row["text"], label))
     return pairs
+
+
+def _feature_of(info: data.TaskInfo):
+    return ClassLabel(names=list(info.labels)) if info.kind == "classification" else Value("float32")
+
+
+def _columns(infos: list[data.TaskInfo]) -> dict:
+    """The documented features of a dataset of ``infos``, written out independently of the loader's code."""
+    strings = {"text": Value("string"), "label": Value("float32"), "task": Value("string")}
+    return {**strings, LABEL_BY_TASK: {info.name: _feature_of(info) for info in infos}}
 
 
 def _assignment(ds) -> dict[str, list[tuple[str, str, float]]]:
@@ -155,7 +190,7 @@ def test_each_task_parses_to_its_examples_labels_and_kind(task, cache):
     ds = load_benchmark([task], cache_dir=cache)
     assert list(ds) == ["train", "validation", "test"]
     for split in ds.values():
-        assert split.features == FEATURES
+        assert split.features == _columns([BENCHMARK_TASKS[task]]) == task_features([BENCHMARK_TASKS[task]])
         assert set(split["task"]) <= {task}
     assert benchmark_task_info(ds) == {task: BENCHMARK_TASKS[task]}
     expected = EXPECTED[task]
@@ -253,7 +288,7 @@ def test_user_tasks_from_csv_json_and_jsonl(cache, tmp_path):
     path.write_bytes(_csv(rows))
     ds, info = load_task_file(path, "intent")
     assert info == data.TaskInfo("intent", "classification", ("book", "cancel")) and info.num_labels == 2
-    assert ds.num_rows == 24 and ds.features == FEATURES
+    assert ds.num_rows == 24 and ds.features == _columns([info])
     assert dict(zip(ds["text"], ds["label"], strict=True))["Book a table for 0"] == 0.0
 
     scores = tmp_path / "scores.jsonl"
@@ -294,6 +329,14 @@ def test_user_tasks_from_csv_json_and_jsonl(cache, tmp_path):
         ("mixed.jsonl", '{"text": "a", "label": "x"}\n{"text": "b", "label": 2}\n', "mix strings and numbers"),
         ("single.csv", "text,label\na,x\nb,x\n", "at least two distinct label names"),
         ("data.tsv", "text\tlabel\n", "unsupported file type"),
+        ("header_only.csv", "text,label\n", "no examples"),
+        ("empty_array.json", " [ ] ", "no examples"),
+        ("numbers.json", "[1, 2]", "row 1 is not an object"),
+        ("strings.json", '["a", "b"]', "row 1 is not an object"),
+        ("scalar_row.jsonl", '{"text": "a", "label": "x"}\n3\n', "not valid JSON objects"),
+        ("broken.jsonl", '{"text": "a", "label": "x"}\n{"text": \n', "not valid JSON objects"),
+        ("bool.jsonl", '{"text": "a", "label": true}\n', "row 1 has no usable label"),
+        ("short_row.csv", "text,label\na,x\nb\n", "row 2 has no usable label"),
     ],
 )
 def test_user_task_file_errors_name_the_file_and_the_problem(tmp_path, name, content, message):
@@ -304,6 +347,52 @@ def test_user_task_file_errors_name_the_file_and_the_problem(tmp_path, name, con
     assert str(path) in str(error.value)
 
 
+def test_missing_task_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nowhere\.csv: no such file"):
+        load_task_file(tmp_path / "nowhere.csv", "mine")
+
+
+def test_csv_cells_are_read_as_written_and_latin1_and_bom_files_are_decoded(tmp_path):
+    codes = tmp_path / "codes.csv"  # what pandas would infer as numbers or missing values stays text
+    codes.write_bytes(_csv([["text", "label"], ["NA", "007"], ["123", "NA"], ["null", "007"], ["1.50", ""]]))
+    with pytest.raises(ValueError, match="row 4 has no usable label"):
+        load_task_file(codes, "codes")
+    codes.write_bytes(_csv([["text", "label"], ["NA", "007"], ["123", "NA"], ["null", "007"], ["1.50", "N/A"]]))
+    ds, info = load_task_file(codes, "codes")
+    assert info == data.TaskInfo("codes", "classification", ("007", "N/A", "NA"))
+    assert list(zip(ds["text"], ds["label"], strict=True)) == [("NA", 0.0), ("123", 2.0), ("null", 0.0), ("1.50", 1.0)]
+
+    numbers = tmp_path / "numbers.csv"  # labels that all parse as numbers: a regression task
+    numbers.write_bytes(_csv([["text", "label"], ["a", "007"], ["b", "-2.5"], ["c", "1e1"]]))
+    ds, info = load_task_file(numbers, "numbers")
+    assert info == data.TaskInfo("numbers", "regression") and ds["label"] == [7.0, -2.5, 10.0]
+
+    latin = tmp_path / "latin.csv"
+    latin.write_bytes("text,label\nCafé crème,x\nNaïve ½,y\n".encode("latin-1"))
+    assert load_task_file(latin, "latin")[0]["text"] == ["Café crème", "Naïve ½"]
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(("\ufeff" + '{"text": "Ünïcode", "label": 1.5}\n{"text": "b", "label": 2}\n').encode())
+    ds, info = load_task_file(bom, "bom")
+    assert ds["text"] == ["Ünïcode", "b"] and ds["label"] == [1.5, 2.0] and info.kind == "regression"
+
+
+def test_read_data_file_keeps_json_types_and_reads_json_lines_under_a_json_name(tmp_path):
+    rows = [{"text": "a", "label": "x", "task": 1}, {"text": "b", "label": 2, "task": "t"}, {"text": "c"}]
+    (tmp_path / "array.json").write_text(json.dumps(rows))
+    (tmp_path / "lines.json").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    expected = [{"label": None, "task": None, **row} for row in rows]  # a missing field reads as null
+    for name in ("array.json", "lines.json"):
+        table = data.read_data_file(tmp_path / name)
+        assert table.column_names == ["text", "label", "task"] and table.to_list() == expected, name
+    (tmp_path / "gaps.jsonl").write_text('\n{"text": "a", "label": 1}\n\n{"text": "b", "label": 2.5}\n\n')
+    assert data.read_data_file(tmp_path / "gaps.jsonl").to_list() == [
+        {"text": "a", "label": 1},
+        {"text": "b", "label": 2.5},
+    ]
+    (tmp_path / "blank.jsonl").write_text("\n \n")
+    assert data.read_data_file(tmp_path / "blank.jsonl").num_rows == 0
+
+
 def test_unknown_and_clashing_task_names_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"Unknown task\(s\) \['trec7'\].*'trec6'.*'nyt_reg'"):
         load_benchmark(["trec6", "trec7"], cache_dir=tmp_path)
@@ -312,31 +401,56 @@ def test_unknown_and_clashing_task_names_are_refused(tmp_path):
     assert not any(tmp_path.iterdir())  # refused before touching the cache
 
 
-def test_task_info_survives_save_load_and_transforms_and_is_refused_when_lost(cache, tmp_path):
+def test_task_info_survives_save_load_parquet_and_transforms_and_is_refused_when_lost(cache, tmp_path):
     ds = load_benchmark(["sms_spam", "nyt_reg"], cache_dir=cache)
     expected = {name: BENCHMARK_TASKS[name] for name in ("sms_spam", "nyt_reg")}
     ds.save_to_disk(str(tmp_path / "saved"))
     loaded = load_from_disk(str(tmp_path / "saved"))
     assert benchmark_task_info(loaded) == expected
     train = loaded["train"]
+    train.to_parquet(str(tmp_path / "train.parquet"))  # the features go into the Parquet schema's metadata
     for transformed in (
+        Dataset.from_parquet(str(tmp_path / "train.parquet"), cache_dir=str(tmp_path / "hf")),
         train.filter(lambda row: row["task"] == "nyt_reg"),
         train.select([0, 1]),
         train.shuffle(seed=0),
         train.map(lambda row: {"n": len(row["text"])}, remove_columns=["text"]),
+        train.train_test_split(test_size=0.5, seed=0)["test"],
+        train.remove_columns(["text"]),
     ):
         assert benchmark_task_info(transformed) == expected
+        assert list(benchmark_task_info(transformed)) == ["sms_spam", "nyt_reg"]  # task order too
     with pytest.raises(ValueError, match="no peft-smear task metadata"):
         benchmark_task_info(Dataset.from_pandas(train.to_pandas()))
+    with pytest.raises(ValueError, match="no peft-smear task metadata"):
+        benchmark_task_info(train.remove_columns([LABEL_BY_TASK]))
+
+    # Datasets of different tasks join with concatenate_tasks; concatenate_datasets alone keeps only the features
+    # all parts share, which loses the ClassLabels: refused, never read as another kind of task.
     other = load_task_file(_write_csv(tmp_path / "mine.csv"), "mine")[0]
     mine = data.TaskInfo("mine", "classification", ("neg", "pos"))
-    assert benchmark_task_info(concatenate_datasets([train, other])) == {**expected, "mine": mine}
+    joined = concatenate_tasks([train, other])
+    assert benchmark_task_info(joined) == {**expected, "mine": mine}
+    assert list(benchmark_task_info(joined)) == ["sms_spam", "nyt_reg", "mine"]
+    decoded = _decoded(DatasetDict({"joined": joined}))
+    assert decoded["mine"] == {("good", "pos"), ("bad", "neg")}
+    assert decoded["sms_spam"] == _decoded(DatasetDict({"train": train}))["sms_spam"]
+    with pytest.raises(ValueError, match=r"task 'sms_spam'.*use concatenate_tasks"):
+        benchmark_task_info(concatenate_datasets([train, other]))
+    other_mine = load_task_file(_write_csv(tmp_path / "other.csv", ("ok", "bad")), "mine")[0]
+    with pytest.raises(ValueError, match="Conflicting metadata for task 'mine'"):
+        concatenate_tasks([joined, other_mine])
+    # Rows of a task that the features lack (made with train's own features, so concatenation keeps them).
+    stranger = Dataset.from_dict(
+        {**other.remove_columns([LABEL_BY_TASK]).to_dict(), LABEL_BY_TASK: [dict.fromkeys(expected)] * 2},
+        features=train.features,
+    )
     with pytest.raises(ValueError, match=r"task\(s\) \['mine'\] that its metadata lacks"):
-        benchmark_task_info(concatenate_datasets([train, Dataset.from_dict(other.to_dict(), features=FEATURES)]))
+        benchmark_task_info(concatenate_datasets([train, stranger]))
 
 
-def _write_csv(path: Path) -> Path:
-    path.write_bytes(_csv([["text", "label"], ["good", "pos"], ["bad", "neg"]]))
+def _write_csv(path: Path, labels: tuple[str, str] = ("pos", "neg")) -> Path:
+    path.write_bytes(_csv([["text", "label"], ["good", labels[0]], ["bad", labels[1]]]))
     return path
 
 

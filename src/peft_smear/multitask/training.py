@@ -281,14 +281,16 @@ def _read_run(directory: Path) -> dict[str, Any]:
 def tokenize_tasks(
     data: DatasetDict, tokenizer: PreTrainedTokenizerBase, tasks: Sequence[TaskInfo], max_length: int
 ) -> DatasetDict:
-    """Token ids, float ``labels`` and the ``task_index`` of every example, in the order of ``tasks``."""
+    """Token ids, float ``labels`` and the ``task_index`` of every example, in the order of ``tasks``; the benchmark's
+    own columns (``label_by_task`` too) are dropped, so the collator sees only model inputs."""
     index = {task.name: i for i, task in enumerate(tasks)}
 
     def encode(batch: dict[str, list]) -> dict[str, list]:
         encoded = tokenizer(batch["text"], truncation=True, max_length=max_length, return_token_type_ids=False)
         return {**encoded, "labels": batch["label"], "task_index": [index[task] for task in batch["task"]]}
 
-    return data.map(encode, batched=True, remove_columns=["text", "label", "task"], desc="Tokenising")
+    columns = next(iter(data.values())).column_names
+    return data.map(encode, batched=True, remove_columns=columns, desc="Tokenising")
 
 
 def rows_of(dataset: Dataset, task_index: int) -> list[int]:
