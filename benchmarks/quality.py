@@ -41,9 +41,11 @@ from peft import LoraConfig, PeftConfig, PeftModel
 from transformers import AutoTokenizer
 
 from peft_smear import create_router_optimizer
-from peft_smear.multitask.data import TaskInfo, benchmark_task_info, load_benchmark
+from peft_smear.multitask.data import load_benchmark
+from peft_smear.multitask.features import benchmark_task_info
 from peft_smear.multitask.model import MultiTaskCollator, MultiTaskModel, block_linear_names, metric_name
 from peft_smear.multitask.report import RoutingReport
+from peft_smear.multitask.tasks import TaskInfo
 from peft_smear.multitask.training import (
     batches_by_task,
     build_model,

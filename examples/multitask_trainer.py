@@ -40,7 +40,8 @@ from transformers import AutoTokenizer, EvalPrediction, Trainer, TrainingArgumen
 
 from peft_smear import SmearConfig
 from peft_smear.config import ROUTING_METHODS
-from peft_smear.multitask.data import benchmark_task_info, load_benchmark
+from peft_smear.multitask.data import load_benchmark
+from peft_smear.multitask.features import benchmark_task_info
 from peft_smear.multitask.model import MultiTaskCollator, MultiTaskModel, block_linear_names, metric_name, task_metrics
 from peft_smear.multitask.report import RoutingReport
 

@@ -197,7 +197,7 @@ def _read_smear_config(adapter: Path) -> SmearConfig:
 
 def _task_texts(path: Path, text_column: str, task: str | None) -> list[str]:
     """The texts of the rows of ``path`` (those of ``task`` only, if given), refusing missing or empty text."""
-    from .multitask.data import read_data_file  # datasets, only when --task-data is given
+    from .multitask.task_files import read_data_file  # datasets, only when --task-data is given
 
     try:
         rows = read_data_file(path)

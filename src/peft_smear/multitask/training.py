@@ -28,7 +28,8 @@ from ..config import SmearConfig
 from ..export import check_exportable, export_merged_adapter, refuse_occupied
 from ..optimizer import create_router_optimizer
 from ..routers import ROUTERS, Reads
-from .data import benchmark_task_info, load_benchmark
+from .data import load_benchmark
+from .features import benchmark_task_info
 from .model import (
     MultiTaskCollator,
     MultiTaskModel,
