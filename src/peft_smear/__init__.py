@@ -4,6 +4,7 @@ Importing this package registers the PEFT type ``"SMEAR"``, after which ``get_pe
 ``PeftModel.from_pretrained``, ``PeftConfig.from_pretrained`` and ``AutoPeftModel*`` handle SMEAR adapters.
 """
 
+from .bank import build_expert_bank
 from .collator import SmearDataCollator
 from .config import SmearConfig
 from .export import export_merged_adapter
@@ -25,6 +26,7 @@ __all__ = [
     "SmearLinear",
     "SmearModel",
     "SmearPeftType",
+    "build_expert_bank",
     "create_router_optimizer",
     "export_merged_adapter",
     "get_routing_weights",

@@ -87,6 +87,9 @@ class SmearConfig(PeftConfig):
             ``gamma * [max cos > p] + beta`` (0.8).
         glider_gamma: GLIDER's ``gamma`` (100).
         glider_beta: GLIDER's ``beta`` (3).
+        freeze_experts: Keep every expert frozen, also when the adapter is activated or loaded trainable: only the
+            routers (and ``modules_to_save``) train. What a bank of existing adapters wants (the default of
+            :func:`peft_smear.build_expert_bank`).
         expert_names: A bank's expert names (:func:`peft_smear.build_expert_bank` sets them), one per expert.
         expert_descriptions: A bank's task description of each expert, kept with the adapter.
         expert_embeddings: An embedding of each expert's task description (``num_experts`` rows of one size):
@@ -194,6 +197,9 @@ class SmearConfig(PeftConfig):
     glider_threshold: float = field(default=0.8, metadata={"help": "glider: cosine threshold p of the global score."})
     glider_gamma: float = field(default=100.0, metadata={"help": "glider: global scale gamma above the threshold."})
     glider_beta: float = field(default=3.0, metadata={"help": "glider: global scale beta, always added."})
+    freeze_experts: bool = field(
+        default=False, metadata={"help": "Keep the experts frozen (a bank of trained adapters); routers still train."}
+    )
     expert_names: list[str] | None = field(default=None, metadata={"help": "A bank's expert names, in order."})
     expert_descriptions: list[str] | None = field(
         default=None, metadata={"help": "A bank's task description of each expert."}

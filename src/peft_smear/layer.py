@@ -226,6 +226,15 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             if adapter_name in getattr(self, name)
         }
 
+    def set_adapter(self, adapter_names: str | list[str], inference_mode: bool = False) -> None:
+        """PEFT's activation, which makes every parameter of an active adapter trainable, except the experts of
+        adapters whose experts are frozen (``SmearConfig.freeze_experts``)."""
+        super().set_adapter(adapter_names, inference_mode=inference_mode)
+        for name, kind in self.expert_kind.items():
+            if kind.frozen:
+                for param in self.expert_params(name).values():
+                    param.requires_grad_(False)
+
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         raise TypeError(MERGE_UNSUPPORTED)
 

@@ -65,6 +65,7 @@ class ExpertKind:
 
     def __init__(self, in_features: int, out_features: int, config: SmearConfig, module_name: str) -> None:
         self.in_features, self.out_features = in_features, out_features
+        self.frozen = config.freeze_experts  # the layer keeps these parameters out of training
 
     @classmethod
     def validate(cls, config: SmearConfig) -> None:
