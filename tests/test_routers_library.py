@@ -299,3 +299,51 @@ def test_half_precision_routes_like_fp32(routing, dtype):
         assert half[name].dtype == torch.float32
         # Near-ties may flip under rounding; most tokens must choose the same experts.
         assert ((half[name] > 0) == (weights > 0)).all(-1).float().mean() > 0.8
+
+
+# --- PHATGOOSE gate training ---------------------------------------------------------------------------------------
+
+
+def test_gate_training_applies_one_expert_scaled_by_its_gate_on_every_token():
+    model = library_model("glider_merge")  # a per-example router reads every token while its gates train
+    model.base_model.routing_context.start_call(None, None)
+    for layer in layers(model).values():
+        router = layer.smear_router["default"]
+        router.start_gate_training(1)
+        x = torch.randn(2, 4, layer.in_features, generator=torch.Generator().manual_seed(8))
+        A, B = layer.smear_lora_A["default"].detach()[1], layer.smear_lora_B["default"].detach()[1]
+        gate = torch.sigmoid(x @ router.gate.detach()[1])
+        expected = layer.get_base_layer()(x) + gate[..., None] * (x @ A.T @ B.T) * layer.expert_kind["default"].scaling
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+        router.stop_gate_training()
+        assert router.reads is peft_smear.routers.Reads.SUMMARY and not router.per_token
+
+
+def test_train_phatgoose_gates_trains_only_each_experts_own_gate():
+    model = library_model("phatgoose", expert_names=["a", "b", "c"], freeze_experts=True)
+    for module in model.modules():
+        if isinstance(module, peft_smear.routers.GateRouter):
+            module.gate.data.zero_()  # as after building a bank
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+
+    def data(seed):
+        batch = random_batch(4, 6, seed=seed)
+        return [{**batch, "labels": batch["input_ids"]}]
+
+    losses = peft_smear.train_phatgoose_gates(model, {"c": data(1), 0: data(2)}, steps=12, learning_rate=0.05)
+    assert set(losses) == {"c", 0} and all(len(v) == 12 for v in losses.values())
+    assert losses["c"][-1] < losses["c"][0]
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all(n.endswith("smear_router.default.gate") for n in changed)
+    for name in changed:
+        gate, old = dict(model.named_parameters())[name], before[name]
+        assert not torch.equal(gate[0], old[0]) and not torch.equal(gate[2], old[2])
+        assert torch.equal(gate[1], old[1]), "expert b had no data: its gate must not move"
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == flags and not model.training
+    assert all(r.gate_training_expert is None for r in model.modules() if isinstance(r, peft_smear.routers.GateRouter))
+    with pytest.raises(ValueError, match="No expert named 'z'"):
+        peft_smear.train_phatgoose_gates(model, {"z": data(1)}, steps=1)
+    with pytest.raises(ValueError, match="has no gates to train"):
+        peft_smear.train_phatgoose_gates(library_model("arrow"), {0: data(1)}, steps=1)

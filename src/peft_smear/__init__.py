@@ -8,6 +8,7 @@ from .bank import build_expert_bank
 from .collator import SmearDataCollator
 from .config import SmearConfig
 from .export import export_merged_adapter
+from .gates import train_phatgoose_gates
 from .layer import SmearLinear
 from .model import SmearModel, get_routing_weights
 from .optimizer import create_router_optimizer
@@ -30,6 +31,7 @@ __all__ = [
     "create_router_optimizer",
     "export_merged_adapter",
     "get_routing_weights",
+    "train_phatgoose_gates",
 ]
 
 register(SmearConfig, SmearModel, SmearModel.prefix)
