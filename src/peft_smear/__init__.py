@@ -7,6 +7,7 @@ Importing this package registers the PEFT type ``"SMEAR"``, after which ``get_pe
 from .bank import build_expert_bank
 from .collator import SmearDataCollator
 from .config import SmearConfig
+from .descriptions import describe_tasks, embed_texts
 from .export import export_merged_adapter
 from .gates import train_phatgoose_gates
 from .layer import SmearLinear
@@ -29,6 +30,8 @@ __all__ = [
     "SmearPeftType",
     "build_expert_bank",
     "create_router_optimizer",
+    "describe_tasks",
+    "embed_texts",
     "export_merged_adapter",
     "get_routing_weights",
     "train_phatgoose_gates",
