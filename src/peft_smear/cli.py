@@ -30,6 +30,7 @@ from transformers import (
 )
 
 from .arguments import listing, positive_int
+from .bank_command import add_build_bank_command
 from .config import SmearConfig
 from .experts import EXPERT_KINDS
 from .export import export_merged_adapter, refuse_occupied
@@ -113,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     export.set_defaults(run=export_command)
+    add_build_bank_command(commands)
     add_train_command(commands)
     add_export_tasks_command(commands)
     return parser
