@@ -5,7 +5,9 @@ trained over the frozen bank on mixed data."""
 from __future__ import annotations
 
 import argparse
+import csv
 import itertools
+import json
 import os
 import shutil
 import sys
@@ -16,7 +18,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from .arguments import positive_int
+from .arguments import CommandError, positive_int
+from .export import refuse_occupied
 from .routers import ROUTING_METHODS
 
 
@@ -66,13 +69,19 @@ def add_build_bank_command(commands: argparse._SubParsersAction) -> None:
 
 def build_bank_command(args: argparse.Namespace) -> None:
     from peft import PeftConfig
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     from . import build_expert_bank, describe_tasks, embed_texts, train_phatgoose_gates
-    from .cli import AUTO_MODEL_CLASSES, CommandError, _check_output, _load_tokenizer, _read_rows, _require_file
 
     adapters = _named_paths(args.adapter, "--adapter", CommandError)
     general = _named_paths(args.general_adapter, "--general-adapter", CommandError)
-    _check_output(args.output, args.overwrite, [args.base_model, *adapters.values(), *general.values()])
+    for path in [args.base_model, *adapters.values(), *general.values()]:
+        if path.resolve().is_relative_to(args.output.resolve()):
+            raise CommandError(f"--output {args.output} holds the input {path}; writing there would delete it.")
+    try:
+        refuse_occupied(args.output, args.overwrite, "pass --overwrite to replace it")
+    except FileExistsError as error:
+        raise CommandError(f"--output {error}") from None
     _require_file(args.base_model, "--base-model", "config.json")
     for name, path in {**adapters, **general}.items():
         _require_file(path, f"--adapter {name}=", "adapter_config.json")
@@ -89,7 +98,11 @@ def build_bank_command(args: argparse.Namespace) -> None:
         raise CommandError(f"--routing {args.routing} needs descriptions (or --examples) and --embedding-model.")
 
     task_type = args.task_type or PeftConfig.from_pretrained(str(next(iter(adapters.values())))).task_type
-    tokenizer = _load_tokenizer(args.base_model)
+    if task_type not in ("CAUSAL_LM", "SEQ_CLS"):
+        raise CommandError(f"build-bank handles CAUSAL_LM and SEQ_CLS adapters, got task type {task_type!r}.")
+    tokenizer = AutoTokenizer.from_pretrained(args.base_model, local_files_only=True)
+    if tokenizer.pad_token is None:  # padding never reaches a router, so any known token pads
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     if examples:
         generator, generator_tokenizer = _load_causal_lm(args.description_model)
         pairs = {name: [_example_pair(row) for row in rows[:3]] for name, rows in examples.items()}
@@ -97,14 +110,15 @@ def build_bank_command(args: argparse.Namespace) -> None:
         del generator
     embeddings = None
     if descriptions and args.embedding_model is not None:
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoModel
 
         encoder = AutoModel.from_pretrained(args.embedding_model, local_files_only=True).eval()
         encoder_tokenizer = AutoTokenizer.from_pretrained(args.embedding_model, local_files_only=True)
         ordered = [descriptions[name] for name in adapters]
         embeddings = dict(zip(adapters, embed_texts(ordered, encoder, encoder_tokenizer).tolist(), strict=True))
 
-    base = AUTO_MODEL_CLASSES[task_type].from_pretrained(args.base_model, local_files_only=True)
+    auto_class = AutoModelForCausalLM if task_type == "CAUSAL_LM" else AutoModelForSequenceClassification
+    base = auto_class.from_pretrained(args.base_model, local_files_only=True)
     settings: dict[str, Any] = {"routing": args.routing, "task_type": task_type}
     try:
         bank = build_expert_bank(
@@ -210,6 +224,36 @@ def _save_atomically(model, target: Path, overwrite: bool) -> None:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _require_file(directory: Path, option: str, name: str) -> None:
+    if not directory.is_dir():
+        raise CommandError(f"{option} {directory} is not a directory.")
+    if not (directory / name).is_file():
+        raise CommandError(f"{option} {directory} has no {name}; save it with save_pretrained().")
+
+
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a CSV or JSON Lines file (or a JSON file holding a list of objects)."""
+    if not path.is_file():
+        raise CommandError(f"{path} does not exist.")
+    if path.suffix.lower() == ".csv":
+        with path.open(newline="", encoding="utf-8") as file:
+            rows = list(csv.DictReader(file))
+    else:
+        text = path.read_text(encoding="utf-8")
+        try:
+            rows = json.loads(text) if path.suffix.lower() == ".json" else None
+        except json.JSONDecodeError:
+            rows = None
+        if not isinstance(rows, list):
+            try:
+                rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+            except json.JSONDecodeError as error:
+                raise CommandError(f"{path}: not CSV, JSON or JSON Lines ({error.msg}).") from None
+    if not rows or not all(isinstance(row, dict) for row in rows):
+        raise CommandError(f"{path} must hold at least one row, each an object.")
+    return rows
 
 
 def _pairs(values: list[str], option: str, error_type: type[Exception]) -> list[tuple[str, str]]:

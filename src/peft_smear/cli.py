@@ -29,7 +29,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from .arguments import listing, positive_int
+from .arguments import CommandError, listing, positive_int
 from .bank_command import add_build_bank_command
 from .config import SmearConfig
 from .experts import EXPERT_KINDS
@@ -50,10 +50,6 @@ AUTO_MODEL_CLASSES = {
 }
 DATA_SUFFIXES = (".csv", ".json", ".jsonl")
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
-
-
-class CommandError(Exception):
-    """A problem with the command's input: reported as one ``error:`` line and exit code 2, without a traceback."""
 
 
 def main(argv: list[str] | None = None) -> int:
