@@ -4,9 +4,12 @@ Importing this package registers the PEFT type ``"SMEAR"``, after which ``get_pe
 ``PeftModel.from_pretrained``, ``PeftConfig.from_pretrained`` and ``AutoPeftModel*`` handle SMEAR adapters.
 """
 
+from .bank import build_expert_bank
 from .collator import SmearDataCollator
 from .config import SmearConfig
+from .descriptions import describe_tasks, embed_texts
 from .export import export_merged_adapter
+from .gates import train_phatgoose_gates
 from .layer import SmearLinear
 from .model import SmearModel, get_routing_weights
 from .optimizer import create_router_optimizer
@@ -25,9 +28,13 @@ __all__ = [
     "SmearLinear",
     "SmearModel",
     "SmearPeftType",
+    "build_expert_bank",
     "create_router_optimizer",
+    "describe_tasks",
+    "embed_texts",
     "export_merged_adapter",
     "get_routing_weights",
+    "train_phatgoose_gates",
 ]
 
 register(SmearConfig, SmearModel, SmearModel.prefix)

@@ -41,6 +41,10 @@ class RoutingContext:
     task_ids: torch.Tensor | None = None
     """``[batch]`` ``smear_task_ids`` of the current call, for tag routing and analysis."""
 
+    query_embeddings: torch.Tensor | None = None
+    """``[batch, embedding size]`` ``smear_query_embeddings`` of the current call: an embedding of each example's task
+    description, GLIDER's global routing input."""
+
     encoder_summary: torch.Tensor | None = None
     """``[batch, hidden]`` fp32 masked mean of the encoder's final hidden states (decoders of encoder-decoders)."""
 
@@ -175,14 +179,23 @@ class RoutingContext:
             )
         return mask
 
-    def set_routing_inputs(self, routing_mask: torch.Tensor | None, task_ids: torch.Tensor | None) -> None:
-        """Record the ``smear_routing_mask`` and ``smear_task_ids`` of a new call."""
-        self.routing_mask, self.task_ids = routing_mask, task_ids
+    def set_routing_inputs(
+        self,
+        routing_mask: torch.Tensor | None,
+        task_ids: torch.Tensor | None,
+        query_embeddings: torch.Tensor | None = None,
+    ) -> None:
+        """Record the ``smear_routing_mask``, ``smear_task_ids`` and ``smear_query_embeddings`` of a new call."""
+        self.routing_mask, self.task_ids, self.query_embeddings = routing_mask, task_ids, query_embeddings
         self._task_id_limits_checked = set()
 
     def task_ids_for(self, batch_size: int) -> torch.Tensor | None:
         """``smear_task_ids`` for a layer that sees ``batch_size`` rows (repeated per beam / returned sequence)."""
         return expand_rows(self.task_ids, batch_size, "smear_task_ids")
+
+    def query_embeddings_for(self, batch_size: int) -> torch.Tensor | None:
+        """``smear_query_embeddings`` for a layer that sees ``batch_size`` rows (repeated per beam / sequence)."""
+        return expand_rows(self.query_embeddings, batch_size, "smear_query_embeddings")
 
     def check_task_ids(self, limit: int, method: str) -> None:
         """Raise unless every task id of the call is in ``[0, limit)``. Reading the ids back synchronises host and
