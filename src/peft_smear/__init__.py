@@ -4,6 +4,7 @@ Importing this package registers the PEFT type ``"SMEAR"``, after which ``get_pe
 ``PeftModel.from_pretrained``, ``PeftConfig.from_pretrained`` and ``AutoPeftModel*`` handle SMEAR adapters.
 """
 
+from .callbacks import SmearRoutingCallback
 from .collator import SmearDataCollator
 from .config import SmearConfig
 from .export import export_merged_adapter
@@ -12,6 +13,7 @@ from .model import SmearModel, get_routing_weights
 from .multitask import MultiTaskCollator, MultiTaskModel
 from .registration import SUPPORTED_PEFT_RANGE, SmearPeftType, register  # first: checks the PEFT version
 from .report import RoutingReport
+from .routing_stats import RoutingStatistics
 
 
 __version__ = "0.1.0"
@@ -20,11 +22,13 @@ __all__ = [
     "MultiTaskCollator",
     "MultiTaskModel",
     "RoutingReport",
+    "RoutingStatistics",
     "SmearConfig",
     "SmearDataCollator",
     "SmearLinear",
     "SmearModel",
     "SmearPeftType",
+    "SmearRoutingCallback",
     "export_merged_adapter",
     "get_routing_weights",
 ]

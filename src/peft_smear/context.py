@@ -5,12 +5,16 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .routing import expand_rows, prompt_mask
 from .routing_methods import PolicyStep
 
+
+if TYPE_CHECKING:
+    from .routing_stats import RoutingStatistics
 
 PROMPT_UNKNOWN_IN_TRAINING = (
     "SMEAR prompt routing in training mode got neither token labels, nor smear_routing_mask, nor "
@@ -61,6 +65,9 @@ class RoutingContext:
 
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
     """Auxiliary losses the layers added during the current call (already weighted), by name."""
+
+    statistics: RoutingStatistics | None = None
+    """When set, every layer reports each routing decision to it (see :mod:`peft_smear.routing_stats`)."""
 
     _prompt_masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict, repr=False)
     _token_bytes: dict[str, list[bytes]] = field(default_factory=dict, repr=False)

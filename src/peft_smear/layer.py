@@ -352,6 +352,8 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         decision = self.route(adapter_name, routed)
         if self.routing_context.recorded is not None:
             self.routing_context.recorded[(self, adapter_name)] = decision.weights.detach()
+        if self.routing_context.statistics is not None:
+            self.routing_context.statistics.observe(self, adapter_name, decision.weights)
         return decision
 
     def expert_params(self, adapter_name: str) -> Params:

@@ -1,0 +1,206 @@
+"""RoutingStatistics: the figures equal an explicit per-example computation, count each decision once, separate
+training from eval calls, and read the device only when a summary is taken."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from peft import get_peft_model
+
+import peft_smear
+from peft_smear import RoutingStatistics
+from peft_smear.routing_stats import COLLAPSE_THRESHOLD, collapsed_routers
+from tiny_models import random_batch, tiny_bert, tiny_llama
+
+
+def llama(**options):
+    config = {"num_experts": 4, "r": 2, "task_type": "CAUSAL_LM", "routing_prefix_length": 2, **options}
+    return get_peft_model(tiny_llama(), peft_smear.SmearConfig(**config))
+
+
+def explicit_figures(calls: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """The summary's figures from the recorded weights of each call, by loops over routers, examples and experts."""
+    rows: dict[str, list[list[float]]] = {}
+    for recorded in calls:
+        for name, weights in recorded.items():
+            rows.setdefault(name, []).extend(weights.tolist())
+    entropy, load = {}, {}
+    for name, examples in rows.items():
+        n = len(examples[0])
+        entropy[name] = sum(-sum(p * math.log(p) for p in row if p > 0) / math.log(n) for row in examples) / len(
+            examples
+        )
+        load[name] = [sum(row[e] for row in examples) / len(examples) for e in range(n)]
+    return {
+        "routing_entropy": sum(entropy.values()) / len(entropy),
+        "routing_entropy_min": min(entropy.values()),
+        "expert_load_min": sum(min(shares) for shares in load.values()) / len(load),
+        "expert_load_max": sum(max(shares) for shares in load.values()) / len(load),
+        "collapsed_routers": sum(max(shares) > COLLAPSE_THRESHOLD for shares in load.values()) / len(load),
+        **{f"{name}/entropy": value for name, value in entropy.items()},
+        **{f"{name}/load_min": min(shares) for name, shares in load.items()},
+        **{f"{name}/load_max": max(shares) for name, shares in load.items()},
+    }
+
+
+def recorded_call(model, **inputs) -> dict[str, torch.Tensor]:
+    """Run ``model(**inputs)`` (with backward in training mode) and return each layer's applied routing weights."""
+    tuner = model.base_model
+    tuner.routing_context.recorded = {}
+    try:
+        output = model(**inputs)
+        if model.training:
+            output.loss.backward()
+        recorded = tuner.routing_context.recorded
+    finally:
+        tuner.routing_context.recorded = None
+    return {layer.module_name: weights for (layer, _), weights in recorded.items()}
+
+
+def assert_figures_equal(actual: dict[str, float], expected: dict[str, float]) -> None:
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        assert actual[key] == pytest.approx(value, abs=1e-6), key
+
+
+def test_training_figures_equal_an_explicit_computation_over_several_calls():
+    torch.manual_seed(0)
+    model = llama(router_init_std=1.0, expert_dropout=0.3).train()  # sharp, uneven routing; dropout applied
+    statistics = RoutingStatistics.attach(model)
+    calls = []
+    for seed, (batch, lengths) in enumerate([(3, [6, 4, 5]), (5, None)]):
+        inputs = random_batch(batch, 6, seed=seed, lengths=lengths)
+        calls.append(recorded_call(model, **inputs, labels=inputs["input_ids"]))
+    summary = statistics.summary("train", per_router=True)
+    assert_figures_equal(summary, explicit_figures(calls))
+    assert len(calls[0]) == 4 and summary["routing_entropy"] < 0.99  # 4 routers; not trivially uniform
+    assert statistics.summary("train") == {}  # a summary resets
+
+
+def test_eval_calls_are_summarised_apart_from_training_calls():
+    torch.manual_seed(0)
+    model = llama(router_init_std=1.0)
+    statistics = RoutingStatistics.attach(model)
+    inputs = random_batch(4, 6, seed=1)
+    model.train()
+    train_call = recorded_call(model, **inputs, labels=inputs["input_ids"])
+    model.eval()
+    with torch.no_grad():
+        eval_call = recorded_call(model, **inputs, labels=inputs["input_ids"])
+    assert_figures_equal(statistics.summary("eval", per_router=True), explicit_figures([eval_call]))
+    assert_figures_equal(statistics.summary("train", per_router=True), explicit_figures([train_call]))
+
+
+def test_one_expert_for_every_example_is_a_collapsed_router():
+    """Tag routing sends each example to its task's expert: one task collapses every router, two do not."""
+    model = get_peft_model(tiny_bert(), peft_smear.SmearConfig(num_experts=4, r=2, routing="tag", num_tasks=4))
+    statistics = RoutingStatistics.attach(model.train())
+    inputs = random_batch(4, 6)
+    model(**inputs, smear_task_ids=torch.tensor([2, 2, 2, 2]))
+    one_task = statistics.summary()
+    model(**inputs, smear_task_ids=torch.tensor([0, 1, 0, 1]))
+    two_tasks = statistics.summary()
+    assert one_task["collapsed_routers"] == 1.0 and one_task["routing_entropy"] == 0.0
+    assert one_task["expert_load_max"] == 1.0 and one_task["expert_load_min"] == 0.0
+    assert two_tasks["collapsed_routers"] == 0.0 and two_tasks["expert_load_max"] == 0.5
+
+
+def test_collapse_needs_every_group_on_the_same_expert():
+    """The shared definition (benchmarks/quality.py uses it per task): every group above the threshold, same expert."""
+    uniform = [0.25] * 4
+    mean_routing = torch.tensor(
+        [
+            [[0.95, 0.05, 0, 0], [0.95, 0.05, 0, 0], [0.95, 0.05, 0, 0], uniform],  # task 1
+            [[0.95, 0.05, 0, 0], [0.05, 0.95, 0, 0], [0.85, 0.15, 0, 0], uniform],  # task 2
+        ]
+    )
+    assert collapsed_routers(mean_routing).tolist() == [True, False, False, False]
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_gradient_checkpointing_counts_each_decision_once(use_reentrant):
+    model = llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    model.enable_input_require_grads()
+    statistics = RoutingStatistics.attach(model.train())
+    inputs = random_batch(3, 6)
+    model(**inputs, labels=inputs["input_ids"]).loss.backward()
+    statistics._fold()
+    (block,) = statistics._blocks["train"].values()
+    assert block.examples == 3 and len(block.keys) == 4  # not 6: the recomputed forwards were not counted
+
+
+def test_generation_is_not_counted():
+    model = llama().eval()
+    statistics = RoutingStatistics.attach(model)
+    model.generate(**random_batch(2, 4), max_new_tokens=3, do_sample=False)
+    assert statistics.summary("eval") == {}
+
+
+def test_auxiliary_losses_are_averaged_over_training_calls():
+    model = llama(routing="dselect_k").train()
+    statistics = RoutingStatistics.attach(model)
+    losses = []
+    for seed in range(3):
+        inputs = random_batch(3, 6, seed=seed)
+        losses.append(model(**inputs, labels=inputs["input_ids"]).smear_aux_losses["dselect_k_entropy"].item())
+    summary = statistics.summary()
+    assert summary["aux_dselect_k_entropy"] == pytest.approx(sum(losses) / 3, rel=1e-6)
+
+
+SYNCING_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
+
+
+def count_host_reads(monkeypatch) -> dict[str, int]:
+    """Count every call of a tensor method that copies a value to the host (or synchronises with the device)."""
+    counts = dict.fromkeys(SYNCING_METHODS, 0)
+    for method in SYNCING_METHODS:
+        original = getattr(torch.Tensor, method)
+
+        def counting(self, *args, _original=original, _method=method, **kwargs):
+            counts[_method] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, method, counting)
+    return counts
+
+
+def test_collecting_adds_no_host_read_to_a_training_step(monkeypatch):
+    model = llama(routing="dselect_k").train()  # also has an auxiliary loss to collect
+    inputs = random_batch(3, 6)
+
+    def step():
+        model(**inputs, labels=inputs["input_ids"]).loss.backward()
+
+    step()  # warm-up: anything computed once per model
+    counts = count_host_reads(monkeypatch)
+    step()
+    without = dict(counts)
+    statistics = RoutingStatistics.attach(model)
+    counts.update(dict.fromkeys(counts, 0))
+    step()
+    assert counts == without
+    counts.update(dict.fromkeys(counts, 0))
+    statistics.summary()
+    assert sum(counts.values()) == 1  # one read of the device for the whole summary
+
+
+def test_detach_stops_collecting_and_a_model_reports_to_one_accumulator():
+    model = llama().train()
+    statistics = RoutingStatistics.attach(model)
+    with pytest.raises(ValueError, match="already reports routing statistics"):
+        RoutingStatistics.attach(model)
+    statistics.detach()
+    inputs = random_batch(2, 5)
+    model(**inputs, labels=inputs["input_ids"])
+    assert statistics.summary() == {}
+    RoutingStatistics.attach(model).detach()  # free again after detach
+
+
+def test_a_model_without_smear_is_refused_by_name():
+    with pytest.raises(ValueError, match="LlamaForCausalLM contains no SmearModel"):
+        RoutingStatistics.attach(tiny_llama())
+    with pytest.raises(ValueError, match="mode must be one of"):
+        RoutingStatistics().summary("training")
