@@ -1,18 +1,22 @@
 """RoutingStatistics: the figures equal an explicit per-example computation, count each decision once, separate
-training from eval calls, and read the device only when a summary is taken."""
+training from eval calls, and read the device only when a summary is taken. SmearRoutingCallback: they reach
+Trainer's (and TRL's) logs at every logging step, TensorBoard included."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import struct
 
 import pytest
 import torch
 from peft import get_peft_model
+from transformers import Trainer, TrainingArguments
 
 import peft_smear
-from peft_smear import RoutingStatistics
+from peft_smear import RoutingStatistics, SmearRoutingCallback
 from peft_smear.routing_stats import COLLAPSE_THRESHOLD, collapsed_routers
-from tiny_models import random_batch, tiny_bert, tiny_llama
+from tiny_models import VOCAB, random_batch, tiny_bert, tiny_llama, tiny_tokenizer
 
 
 def llama(**options):
@@ -204,3 +208,170 @@ def test_a_model_without_smear_is_refused_by_name():
         RoutingStatistics.attach(tiny_llama())
     with pytest.raises(ValueError, match="mode must be one of"):
         RoutingStatistics().summary("training")
+
+
+# --- SmearRoutingCallback: the statistics in Trainer's logs -------------------------------------------------------
+
+
+def capture_calls(model) -> list[tuple[bool, dict[str, torch.Tensor]]]:
+    """Record, per call of the model, whether it trained and each layer's applied routing weights."""
+    tuner, calls = model.base_model, []
+
+    def start(module, args, kwargs):
+        tuner.routing_context.recorded = {}
+
+    def finish(module, args, kwargs, output):
+        recorded = tuner.routing_context.recorded
+        calls.append((module.training, {layer.module_name: w for (layer, _), w in recorded.items()}))
+        tuner.routing_context.recorded = None
+
+    tuner.model.register_forward_pre_hook(start, with_kwargs=True)
+    tuner.model.register_forward_hook(finish, with_kwargs=True)
+    return calls
+
+
+def lm_rows(n: int, seed: int = 0) -> list[dict[str, list[int]]]:
+    """Prompt-completion examples: the first 3 tokens are the prompt (label -100), the rest the completion."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(2, VOCAB, (int(torch.randint(5, 9, (1,), generator=generator)),), generator=generator)
+        rows.append({"input_ids": ids.tolist(), "labels": [-100] * 3 + ids[3:].tolist()})
+    return rows
+
+
+def pad_lm(features: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+    width = max(len(f["input_ids"]) for f in features)
+    pad = [width - len(f["input_ids"]) for f in features]
+    return {
+        "input_ids": torch.tensor([f["input_ids"] + [0] * p for f, p in zip(features, pad, strict=True)]),
+        "attention_mask": torch.tensor(
+            [[1] * len(f["input_ids"]) + [0] * p for f, p in zip(features, pad, strict=True)]
+        ),
+        "labels": torch.tensor([f["labels"] + [-100] * p for f, p in zip(features, pad, strict=True)]),
+    }
+
+
+def trainer_for(model, output_dir, **overrides) -> Trainer:
+    settings = {
+        "output_dir": str(output_dir),
+        "max_steps": 4,
+        "per_device_train_batch_size": 4,
+        "per_device_eval_batch_size": 4,
+        "learning_rate": 5e-2,
+        "logging_steps": 2,
+        "save_strategy": "no",
+        "report_to": [],
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "seed": 0,
+        "dataloader_num_workers": 0,
+        **overrides,
+    }
+    return Trainer(
+        model=model,
+        args=TrainingArguments(**settings),
+        train_dataset=lm_rows(16),
+        eval_dataset=lm_rows(6, seed=1),
+        data_collator=pad_lm,
+    )
+
+
+def test_trainer_logs_the_statistics_of_the_steps_since_the_last_log(tmp_path):
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_llama(), peft_smear.SmearConfig(num_experts=4, r=2, task_type="CAUSAL_LM"))
+    trainer = trainer_for(model, tmp_path, eval_strategy="steps", eval_steps=4)
+    SmearRoutingCallback.attach(trainer, per_router=True)
+    calls = capture_calls(model)
+    trainer.train()
+
+    training = [recorded for is_training, recorded in calls if is_training]
+    evaluation = [recorded for is_training, recorded in calls if not is_training]
+    assert len(training) == 4 and len(evaluation) == 2  # 4 steps of one batch; 6 eval examples in batches of 4
+    train_logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [entry["step"] for entry in train_logs] == [2, 4]
+    for entry, window in zip(train_logs, (training[:2], training[2:]), strict=True):
+        logged = {key[len("smear/") :]: value for key, value in entry.items() if key.startswith("smear/")}
+        assert_figures_equal(logged, explicit_figures(window))
+    (eval_log,) = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
+    logged = {key[len("eval_smear/") :]: value for key, value in eval_log.items() if key.startswith("eval_smear/")}
+    assert_figures_equal(logged, explicit_figures(evaluation))
+    assert model.base_model.routing_context.statistics is None  # detached when training ends
+
+
+def read_scalars(directory) -> dict[str, dict[int, float]]:
+    """Every scalar in the TensorBoard event files under ``directory``: {tag: {step: value}} (TFRecord framing:
+    8-byte length, 4-byte CRC, the Event protobuf, 4-byte CRC)."""
+    try:
+        from tensorboardX.proto.event_pb2 import Event
+    except ImportError:
+        from tensorboard.compat.proto.event_pb2 import Event
+    scalars: dict[str, dict[int, float]] = {}
+    for path in sorted(directory.rglob("events.out.tfevents.*")):
+        data, position = path.read_bytes(), 0
+        while position < len(data):
+            (length,) = struct.unpack("<Q", data[position : position + 8])
+            event = Event.FromString(data[position + 12 : position + 12 + length])
+            position += 12 + length + 4
+            for value in event.summary.value:
+                if value.HasField("simple_value"):
+                    scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+    return scalars
+
+
+def test_tensorboard_receives_the_statistics(tmp_path):
+    if importlib.util.find_spec("tensorboardX") is None and importlib.util.find_spec("tensorboard") is None:
+        pytest.skip("needs tensorboardX or tensorboard (pip install tensorboardX)")
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_llama(), peft_smear.SmearConfig(num_experts=4, r=2, task_type="CAUSAL_LM"))
+    trainer = trainer_for(model, tmp_path, report_to=["tensorboard"], eval_strategy="steps", eval_steps=4)
+    SmearRoutingCallback.attach(trainer)
+    trainer.train()
+
+    scalars = read_scalars(tmp_path / "runs")
+    history = trainer.state.log_history
+    for name in ("routing_entropy", "routing_entropy_min", "expert_load_min", "expert_load_max", "collapsed_routers"):
+        logged = {entry["step"]: entry[f"smear/{name}"] for entry in history if "loss" in entry}
+        assert scalars[f"train/smear/{name}"] == pytest.approx(logged, rel=1e-6)  # float32 in the event file
+        (evaluation,) = [entry for entry in history if "eval_loss" in entry]
+        assert scalars[f"eval/smear/{name}"] == pytest.approx({4: evaluation[f"eval_smear/{name}"]}, rel=1e-6)
+
+
+def test_a_callback_added_after_the_integrations_warns(tmp_path):
+    pytest.importorskip("tensorboardX")
+    model = get_peft_model(tiny_llama(), peft_smear.SmearConfig(num_experts=2, r=2, task_type="CAUSAL_LM"))
+    trainer = trainer_for(model, tmp_path, report_to=["tensorboard"], max_steps=1)
+    trainer.add_callback(SmearRoutingCallback())
+    with pytest.warns(UserWarning, match=r"after the report_to integrations \(tensorboard\).*attach\(trainer\)"):
+        trainer.train()
+
+
+def test_trl_sft_trainer_logs_the_statistics(tmp_path):
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.eos_token = f"w{VOCAB - 1}"
+    prompts = [" ".join(f"w{(7 * i + j) % 90 + 2}" for j in range(5)) for i in range(8)]
+    data = Dataset.from_list([{"prompt": p, "completion": " w3 w4 w5"} for p in prompts])
+    model = get_peft_model(tiny_llama(), peft_smear.SmearConfig(num_experts=4, r=2, task_type="CAUSAL_LM"))
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        logging_steps=1,
+        per_device_train_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        max_length=32,
+    )
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+    SmearRoutingCallback.attach(trainer)
+    calls = capture_calls(model)
+    trainer.train()
+    train_logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [entry["step"] for entry in train_logs] == [1, 2]
+    for entry, (_, recorded) in zip(train_logs, calls, strict=True):
+        assert "mean_token_accuracy" in entry  # TRL's own metrics are still there
+        assert entry["smear/routing_entropy"] == pytest.approx(explicit_figures([recorded])["routing_entropy"])
