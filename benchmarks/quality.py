@@ -43,6 +43,7 @@ from transformers import AutoTokenizer
 from peft_smear.data import TaskInfo, benchmark_task_info, load_benchmark
 from peft_smear.multitask import MultiTaskCollator, MultiTaskModel, block_linear_names, metric_name
 from peft_smear.report import RoutingReport
+from peft_smear.routing_stats import collapsed_routers
 from peft_smear.training import (
     batches_by_task,
     build_model,
@@ -311,14 +312,12 @@ def _mean_task_similarity(report: RoutingReport | None) -> float | None:
     return float((similarity.sum() - similarity.trace()) / (n * (n - 1)))
 
 
-def _collapsed_share(report: RoutingReport | None, threshold: float = 0.9) -> float | None:
-    """Share of the routers that have collapsed: every task sends more than ``threshold`` of its mean routing to one
-    and the same expert."""
+def _collapsed_share(report: RoutingReport | None) -> float | None:
+    """Share of the routers that have collapsed: every task sends more than ``COLLAPSE_THRESHOLD`` of its mean
+    routing to one and the same expert (the definition the training logs use too)."""
     if report is None:
         return None
-    top = report.mean_routing.argmax(axis=-1)  # [tasks, routers]
-    collapsed = (report.mean_routing.max(axis=-1) > threshold).all(axis=0) & (top == top[0]).all(axis=0)
-    return float(collapsed.mean())
+    return collapsed_routers(torch.from_numpy(report.mean_routing)).float().mean().item()
 
 
 _WORKER_SETUP: Setup | None = None
