@@ -33,7 +33,7 @@ from speed import (
     train_step,
 )
 
-from peft_smear import RoutingStatistics, SmearConfig
+from peft_smear import RoutingStatistics, SmearConfig, SmearLinear
 
 
 @dataclass(frozen=True)
@@ -62,12 +62,33 @@ PRESETS = {
 }
 
 
+WORK_ALONE = "statistics work alone (every router reports, then a summary)"
+
+
 def variant_names(preset: Preset) -> list[str]:
     return ["off", *(f"statistics, summary every {k} step{'s' * (k > 1)}" for k in preset.log_every)]
 
 
+def statistics_work(model: torch.nn.Module, shape: Shape, device: str, calls: int = 200) -> float:
+    """Seconds the statistics themselves take per step, timed alone (a step's timing varies by far more on a busy
+    machine): every router of ``model`` reports one ``[batch, N]`` decision, the call ends, and a summary is taken."""
+    layers = [module for module in model.modules() if isinstance(module, SmearLinear)]
+    weights = torch.rand(shape.batch, shape.num_experts, device=device).softmax(dim=-1)
+    statistics = RoutingStatistics()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        for layer in layers:
+            statistics.observe(layer, "default", weights)
+        statistics._end_of_call(model, (), None)
+        statistics.summary()
+    synchronize(device)
+    return (time.perf_counter() - start) / calls
+
+
 def run_benchmark(preset_name: str, device: str, repeats: int | None = None) -> dict[str, float]:
-    """The fastest repetition's mean training-step time of each variant, in seconds."""
+    """The fastest repetition's mean training-step time of each variant, and the statistics' own work per step
+    (``"statistics work alone"``), in seconds."""
     preset = PRESETS[preset_name]
     shape = preset.shape
     base = build_base_model(SPEED_PRESETS[preset.model], device, torch.float32, shape.seq_len)
@@ -97,13 +118,15 @@ def run_benchmark(preset_name: str, device: str, repeats: int | None = None) -> 
             best[name] = min(best[name], (time.perf_counter() - start) / preset.steps)
             if statistics is not None:
                 statistics.detach()
+    model.train()
+    best[WORK_ALONE] = statistics_work(model, shape, device)
     return best
 
 
 def markdown_table(times: dict[str, float]) -> str:
     baseline = times["off"]
-    lines = ["| variant | training step | vs off |", "|---|---|---|"]
-    lines += [f"| {name} | {seconds * 1000:.1f} ms | {seconds / baseline:.3f}× |" for name, seconds in times.items()]
+    lines = ["| variant | time per step | vs off |", "|---|---|---|"]
+    lines += [f"| {name} | {seconds * 1000:.2f} ms | {seconds / baseline:.4f}× |" for name, seconds in times.items()]
     return "\n".join(lines)
 
 
