@@ -138,6 +138,8 @@ def test_a_routing_report_adds_the_per_task_table_and_the_heatmap(tmp_path):
     report = RoutingReport.collect(
         model, {"alpha": [random_batch(3, 6, seed=1)], "beta": [random_batch(5, 6, seed=2)]}
     )
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # experts, routers, the head's copy
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     directory = tmp_path / "run"
     model.save_pretrained(directory)
     report.save_json(directory / "routing.json")
@@ -146,6 +148,8 @@ def test_a_routing_report_adds_the_per_task_table_and_the_heatmap(tmp_path):
 
     text = (directory / "README.md").read_text()
     assert text.count(SECTION_BEGIN) == 1 and python_blocks(text) == ["model = load_the_run()\n"]
+    counts = f"{trainable:,} ({100 * trainable / frozen:.2f}% of the base model's {frozen:,})"
+    assert table(text)["trained parameters"] == counts
     assert "![Mean routing of each task (rows) over the experts (columns), per router](routing.png)" in text
     for t, (task, examples) in enumerate((("alpha", 3), ("beta", 5))):
         row = next(line for line in text.splitlines() if line.startswith(f"| {task} | {examples} | "))

@@ -166,13 +166,6 @@ def _section(
     config = peft_model.peft_config[name]
     layers = [m for m in peft_model.modules() if isinstance(m, SmearLinear) and name in m.expert_kind]
     sources = sorted({layer.router_source[name] for layer in layers})
-    trained = sum(tensor.numel() for tensor in peft.get_peft_model_state_dict(peft_model, adapter_name=name).values())
-    total = sum(p.numel() for p in peft_model.parameters())
-    base_count = total - sum(
-        t.numel()
-        for other in peft_model.peft_config
-        for t in peft.get_peft_model_state_dict(peft_model, adapter_name=other).values()
-    )
     n, routing = config.num_experts, config.routing
     expert = EXPERT_NAMES[config.expert_type]
     if routing == "smear":
@@ -204,10 +197,7 @@ def _section(
             "target modules",
             f"{_listing(sorted({layer.module_name.rsplit('.', 1)[-1] for layer in layers}))} ({len(layers)} layers)",
         ),
-        (
-            "trained parameters",
-            f"{trained:,} ({100 * trained / max(base_count, 1):.2f}% of the base model's {base_count:,})",
-        ),
+        ("trained parameters", _parameter_counts(peft_model, name)),
     ]
     if config.modules_to_save:
         rows.append(("trained in full", _listing(config.modules_to_save)))
@@ -237,6 +227,37 @@ def _section(
     if report.is_file():
         lines += ["", *_routing_report(json.loads(report.read_text()), (directory / ROUTING_HEATMAP).is_file())]
     return "\n".join(lines)
+
+
+def _parameter_counts(peft_model: nn.Module, adapter_name: str) -> str:
+    """The adapter's parameters (expert banks, routers, ``modules_to_save`` copies) against the base model's, counted
+    from the parameters themselves: the card is written from the main process only, so it must not gather a sharded
+    state dict. Parameters FSDP1 has flattened into shards have no countable size: then the row says so."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(module, FullyShardedDataParallel) for module in peft_model.modules()):
+        return "not counted here (the model is sharded by FSDP)"
+    adapters = {name: 0 for name in peft_model.peft_config}
+    total = 0
+    for name, param in peft_model.named_parameters():
+        size = getattr(param, "ds_numel", param.numel())  # DeepSpeed ZeRO-3 partitions hold their full size here
+        total += size
+        owner = next((adapter for adapter in adapters if _is_adapter_parameter(name, adapter)), None)
+        if owner is not None:
+            adapters[owner] += size
+    base = total - sum(adapters.values())
+    trained = adapters[adapter_name]
+    return f"{trained:,} ({100 * trained / max(base, 1):.2f}% of the base model's {base:,})"
+
+
+def _is_adapter_parameter(name: str, adapter_name: str) -> bool:
+    """Whether parameter ``name`` belongs to ``adapter_name``: a SMEAR bank or router entry, or its copy of a module
+    in ``modules_to_save``."""
+    parts = name.split(".")
+    return any(
+        parts[i + 1] == adapter_name and (part.startswith("smear_") or part == "modules_to_save")
+        for i, part in enumerate(parts[:-1])
+    )
 
 
 def _load_snippet(config: Any, adapter_id: str, base_model: str | None) -> str:
