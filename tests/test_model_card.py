@@ -11,7 +11,7 @@ import pytest
 import torch
 from huggingface_hub import ModelCard
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, Trainer, TrainingArguments
 
 import peft_smear
 from peft_smear import RoutingReport, write_model_card
@@ -159,3 +159,16 @@ def test_a_routing_report_adds_the_per_task_table_and_the_heatmap(tmp_path):
         assert cells[2] == f"{entropy:.2f}" and cells[5] == f"`{top_experts}`"
     similarity = next(line for line in text.splitlines() if line.startswith("| alpha | 1.00 | "))
     assert similarity.endswith(f"{report.similarity()[0, 1]:.2f} |")
+
+
+def test_trainers_model_card_keeps_the_smear_section(tmp_path):
+    """Trainer.create_model_card (what Trainer.push_to_hub uploads) writes its own card over a PEFT card, then lets
+    the model amend it: the SMEAR section comes back."""
+    model = smear_llama(tmp_path)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True)
+    trainer = Trainer(model=model, args=args)
+    trainer.save_model()
+    trainer.create_model_card(model_name="tiny-smear")
+    card = ModelCard.load(tmp_path / "out" / "README.md")
+    assert "# tiny-smear" in card.text and "## Training procedure" in card.text  # Trainer's card
+    assert card.text.count(SECTION_BEGIN) == 1 and set(card.data.tags) >= SMEAR_TAGS
