@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
+import peft
 import pytest
 import torch
 from huggingface_hub import ModelCard
@@ -94,6 +95,8 @@ def test_a_users_card_is_kept_and_amended_once_however_often_it_is_saved(tmp_pat
     assert card.data.license == "mit" and {"my-tag", *SMEAR_TAGS} <= set(card.data.tags)
     assert card.text.index("# My adapter") < card.text.index("My own words about it.") < card.text.index(SECTION_BEGIN)
     assert card.text.count(SECTION_BEGIN) == 1 and card.text.count("pip install peft-smear") == 1
+    versions = f"### Framework versions\n\n- peft-smear {peft_smear.__version__}\n- PEFT {peft.__version__}\n"
+    assert card.text.count(versions) == 1 and card.text.count("### Framework versions") == 1
 
 
 def test_other_peft_methods_keep_pefts_card(tmp_path):

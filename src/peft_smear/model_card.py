@@ -141,7 +141,7 @@ def _amend(
             text = text[:start] + section + text[end:]
         elif FRAMEWORK_HEADING in text:
             at = text.index(FRAMEWORK_HEADING)
-            text = text[:at] + section + "\n\n" + text[at:]
+            text = text[:at].rstrip("\n") + "\n\n" + section + "\n\n" + text[at:]
         else:
             text = text.rstrip("\n") + "\n\n" + section + "\n"
     card.text = _with_framework_versions(text)
@@ -149,14 +149,18 @@ def _amend(
 
 
 def _with_framework_versions(text: str) -> str:
+    """``text`` with PEFT's and peft-smear's versions under its framework versions heading (added if missing), where
+    PEFT puts its own line: right below the heading."""
     from . import __version__
 
-    lines = [f"- PEFT {peft.__version__}", f"- peft-smear {__version__}"]
-    if FRAMEWORK_HEADING not in text:
-        return text.rstrip("\n") + f"\n\n{FRAMEWORK_HEADING}\n\n" + "\n".join(lines) + "\n"
-    head, tail = text.split(FRAMEWORK_HEADING, 1)
-    missing = [line for line in lines if line not in tail.splitlines()]
-    return head + FRAMEWORK_HEADING + ("\n\n" + "\n".join(missing) if missing else "") + tail.rstrip("\n") + "\n"
+    lines = text.rstrip("\n").splitlines()
+    if FRAMEWORK_HEADING not in lines:
+        lines += ["", FRAMEWORK_HEADING, ""]
+    at = lines.index(FRAMEWORK_HEADING) + 2
+    for line in (f"- peft-smear {__version__}", f"- PEFT {peft.__version__}"):
+        if line not in lines:
+            lines.insert(at, line)
+    return "\n".join(lines) + "\n"
 
 
 def _section(
