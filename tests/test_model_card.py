@@ -104,6 +104,8 @@ def test_other_peft_methods_keep_pefts_card(tmp_path):
     model.save_pretrained(tmp_path)
     card = ModelCard.load(tmp_path / "README.md")
     assert SECTION_BEGIN not in card.text and "smear" not in card.data.tags and "lora" in card.data.tags
+    with pytest.raises(TypeError, match="active adapter is SMEAR, got PeftModelForCausalLM"):
+        write_model_card(model, tmp_path)
 
 
 @pytest.mark.parametrize(

@@ -103,6 +103,10 @@ def write_model_card(
     """Write or refresh the SMEAR card in ``directory`` (e.g. once a routing report has been written next to the
     adapter). ``adapter_id``: what the load snippet loads (default: ``directory``); ``usage``: Python code that
     replaces the load snippet; ``tags``: extra tags."""
+    if getattr(getattr(peft_model, "active_peft_config", None), "peft_type", None) != "SMEAR":
+        raise TypeError(
+            f"write_model_card needs a PeftModel whose active adapter is SMEAR, got {type(peft_model).__name__}."
+        )
     directory = Path(directory)
     path = directory / "README.md"
     if not path.is_file():
@@ -182,8 +186,9 @@ def _section(
         )
     else:
         pitch = (
-            f"Every adapted layer holds {n} {expert} experts. This adapter uses one of the routing methods the SMEAR "
-            f"paper compares with instead of SMEAR's merging, `{routing}`: {routing_description(config)}."
+            f"Every adapted layer holds {n} {expert} expert{'s' * (n != 1)}. This adapter uses one of the routing "
+            f"methods the SMEAR paper compares with instead of SMEAR's merging, `{routing}`: "
+            f"{routing_description(config)}."
         )
     rows = [
         ("method", f"SMEAR (`peft_type: SMEAR`), [paper]({PAPER_URL})"),
