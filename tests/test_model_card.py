@@ -59,7 +59,7 @@ def test_a_new_card_describes_the_adapter_and_its_load_snippet_runs(tmp_path):
     assert rows["router input"].startswith("`auto`: `prompt`, ")
     assert rows["target modules"] == "`o_proj`, `q_proj` (4 layers)"
     assert (
-        rows["trained parameters"]
+        rows["trainable parameters"]
         == f"{trainable:,} ({100 * trainable / base_total:.2f}% of the base model's {base_total:,})"
     )
     assert "Framework versions" in text and f"- peft-smear {peft_smear.__version__}" in text
@@ -154,7 +154,7 @@ def test_a_routing_report_adds_the_per_task_table_and_the_heatmap(tmp_path):
     text = (directory / "README.md").read_text()
     assert text.count(SECTION_BEGIN) == 1 and python_blocks(text) == ["model = load_the_run()\n"]
     counts = f"{trainable:,} ({100 * trainable / frozen:.2f}% of the base model's {frozen:,})"
-    assert table(text)["trained parameters"] == counts
+    assert table(text)["trainable parameters"] == counts
     assert "![Mean routing of each task (rows) over the experts (columns), per router](routing.png)" in text
     for t, (task, examples) in enumerate((("alpha", 3), ("beta", 5))):
         row = next(line for line in text.splitlines() if line.startswith(f"| {task} | {examples} | "))

@@ -206,7 +206,7 @@ def _section(
             "target modules",
             f"{_listing(sorted({layer.module_name.rsplit('.', 1)[-1] for layer in layers}))} ({len(layers)} layers)",
         ),
-        ("trained parameters", _parameter_counts(peft_model, name)),
+        ("trainable parameters", _parameter_counts(peft_model, name)),
     ]
     if config.modules_to_save:
         rows.append(("trained in full", _listing(config.modules_to_save)))
