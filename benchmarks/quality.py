@@ -56,6 +56,7 @@ from peft_smear.multitask.training import (
     smear_config,
     tokenize_tasks,
 )
+from peft_smear.routing_stats import collapsed_routers
 
 
 @dataclass(frozen=True)
@@ -309,14 +310,12 @@ def _mean_task_similarity(report: RoutingReport | None) -> float | None:
     return float((similarity.sum() - similarity.trace()) / (n * (n - 1)))
 
 
-def _collapsed_share(report: RoutingReport | None, threshold: float = 0.9) -> float | None:
-    """Share of the routers that have collapsed: every task sends more than ``threshold`` of its mean routing to one
-    and the same expert."""
+def _collapsed_share(report: RoutingReport | None) -> float | None:
+    """Share of the routers that have collapsed: every task sends more than ``COLLAPSE_THRESHOLD`` of its mean
+    routing to one and the same expert (the definition the training logs use too)."""
     if report is None:
         return None
-    top = report.mean_routing.argmax(axis=-1)  # [tasks, routers]
-    collapsed = (report.mean_routing.max(axis=-1) > threshold).all(axis=0) & (top == top[0]).all(axis=0)
-    return float(collapsed.mean())
+    return collapsed_routers(torch.from_numpy(report.mean_routing)).float().mean().item()
 
 
 _WORKER_SETUP: Setup | None = None

@@ -4,6 +4,7 @@ data cache), plus the multi-task model's per-example losses."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -133,6 +134,19 @@ def test_reloaded_run_gives_the_trained_models_logits(run):
         expected = model(**batch).logits
         reloaded = load_run(run_dir)(**batch).logits
     torch.testing.assert_close(reloaded, expected, rtol=0, atol=0)
+
+
+def test_the_run_card_shows_the_routing_report_and_how_to_load_the_run(run):
+    run_dir, _ = run
+    text = (run_dir / "README.md").read_text()
+    report = json.loads((run_dir / "routing.json").read_text())
+    for task in ("topic", "count"):
+        assert f"| {task} | {report['examples'][task]} | " in text
+    assert "](routing.png)" in text and "| trained in full | `heads` |" in text
+    (snippet,) = re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+    namespace: dict = {}
+    exec(snippet, namespace)
+    assert isinstance(namespace["model"], PeftModel)
 
 
 def test_export_tasks_writes_a_lora_adapter_per_task(exported):

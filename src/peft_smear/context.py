@@ -5,12 +5,16 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .pooling import expand_rows, prompt_mask, require
 from .routers.base import PolicyStep, RoutingDecision
 
+
+if TYPE_CHECKING:
+    from .routing_stats import RoutingStatistics
 
 PROMPT_UNKNOWN_IN_TRAINING = (
     "SMEAR prompt routing in training mode got neither token labels, nor smear_routing_mask, nor "
@@ -66,6 +70,9 @@ class RoutingContext:
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
     """Auxiliary losses the layers added during the current call (already weighted), by name."""
 
+    statistics: RoutingStatistics | None = None
+    """When set, every layer reports each routing decision to it (see :mod:`peft_smear.routing_stats`)."""
+
     _prompt_masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict, repr=False)
     _token_bytes: dict[str, list[bytes]] = field(default_factory=dict, repr=False)
     _last_summary: tuple[torch.Tensor, int, tuple, torch.Tensor] | None = field(default=None, repr=False)
@@ -112,12 +119,14 @@ class RoutingContext:
         return decision
 
     def observe(self, key: tuple[torch.nn.Module, str], decision: RoutingDecision) -> None:
-        """Every decision a layer applies passes here: kept for reuse inside ``generate``, and recorded when asked
-        (:func:`peft_smear.get_routing_weights`)."""
+        """Every decision a layer applies passes here: kept for reuse inside ``generate``, recorded when asked
+        (:func:`peft_smear.get_routing_weights`), and counted by the routing statistics when they are on."""
         if self.routing_cache is not None:
             self.routing_cache[key] = decision
         if self.recorded is not None:
             self.recorded[key] = decision.weights.detach()
+        if self.statistics is not None:
+            self.statistics.observe(*key, decision.weights)
 
     def add_aux_loss(self, name: str, value: torch.Tensor) -> None:
         self.aux_losses[name] = self.aux_losses[name] + value if name in self.aux_losses else value
