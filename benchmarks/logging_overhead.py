@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from peft import get_peft_model
 from common import append_results, load_description, machine_description
+from peft import get_peft_model
 from speed import PRESETS as SPEED_PRESETS
 from speed import TARGET_MODULES, Shape, build_base_model, make_inputs, synchronize, train_step
 
