@@ -324,6 +324,9 @@ class SmearLinear(nn.Module, BaseTunerLayer):
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.disable_adapters:
             return self.base_layer(x, *args, **kwargs)
+        packing = self.routing_context.packing
+        if packing is not None and packing.covers(x):  # a packed row: each of its sequences is an example
+            return packing.pack(self.forward(packing.unpack(x), *args, **kwargs))
         adapters = [name for name in self.active_adapters if name in self.expert_kind]
         inputs = x
         for name in adapters:  # kinds that change the module's input act before it runs, routed on that input
@@ -332,7 +335,7 @@ class SmearLinear(nn.Module, BaseTunerLayer):
                 tokens = inputs.reshape(x.shape[0], -1, x.shape[-1])
                 scaled = kind.scale_input(tokens, self.expert_params(name), self._decision(name, x))
                 inputs = scaled.reshape(x.shape)
-        result = self.base_layer(inputs, *args, **kwargs)
+        result = self._base_output(inputs, *args, **kwargs)
         for name in adapters:
             kind = self.expert_kind[name]
             if kind.scales_input:
@@ -346,6 +349,14 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             )
             result = output.reshape(result.shape)
         return result
+
+    def _base_output(self, inputs: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The wrapped module's output. For the unpacked sequences of a packed call, the module runs on the packed
+        row and its output is unpacked: the same values, without the module's work on the padding."""
+        packing = self.routing_context.packing
+        if packing is not None and packing.holds_unpacked(inputs):
+            return packing.unpack(self.base_layer(packing.pack(inputs), *args, **kwargs), share=False)
+        return self.base_layer(inputs, *args, **kwargs)
 
     def _decision(self, adapter_name: str, routed: torch.Tensor) -> RoutingDecision:
         """Route ``routed`` (what the adapter's router reads), recording the weights when asked to."""
