@@ -151,21 +151,21 @@ def test_every_boundary_source_gives_the_same_layout():
     assert torch.equal(both.mask, PackedLayout(expected).mask)
 
 
+RESTARTING = torch.tensor([[0, 1, 2, 0, 1, 2]])
+
+
 @pytest.mark.parametrize(
     "arguments",
     [
-        {"attention_mask": torch.tensor([[1, 1, 1, 1, 0, 0]])},  # a padded batch is never packed
+        {"position_ids": RESTARTING, "attention_mask": torch.tensor([[1, 1, 1, 1, 0, 0]])},  # padded: never packed
         {"position_ids": torch.arange(6)[None]},  # positions that never restart
         {},  # nothing tells boundaries
     ],
+    ids=["padded", "one_sequence", "no_boundaries"],
 )
 def test_ordinary_batches_are_not_packed(arguments):
-    restarting = torch.tensor([[0, 1, 2, 0, 1, 2]])
-    ids = torch.randint(2, VOCAB, (1, 6))
-    arguments = {"input_ids": ids, "position_ids": restarting, **arguments}
-    if "attention_mask" not in arguments and arguments["position_ids"] is restarting:
-        arguments.pop("position_ids")  # the case without any boundary source
-    assert packed_layout(arguments) is None
+    assert packed_layout({"input_ids": torch.randint(2, VOCAB, (1, 6)), **arguments}) is None
+    assert packed_layout({"input_ids": torch.randint(2, VOCAB, (6, 1)), "position_ids": torch.zeros(6, 1)}) is None
 
 
 def test_an_all_ones_mask_with_restarting_positions_is_packed():
