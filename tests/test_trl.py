@@ -66,7 +66,7 @@ def conversation_data(n: int = 10) -> tuple[Dataset, dict[tuple[int, ...], list[
     return Dataset.from_list(rows), prompts
 
 
-def trainer_for(data: Dataset, tmp_path, packing: bool, **config) -> trl.SFTTrainer:
+def trainer_for(data: Dataset, tmp_path, packing: bool, routing: str = "smear", **config) -> trl.SFTTrainer:
     args = trl.SFTConfig(
         output_dir=str(tmp_path),
         packing=packing,
@@ -80,7 +80,9 @@ def trainer_for(data: Dataset, tmp_path, packing: bool, **config) -> trl.SFTTrai
         logging_steps=1,
         **config,
     )
-    smear = SmearConfig(num_experts=3, r=2, target_modules="all-linear", expert_dropout=0.0, init_weights=False)
+    smear = SmearConfig(
+        num_experts=3, r=2, target_modules="all-linear", routing=routing, expert_dropout=0.0, init_weights=False
+    )
     return trl.SFTTrainer(
         model=tiny_llama(), args=args, train_dataset=data, processing_class=tokenizer(), peft_config=smear
     )
@@ -140,3 +142,12 @@ def test_sft_trains_smear_with_packing(tmp_path):
     changed = [n for n, p in trainer.model.named_parameters() if n in routers and not torch.equal(p, routers[n])]
     assert changed and len(changed) == len(routers)
     assert isinstance(trainer.model.peft_config["default"], peft_smear.SmearConfig)
+
+
+@pytest.mark.parametrize(("routing", "needs"), [("reinforce", "an output with logits"), ("adamix", "has none")])
+def test_methods_that_need_the_logits_stop_with_a_clear_error(routing, needs, tmp_path):
+    dataset, _ = prompt_completion_data(8)
+    trainer = trainer_for(dataset, tmp_path, packing=True, routing=routing)
+    batch = next(iter(trainer.get_train_dataloader()))
+    with pytest.raises(ValueError, match=f"routing='{routing}'.*{needs}"):
+        trainer.compute_loss(trainer.model.train(), trainer._prepare_inputs(batch))

@@ -123,6 +123,11 @@ class SmearModel(BaseTuner):
             (self.peft_config[name].adamix_consistency_weight for name in self._adamix_adapters()), default=None
         )
         if adamix_weight is not None and model.training and labels is not None:
+            if getattr(output, "logits", None) is None:  # e.g. TRL's fused LM head computes log-probabilities only
+                raise ValueError(
+                    "routing='adamix' compares the logits of two passes, but the model's output has none (TRL's "
+                    "SFTTrainer computes none); train it with transformers.Trainer or a loop that keeps the logits."
+                )
             self._second_pass = True
             try:
                 second = model(*args, **kwargs)
