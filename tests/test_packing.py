@@ -212,6 +212,20 @@ def test_a_packed_sequence_routes_as_it_does_alone(kind, routing):
             assert_same_routing(routing_packed, prompt_only, index)
 
 
+def test_routing_masks_and_prefix_lengths_apply_to_each_packed_sequence():
+    examples = sequences(seed=9)
+    batch = packed(examples)
+    labels = batch.pop("labels")
+    prompt_tokens = [torch.arange(len(ids)) < PROMPTS[i] for i, (ids, _) in enumerate(examples)]
+    model = smear(tiny_llama())
+    by_mask = get_routing_weights(model, **batch, smear_routing_mask=torch.cat(prompt_tokens)[None])
+    prefixed = smear(tiny_llama(), routing_prefix_length=2)
+    by_prefix = get_routing_weights(prefixed, **batch, labels=labels)
+    for index, (ids, _) in enumerate(examples):
+        assert_same_routing(by_mask, get_routing_weights(model, input_ids=ids[None, : PROMPTS[index]]), index)
+        assert_same_routing(by_prefix, get_routing_weights(prefixed, input_ids=ids[None, :2]), index)
+
+
 def test_packed_gpt2_rows_route_each_sequence_alone():
     model = smear(tiny_gpt2())
     examples = sequences(seed=3)
