@@ -73,7 +73,7 @@ def main() -> None:
         default=str(Path.home() / ".cache" / "peft_smear" / "smollm2-135m-instruct"),
         help="where the converted model is kept (default: ~/.cache/peft_smear/smollm2-135m-instruct)",
     )
-    parser.add_argument("--output-dir", help="SFTTrainer's output directory (default: a temporary directory)")
+    parser.add_argument("--output-dir", help="where the adapter is saved (default: not saved)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     started = time.perf_counter()
@@ -111,6 +111,7 @@ def main() -> None:
             max_length=args.max_length,
             per_device_train_batch_size=2,  # packed rows per step, flattened into one padding-free row
             gradient_checkpointing=False,  # TRL's default is on; a CPU has the memory and not the time
+            bf16=False,  # TRL's default is bf16 autocast, also on CPU; fp32 here, so that step 4 can check to 1e-6
             max_steps=args.steps,
             learning_rate=args.learning_rate,
             lr_scheduler_type="linear",
@@ -130,6 +131,8 @@ def main() -> None:
         )
         trainer.model.print_trainable_parameters()
         trainer.train()
+        if args.output_dir:
+            trainer.save_model()  # the SMEAR adapter; PeftModel.from_pretrained loads it once peft_smear is imported
     model = trainer.model
 
     # 3. The routing report: each task's mean routing at every router, over held-out prompts (generate routes the
