@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shlex
 import sys
 import tempfile
@@ -24,13 +23,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from common import append_results, machine_description
 from peft import PeftModel
 from transformers import AutoTokenizer
 
 from peft_smear import SmearLinear, export_merged_adapter, get_routing_weights
-from peft_smear.data import TaskInfo, load_benchmark
-from peft_smear.multitask import MultiTaskCollator, MultiTaskModel, task_metrics
-from peft_smear.training import load_run
+from peft_smear.multitask.data import TaskInfo, benchmark_task_info, load_benchmark
+from peft_smear.multitask.model import MultiTaskCollator, MultiTaskModel, task_metrics
+from peft_smear.multitask.training import load_run
 
 
 def task_batches(run: dict, split: str, batch_size: int) -> dict[str, list[dict[str, torch.Tensor]]]:
@@ -39,6 +39,9 @@ def task_batches(run: dict, split: str, batch_size: int) -> dict[str, list[dict[
     tokenizer = AutoTokenizer.from_pretrained(run["model"], local_files_only=True)
     collate = MultiTaskCollator(tokenizer)
     data = load_benchmark(**run["data"])[split]
+    found = list(benchmark_task_info(data).values())
+    if found != tasks:  # labels are class indices: other class names would score against the wrong classes
+        raise ValueError(f"The run's data now holds the tasks {found}, not {tasks}: did a task file change?")
     batches = {}
     for index, task in enumerate(tasks):
         rows = data.filter(lambda example, name=task.name: example["task"] == name)
@@ -167,13 +170,12 @@ def main() -> None:
         run_config = json.loads((args.run / "adapter_config.json").read_text())
         trained = json.loads((args.run / "metrics.json").read_text())
         section = (
-            "\n## Export: a task's mean-routing LoRA vs SMEAR's per-example experts\n\n"
-            f"`{command}`\n\nThe run: `peft-smear train` with routing={run_config.get('routing')!r}, "
-            f"num_experts={run_config['num_experts']}, r={run_config['r']}, {trained['steps']} steps; compared on "
-            f"its {args.split} split. {platform.platform()}, torch {torch.__version__}.\n\n{table}\n"
+            "## Export: a task's mean-routing LoRA vs SMEAR's per-example experts\n\n"
+            f"- Command: `{command}`\n- Machine: {machine_description('cpu')}\n\nThe run: `peft-smear train` with "
+            f"routing={run_config.get('routing')!r}, num_experts={run_config['num_experts']}, r={run_config['r']}, "
+            f"{trained['steps']} steps; compared on its {args.split} split.\n\n{table}\n"
         )
-        with args.append_results.open("a") as results_file:
-            results_file.write(section)
+        append_results(args.append_results, section)
 
 
 if __name__ == "__main__":

@@ -23,9 +23,9 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from speed import append_results, load_description, machine_description
+from common import append_results, load_description, machine_description
 
-from peft_smear.experts import add_lora_mixture, add_per_example_experts, merge_lora_experts
+from peft_smear.experts.lora import add_lora_mixture, add_per_example_experts, merge_lora_experts
 
 
 STRATEGIES = ("lora", "merge_then_bmm", "dense_concatenated", "ensemble")

@@ -20,8 +20,9 @@ import time
 from pathlib import Path
 
 import torch
+from common import append_results, load_description, machine_description
 from peft import LoraConfig, get_peft_model
-from speed import PRESETS, TARGET_MODULES, append_results, load_description, machine_description
+from speed import PRESETS, TARGET_MODULES
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import peft_smear

@@ -35,15 +35,16 @@ from typing import Any
 
 import torch
 import transformers
+from common import append_results, load_description, machine_description
 from datasets import DatasetDict
 from peft import LoraConfig, PeftConfig, PeftModel
-from speed import append_results, load_description, machine_description
 from transformers import AutoTokenizer
 
-from peft_smear.data import TaskInfo, benchmark_task_info, load_benchmark
-from peft_smear.multitask import MultiTaskCollator, MultiTaskModel, block_linear_names, metric_name
-from peft_smear.report import RoutingReport
-from peft_smear.training import (
+from peft_smear import create_router_optimizer
+from peft_smear.multitask.data import TaskInfo, benchmark_task_info, load_benchmark
+from peft_smear.multitask.model import MultiTaskCollator, MultiTaskModel, block_linear_names, metric_name
+from peft_smear.multitask.report import RoutingReport
+from peft_smear.multitask.training import (
     batches_by_task,
     build_model,
     default_model_dir,
@@ -59,9 +60,10 @@ from peft_smear.training import (
 class Method:
     """One row of the table: a SMEAR ``routing`` (with extra :class:`SmearConfig` options), or a PEFT LoRA matching
     one expert's compute (``lora="compute"``, rank r) or all experts' parameters (``lora="params"``, rank N·r).
-    ``router_lr_ratio`` multiplies the learning rate of the routing parameters (``smear_router_*``,
-    ``smear_skill_logits``). ``rate_of``: an ablation of that method, trained at its chosen rate rather than sweeping
-    its own, so that the ablated option is the only difference (it sweeps when that method is not run)."""
+    ``router_lr_ratio`` multiplies the learning rate of the routers' parameters (see
+    :func:`peft_smear.create_router_optimizer`). ``rate_of``: an ablation of that method, trained at its chosen rate
+    rather than sweeping its own, so that the ablated option is the only difference (it sweeps when that method is
+    not run)."""
 
     label: str
     routing: str | None = None
@@ -237,13 +239,7 @@ def optimizer_for(model: PeftModel, method: Method, learning_rate: float) -> tor
     """AdamW with the routing parameters at ``router_lr_ratio`` times the rate, or ``None`` (Trainer's AdamW)."""
     if method.router_lr_ratio == 1.0:
         return None
-    routing, other = [], []
-    for name, parameter in model.named_parameters():
-        if parameter.requires_grad:
-            is_routing = "smear_router_" in name or "smear_skill_logits" in name
-            (routing if is_routing else other).append(parameter)
-    groups = [{"params": other}, {"params": routing, "lr": learning_rate * method.router_lr_ratio}]
-    return torch.optim.AdamW(groups, lr=learning_rate, weight_decay=0.0)
+    return create_router_optimizer(model, lr=learning_rate, router_lr_ratio=method.router_lr_ratio, weight_decay=0.0)
 
 
 def run_one(run: Run, setup: Setup) -> tuple[dict[str, Any], RoutingReport | None]:

@@ -20,7 +20,6 @@ import itertools
 import json
 import math
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -32,13 +31,11 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
-import peft
 import torch
-import transformers
+from common import append_results, load_description, machine_description
 from peft import LoraConfig, PeftModel, PolyConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import peft_smear
 from peft_smear import SmearConfig, export_merged_adapter
 
 
@@ -524,34 +521,6 @@ def write_outputs(rows: list[dict], output_dir: Path, log: Callable[[str], None]
     return paths
 
 
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
-
-def load_description(load: tuple[tuple, tuple], consequence: str) -> str:
-    """The load averages before / after a run, and ``consequence`` when they say other jobs shared the machine."""
-    text = " / ".join(", ".join(f"{x:.2f}" for x in sample) for sample in load)
-    cores = usable_cores()
-    if max(sample[0] for sample in load) > cores:
-        text += f": above the {cores} cores, so other jobs shared the machine and {consequence}"
-    return text
-
-
-def machine_description(device: str) -> str:
-    cpu = platform.processor() or "unknown CPU"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
-        cpu = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
-    cores = usable_cores()
-    parts = [f"{cpu}, {cores} cores usable, torch threads: {torch.get_num_threads()}"]
-    if device.startswith("cuda"):
-        parts.append(f"GPU {torch.cuda.get_device_name(device)}")
-    parts.append(
-        f"Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"peft {peft.__version__}, peft-smear {peft_smear.__version__}"
-    )
-    return "; ".join(parts)
-
-
 def results_section(
     rows: list[dict],
     preset_name: str,
@@ -599,19 +568,6 @@ def _overrides(rows: list[dict], preset: Preset) -> str:
     if rows and rows[0]["repeats"] != preset.repeats:
         changes.append(f"{rows[0]['repeats']} repetitions")
     return f" Changed on the command line: {', '.join(changes)}." if changes else ""
-
-
-RESULTS_HEADER = """# Benchmark results
-
-Measurements of peft-smear against PEFT LoRA, PEFT Poly and other routing methods. Each section is appended by a
-script in `benchmarks/` together with the machine, the package versions and the exact command that produced it;
-the numbers are never edited by hand.
-"""
-
-
-def append_results(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else RESULTS_HEADER
-    path.write_text(text.rstrip("\n") + "\n\n" + section)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

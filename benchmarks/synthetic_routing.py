@@ -42,13 +42,13 @@ import numpy as np
 import peft
 import torch
 import torch.nn.functional as F
+from common import append_results, load_description, machine_description
 from peft import get_peft_model
-from speed import append_results, load_description, machine_description
 from torch import nn
 from transformers.utils import ModelOutput
 
-from peft_smear import SmearConfig
-from peft_smear.report import RoutingReport
+from peft_smear import SmearConfig, create_router_optimizer
+from peft_smear.multitask.report import RoutingReport
 
 
 @dataclass(frozen=True)
@@ -220,12 +220,7 @@ def train(
     """Adam at a constant rate (the routers' times ``router_lr_ratio``) on random (observation, task) pairs of the
     training split."""
     rng = np.random.default_rng(seed)
-    routers, others = [], []
-    for name, parameter in model.named_parameters():
-        if parameter.requires_grad:
-            (routers if "smear_router_" in name else others).append(parameter)
-    groups = [{"params": others}, {"params": routers, "lr": learning_rate * router_lr_ratio}]
-    optimizer = torch.optim.Adam(groups, lr=learning_rate)
+    optimizer = create_router_optimizer(model, torch.optim.Adam, lr=learning_rate, router_lr_ratio=router_lr_ratio)
     model.train()
     train_rows = data.splits["train"]
     for _ in range(settings.steps):

@@ -3,8 +3,9 @@
 The ``peft-smear train`` command is a thin wrapper around the public pieces of the package. This script uses those
 pieces directly, top to bottom, so you can see (and change) every step:
 
-1. ``load_benchmark`` builds the multi-task benchmark (columns ``text``, ``label``, ``task``) with fixed, seeded
-   train/validation/test splits; ``benchmark_task_info`` tells each task's kind and number of classes.
+1. ``load_benchmark`` builds the multi-task benchmark (columns ``text``, ``label``, ``task``, and ``label_by_task``
+   whose ClassLabel features name each task's classes) with fixed, seeded train/validation/test splits;
+   ``benchmark_task_info`` reads those features: each task's kind and class names.
 2. The MiniLM tokenizer turns texts into ``input_ids``; each example also keeps its ``labels`` and ``task_index``.
 3. ``MultiTaskModel.from_encoder_dir`` loads the pretrained encoder and adds one zero-initialised linear head per task.
 4. ``SmearConfig`` puts a bank of LoRA experts and a router into every linear layer of the encoder's transformer
@@ -37,10 +38,11 @@ from datasets import Dataset
 from peft import get_peft_model
 from transformers import AutoTokenizer, EvalPrediction, Trainer, TrainingArguments, set_seed
 
-from peft_smear import MultiTaskCollator, MultiTaskModel, RoutingReport, SmearConfig
+from peft_smear import SmearConfig
 from peft_smear.config import ROUTING_METHODS
-from peft_smear.data import benchmark_task_info, load_benchmark
-from peft_smear.multitask import block_linear_names, metric_name, task_metrics
+from peft_smear.multitask.data import benchmark_task_info, load_benchmark
+from peft_smear.multitask.model import MultiTaskCollator, MultiTaskModel, block_linear_names, metric_name, task_metrics
+from peft_smear.multitask.report import RoutingReport
 
 
 TASKS = ["trec6", "sms_spam", "tweets_sent", "nyt_reg"]  # three classification tasks and one regression task
@@ -82,7 +84,7 @@ def main() -> None:
         encoded = tokenizer(batch["text"], truncation=True, max_length=MAX_LENGTH, return_token_type_ids=False)
         return {**encoded, "labels": batch["label"], "task_index": [task_index[name] for name in batch["task"]]}
 
-    splits = data.map(encode, batched=True, remove_columns=["text", "label", "task"])
+    splits = data.map(encode, batched=True, remove_columns=data["train"].column_names)
 
     # 3 + 4. The model: the shared encoder with one head per task, then SMEAR in every encoder block's linear layers.
     model = MultiTaskModel.from_encoder_dir(model_dir, tasks)

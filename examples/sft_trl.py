@@ -34,8 +34,9 @@ from smollm2_instructions import INSTRUCTIONS, MAX_TEXT_TOKENS, SYSTEM, load_smo
 from transformers import DataCollatorWithFlattening, PreTrainedTokenizerBase
 from trl import SFTConfig, SFTTrainer
 
-from peft_smear import RoutingReport, SmearConfig, get_routing_weights
-from peft_smear.data import BENCHMARK_TASKS, load_benchmark
+from peft_smear import SmearConfig, get_routing_weights
+from peft_smear.multitask.data import benchmark_task_info, load_benchmark
+from peft_smear.multitask.report import RoutingReport
 
 
 TASKS = list(INSTRUCTIONS)
@@ -52,8 +53,8 @@ def prompt_messages(tokenizer: PreTrainedTokenizerBase, task: str, text: str) ->
     ]
 
 
-def answer(task: str, label: float) -> str:
-    return INSTRUCTIONS[task][1][BENCHMARK_TASKS[task].labels[int(label)]]
+def answer(label_names: dict[str, list[str]], task: str, label: float) -> str:
+    return INSTRUCTIONS[task][1][label_names[task][int(label)]]
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
@@ -87,11 +88,12 @@ def main() -> None:
 
     # 1. A real instruction mix: conversational prompt-completion pairs (completion-only loss).
     data = load_benchmark(TASKS, cache_dir=args.cache_dir, max_examples_per_task=args.examples_per_task * 5 // 4)
+    label_names = {name: info.labels for name, info in benchmark_task_info(data).items()}
     train = Dataset.from_list(
         [
             {
                 "prompt": prompt_messages(tokenizer, e["task"], e["text"]),
-                "completion": [{"role": "assistant", "content": answer(e["task"], e["label"])}],
+                "completion": [{"role": "assistant", "content": answer(label_names, e["task"], e["label"])}],
             }
             for e in data["train"]
         ]

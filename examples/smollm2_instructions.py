@@ -39,8 +39,9 @@ import torch
 from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from peft_smear import RoutingReport, SmearConfig, get_routing_weights
-from peft_smear.data import BENCHMARK_TASKS, load_benchmark
+from peft_smear import SmearConfig, get_routing_weights
+from peft_smear.multitask.data import benchmark_task_info, load_benchmark
+from peft_smear.multitask.report import RoutingReport
 
 
 SYSTEM = "You are a text classifier. Answer with one word."
@@ -99,8 +100,9 @@ def load_smollm2(model_cache: Path) -> tuple[PreTrainedModel, PreTrainedTokenize
 class InstructionData:
     """Turns benchmark examples into chat prompts (token ids) and answer words."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, class_names: dict[str, tuple[str, ...]]) -> None:
         self.tokenizer = tokenizer
+        self.class_names = class_names  # per task, the class name of each label index
 
     def prompt_ids(self, task: str, text: str) -> list[int]:
         """The chat-formatted prompt, ending with the assistant header that the answer follows."""
@@ -113,10 +115,8 @@ class InstructionData:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
-    @staticmethod
-    def answer(task: str, label: float) -> str:
-        label_name = BENCHMARK_TASKS[task].labels[int(label)]
-        return INSTRUCTIONS[task][1][label_name]
+    def answer(self, task: str, label: float) -> str:
+        return INSTRUCTIONS[task][1][self.class_names[task][int(label)]]
 
     def training_example(self, task: str, text: str, label: float) -> tuple[list[int], list[int]]:
         """``input_ids`` (prompt + answer + end of turn) and ``labels`` (-100 on the prompt)."""
@@ -207,7 +207,8 @@ def main() -> None:
 
     # 2. The data: training examples of all tasks shuffled together, and a held-out set of each task's test split.
     data = load_benchmark(TASKS, cache_dir=args.cache_dir, max_examples_per_task=8 * HELD_OUT_PER_TASK)
-    formatter = InstructionData(tokenizer)
+    # The class names travel with the data, as the ClassLabel features that benchmark_task_info reads.
+    formatter = InstructionData(tokenizer, {name: info.labels for name, info in benchmark_task_info(data).items()})
     train = [formatter.training_example(e["task"], e["text"], e["label"]) for e in data["train"]]
     random.Random(args.seed).shuffle(train)
     held_out: dict[str, list[tuple[list[int], str, str]]] = {task: [] for task in TASKS}  # (prompt, text, answer)

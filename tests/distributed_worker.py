@@ -33,8 +33,8 @@ from peft import PeftModel, get_peft_model
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import peft_smear
-from peft_smear.config import ROUTING_METHODS
-from tiny_models import VOCAB, tiny_llama
+from conftest import VOCAB, tiny_llama
+from peft_smear.routers import ROUTING_METHODS
 
 
 STEPS = 4

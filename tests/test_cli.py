@@ -18,9 +18,8 @@ from peft import LoraConfig, PeftConfig, PeftModel, PeftType, get_peft_model
 from safetensors.torch import load_file
 
 import peft_smear
+from conftest import BUILDERS, tiny_bert, tiny_tokenizer, trained_like_smear
 from peft_smear import SmearLinear, cli, export_merged_adapter
-from test_export import BUILDERS, trained_like_smear
-from tiny_models import tiny_bert, tiny_tokenizer
 
 
 TASK_A = ["w3 w5 w7 w9", "w11 w13", "w15 w17 w19 w21 w23"]
@@ -196,6 +195,30 @@ def test_bad_task_data_is_refused(saved, tmp_path, output, capsys, rows, options
     base, adapter, _ = saved["llama"]
     data = write_jsonl(tmp_path / "data.jsonl", rows)
     assert_refused(export(base, adapter, output, "--task-data", str(data), *options), capsys, message)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "problem"),
+    [
+        ("data.jsonl", '{"text": "w3"}\n{"text": \n', ": not valid JSON objects (an array, or one per line): "),
+        ("data.json", '["w3", "w5"]', ": not valid JSON objects (an array, or one per line): row 1 is not an object."),
+        ("data.csv", 'text,task\n"w3,a\n', ": not valid CSV: "),
+        ("data.tsv", "text\nw3\n", ": unsupported file type '.tsv'; use .csv, .json or .jsonl."),
+        ("data.csv", None, ": no such file."),
+    ],
+    ids=["invalid json", "rows not objects", "invalid csv", "unsupported suffix", "missing file"],
+)
+def test_unreadable_task_data_is_refused_in_one_line_naming_the_file(
+    saved, tmp_path, output, capsys, name, content, problem
+):
+    base, adapter, _ = saved["llama"]
+    data = tmp_path / name
+    if content is not None:
+        data.write_text(content)
+    code = export(base, adapter, output, "--task-data", str(data))
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"peft-smear export: error: --task-data {data}{problem}"), err
+    assert len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("index", ["3", "-1"])

@@ -8,8 +8,8 @@ import pytest
 import torch
 from peft import get_peft_model
 
+from conftest import tiny_bert, tiny_llama
 from peft_smear import SmearConfig, SmearPeftType
-from tiny_models import tiny_bert, tiny_llama
 
 
 @pytest.mark.parametrize(

@@ -28,8 +28,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import distributed_worker as worker
 import peft_smear
-from peft_smear.config import ROUTING_METHODS
-from tiny_models import random_batch, tiny_llama
+from conftest import random_batch, tiny_llama
+from peft_smear.routers import ROUTING_METHODS
 
 
 # One process with batch 4 and two with batch 2 each compute the same mean loss and gradient, up to the order of
@@ -103,7 +103,9 @@ def test_two_processes_train_like_one_process(output, single_process, run):
     rank0 = torch.load(directory / "params-rank0.pt")
     rank1 = torch.load(directory / "params-rank1.pt")
     assert rank0.keys() == rank1.keys() == reference.keys()
-    assert any(".smear_lora_A." in name for name in rank0) and any(".smear_router_weight." in name for name in rank0)
+    assert any(".smear_lora_A." in name for name in rank0) and any(
+        ".smear_router.default.weight" in name for name in rank0
+    )
     initial = worker.adapter_parameters(worker.build_model())
     for name, value in rank0.items():
         assert torch.equal(value, rank1[name]), f"{name} differs between the ranks"

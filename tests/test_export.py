@@ -13,27 +13,9 @@ from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 import peft_smear
+from conftest import BUILDERS, random_batch, tiny_llama, trained_like_smear
 from peft_smear import SmearConfig, SmearLinear, export_merged_adapter
-from peft_smear.routing_methods import merged
-from tiny_models import random_batch, tiny_bert, tiny_gpt2, tiny_llama
-
-
-BUILDERS = {"llama": (tiny_llama, "CAUSAL_LM"), "bert": (tiny_bert, "SEQ_CLS"), "gpt2": (tiny_gpt2, "CAUSAL_LM")}
-
-
-def trained_like_smear(arch: str):
-    """A SMEAR model whose experts, routers and head all differ from their initial values, as after training."""
-    build, task_type = BUILDERS[arch]
-    config = SmearConfig(
-        num_experts=3, r=4, lora_alpha=8, init_weights=False, target_modules="all-linear", task_type=task_type
-    )
-    model = get_peft_model(build(), config).eval()
-    generator = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.requires_grad and "router" in name:
-                param.add_(torch.randn(param.shape, generator=generator) * 0.5)
-    return model
+from peft_smear.routers.base import merged
 
 
 def logits(model, batch):

@@ -9,9 +9,9 @@ import torch
 from peft import get_peft_model
 from transformers import DataCollatorWithFlattening
 
+from conftest import VOCAB, tiny_gpt2, tiny_llama
 from peft_smear import SmearConfig, SmearLinear, get_routing_weights
 from peft_smear.packing import PackedLayout, packed_layout
-from tiny_models import VOCAB, tiny_gpt2, tiny_llama
 
 
 KINDS = {

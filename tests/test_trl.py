@@ -10,8 +10,8 @@ import torch
 from datasets import Dataset
 
 import peft_smear
+from conftest import tiny_llama, tiny_tokenizer
 from peft_smear import SmearConfig, SmearLinear, get_routing_weights
-from tiny_models import tiny_llama, tiny_tokenizer
 
 
 trl = pytest.importorskip("trl")
@@ -135,7 +135,7 @@ def test_sft_routes_every_example_on_its_prompt_alone(data, packing, tmp_path):
 def test_sft_trains_smear_with_packing(tmp_path):
     dataset, _ = prompt_completion_data(16)
     trainer = trainer_for(dataset, tmp_path, packing=True)
-    routers = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "smear_router_weight" in n}
+    routers = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "smear_router" in n}
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))

@@ -9,22 +9,23 @@ from .config import SmearConfig
 from .export import export_merged_adapter
 from .layer import SmearLinear
 from .model import SmearModel, get_routing_weights
-from .multitask import MultiTaskCollator, MultiTaskModel
+from .optimizer import create_router_optimizer
 from .registration import SUPPORTED_PEFT_RANGE, SmearPeftType, register  # first: checks the PEFT version
-from .report import RoutingReport
+from .routers import ROUTERS, ROUTING_METHODS, Router
 
 
 __version__ = "0.1.0"
 __all__ = [
+    "ROUTERS",
+    "ROUTING_METHODS",
     "SUPPORTED_PEFT_RANGE",
-    "MultiTaskCollator",
-    "MultiTaskModel",
-    "RoutingReport",
+    "Router",
     "SmearConfig",
     "SmearDataCollator",
     "SmearLinear",
     "SmearModel",
     "SmearPeftType",
+    "create_router_optimizer",
     "export_merged_adapter",
     "get_routing_weights",
 ]

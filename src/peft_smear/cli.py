@@ -7,13 +7,11 @@ SMEAR adapter can be turned into a plain LoRA (or IA3) adapter for a serving sta
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 from peft import PeftConfig, PeftModel, PeftType
@@ -29,12 +27,13 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from .arguments import listing, positive_int
 from .config import SmearConfig
-from .expert_kinds import EXPERT_KINDS
+from .experts import EXPERT_KINDS
 from .export import export_merged_adapter, refuse_occupied
 from .layer import SmearLinear
+from .multitask.commands import add_export_tasks_command, add_train_command
 from .registration import SmearPeftType
-from .training import add_export_tasks_command, add_train_command
 
 
 AUTO_MODEL_CLASSES = {
@@ -46,7 +45,6 @@ AUTO_MODEL_CLASSES = {
     "FEATURE_EXTRACTION": AutoModel,
     None: AutoModel,
 }
-DATA_SUFFIXES = (".csv", ".json", ".jsonl")
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 
 
@@ -99,10 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--text-column", default="text", metavar="NAME", help="the column of the texts (default: text)")
     data.add_argument("--task", metavar="NAME", help="keep only the rows whose 'task' column is NAME")
     data.add_argument(
-        "--batch-size", type=_positive_int, default=32, metavar="N", help="examples per batch (default: 32)"
+        "--batch-size", type=positive_int, default=32, metavar="N", help="examples per batch (default: 32)"
     )
     data.add_argument(
-        "--max-length", type=_positive_int, default=256, metavar="N", help="truncate texts to N tokens (default: 256)"
+        "--max-length", type=positive_int, default=256, metavar="N", help="truncate texts to N tokens (default: 256)"
     )
     export.add_argument(
         "--adapter-name",
@@ -136,7 +134,7 @@ def export_command(args: argparse.Namespace) -> None:
     model = _load_model(auto_class, args.base_model, args.adapter, args.adapter_name)
     if args.task_data is None:
         routing = {
-            name: torch.eye(layer.num_experts[args.adapter_name])[args.expert]
+            name: torch.eye(layer.num_experts(args.adapter_name))[args.expert]
             for name, layer in model.base_model.model.named_modules()
             if isinstance(layer, SmearLinear) and args.adapter_name in layer.expert_kind
         }
@@ -199,69 +197,35 @@ def _read_smear_config(adapter: Path) -> SmearConfig:
 
 def _task_texts(path: Path, text_column: str, task: str | None) -> list[str]:
     """The texts of the rows of ``path`` (those of ``task`` only, if given), refusing missing or empty text."""
-    rows = _read_rows(path)
-    if not rows:
+    from .multitask.data import read_data_file  # datasets, only when --task-data is given
+
+    try:
+        rows = read_data_file(path)
+    except (ValueError, OSError) as error:
+        raise CommandError(f"--task-data {error}") from None
+    if not rows.num_rows:
         raise CommandError(f"--task-data {path} has no rows.")
-    columns = list(dict.fromkeys(column for row in rows for column in row))
+    columns = rows.column_names
     if text_column not in columns:
         raise CommandError(
             f"--task-data {path} has no column {text_column!r} (columns: {columns}); use --text-column."
         )
-    numbered = list(enumerate(rows, start=1))
+    numbered = list(enumerate(rows[text_column], start=1))
     if task is not None:
         if "task" not in columns:
             raise CommandError(f"--task needs a 'task' column, but --task-data {path} has only {columns}.")
-        tasks = sorted({_task_of(row) for row in rows} - {None})
-        numbered = [(number, row) for number, row in numbered if _task_of(row) == task]
+        # A JSON file may hold numbers as tasks; --task is a string.
+        row_tasks = [None if value is None else str(value) for value in rows["task"]]
+        numbered = [pair for pair, row_task in zip(numbered, row_tasks, strict=True) if row_task == task]
         if not numbered:
-            raise CommandError(f"--task-data {path} has no row of task {task!r}; its tasks: {_listing(tasks)}.")
-    texts = []
-    for number, row in numbered:
-        text = row.get(text_column)
+            tasks = sorted(set(row_tasks) - {None})
+            raise CommandError(
+                f"--task-data {path} has no row of task {task!r}; its tasks: {listing(list(map(repr, tasks)))}."
+            )
+    for number, text in numbered:
         if not isinstance(text, str) or not text.strip():
             raise CommandError(f"--task-data {path}, row {number}: no text in column {text_column!r}, got {text!r}.")
-        texts.append(text)
-    return texts
-
-
-def _task_of(row: dict[str, Any]) -> str | None:
-    """The row's task as a string: ``--task`` is one, while a JSON file may hold numbers."""
-    return None if row.get("task") is None else str(row["task"])
-
-
-def _read_rows(path: Path) -> list[dict[str, Any]]:
-    """Rows of a CSV file, a JSON Lines file, or a JSON file holding a list of objects (or JSON Lines)."""
-    if path.suffix.lower() not in DATA_SUFFIXES:
-        raise CommandError(f"--task-data {path} is not a {', '.join(DATA_SUFFIXES)} file.")
-    if not path.is_file():
-        raise CommandError(f"--task-data {path} does not exist.")
-    if path.suffix.lower() == ".csv":
-        with path.open(newline="", encoding="utf-8") as file:
-            return list(csv.DictReader(file))
-    text = path.read_text(encoding="utf-8")
-    if path.suffix.lower() == ".json":
-        try:
-            document = json.loads(text)
-        except json.JSONDecodeError:
-            document = None  # JSON Lines under a .json name, as datasets' to_json writes them
-        if isinstance(document, list):
-            return _objects(path, list(enumerate(document, start=1)))
-    numbered = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if line.strip():
-            try:
-                numbered.append((number, json.loads(line)))
-            except json.JSONDecodeError as error:
-                raise CommandError(f"--task-data {path}, line {number}: not valid JSON ({error.msg}).") from None
-    return _objects(path, numbered)
-
-
-def _objects(path: Path, rows: list[tuple[int, Any]]) -> list[dict[str, Any]]:
-    """The rows, which must all be objects; ``rows`` pairs each with its row or line number for the error."""
-    for number, row in rows:
-        if not isinstance(row, dict):
-            raise CommandError(f"--task-data {path}, row {number}: expected an object, got {type(row).__name__}.")
-    return [row for _, row in rows]
+    return [text for _, text in numbered]
 
 
 def _load_tokenizer(*directories: Path) -> PreTrainedTokenizerBase:
@@ -304,16 +268,6 @@ def _batches(
             # so the start token alone gives every layer its routing.
             batch["decoder_input_ids"] = torch.full((batch["input_ids"].shape[0], 1), decoder_start)
         yield batch
-
-
-def _listing(names: list[str], limit: int = 10) -> str:
-    return ", ".join(map(repr, names[:limit])) + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def _positive_int(value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}")
-    return int(value)
 
 
 if __name__ == "__main__":

@@ -5,44 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
-from .expert_kinds import EXPERT_KINDS, EXPERT_TYPES
+from .experts import EXPERT_KINDS, EXPERT_TYPES
 from .registration import PeftConfig, SmearPeftType
+from .routers import ROUTERS, ROUTING_METHODS
 
 
 INIT_WEIGHTS_SCHEMES = ("gaussian", "smear")
 ROUTER_INPUTS = ("auto", "self", "prompt", "encoder")
-ROUTING_METHODS = (
-    "smear",
-    "ensemble",
-    "top_k",
-    "st_gumbel",
-    "reinforce",
-    "dselect_k",
-    "tag",
-    "hash",
-    "adamix",
-    "latent_skills",
-    "single",
-)
-# Methods whose router turns a probability distribution into the routing; only they can drop experts.
-PROBABILITY_ROUTERS = ("smear", "ensemble", "top_k", "st_gumbel", "reinforce")
-# The paper applies expert dropout where it helped (its table 1): SMEAR and Top-k; it hurt ST-Gumbel and REINFORCE.
-EXPERT_DROPOUT_BY_DEFAULT = ("smear", "ensemble", "top_k")
-# Each method's own options: setting one of them for another method is a mistake worth reporting.
-METHOD_OPTIONS = {
-    "top_k": ("top_k",),
-    "st_gumbel": ("gumbel_temperature", "gumbel_anneal_rate", "gumbel_min_temperature"),
-    "reinforce": (
-        "reinforce_policy_weight",
-        "reinforce_entropy_weight",
-        "reinforce_value_weight",
-        "reinforce_baseline_hidden_size",
-    ),
-    "dselect_k": ("dselect_k_selectors", "dselect_k_gamma", "dselect_k_entropy_weight"),
-    "tag": ("tag_experts",),
-    "adamix": ("adamix_consistency_weight",),
-    "latent_skills": ("latent_skills_temperature",),
-}
 
 
 @dataclass
@@ -128,7 +97,7 @@ class SmearConfig(PeftConfig):
             decoder models); ``"encoder"``: the encoder's final hidden states (decoder layers of encoder-decoders,
             as in the paper; the encoder layers still route on themselves); ``"prompt"``: the layer's input over the
             prompt tokens only (causal LMs, so the response never reaches the router; see
-            :func:`peft_smear.routing.prompt_mask` for how the prompt is found). ``"auto"`` picks ``"encoder"`` for
+            :func:`peft_smear.pooling.prompt_mask` for how the prompt is found). ``"auto"`` picks ``"encoder"`` for
             encoder-decoder models, ``"prompt"`` for models that generate text, ``"self"`` otherwise.
         routing_prefix_length: With prompt routing, route every example on its first ``routing_prefix_length``
             real tokens instead of its prompt, in training and at inference alike. Needed for plain language-model
@@ -226,10 +195,11 @@ class SmearConfig(PeftConfig):
         )
         if self.routing not in ROUTING_METHODS:
             raise ValueError(f"routing must be one of {ROUTING_METHODS}, got {self.routing!r}.")
+        router = ROUTERS[self.routing]
         if self.num_experts is None:
-            self.num_experts = 1 if self.routing == "single" else 8
+            self.num_experts = router.default_num_experts
         if self.expert_dropout is None:
-            self.expert_dropout = 0.1 if self.routing in EXPERT_DROPOUT_BY_DEFAULT else 0.0
+            self.expert_dropout = router.default_expert_dropout
         self._validate()
         self._validate_expert_type()
         self._validate_routing()
@@ -290,27 +260,21 @@ class SmearConfig(PeftConfig):
         kind.validate(self)
 
     def _validate_routing(self) -> None:
-        method = self.routing
-        for other, options in METHOD_OPTIONS.items():
-            changed = [name for name in options if getattr(self, name) != _DEFAULTS[name]]
-            if other != method and changed:
+        method, router = self.routing, ROUTERS[self.routing]
+        for other in ROUTERS.values():
+            changed = [name for name in other.options if getattr(self, name) != _DEFAULTS[name]]
+            if other is not router and changed:
                 raise ValueError(
-                    f"{changed[0]}={getattr(self, changed[0])!r} only applies to routing={other!r}, "
+                    f"{changed[0]}={getattr(self, changed[0])!r} only applies to routing={other.name!r}, "
                     f"but routing={method!r}."
                 )
-        if self.expert_dropout and method not in PROBABILITY_ROUTERS:
+        if self.expert_dropout and not router.accepts_expert_dropout:
+            accepting = tuple(name for name, other in ROUTERS.items() if other.accepts_expert_dropout)
             raise ValueError(
                 f"expert_dropout={self.expert_dropout!r} needs a probability router; routing={method!r} has none. "
-                f"Methods that accept it: {PROBABILITY_ROUTERS}."
-            )
-        if method == "single" and self.num_experts != 1:
-            raise ValueError(
-                f"routing='single' uses one expert, but num_experts={self.num_experts}. Leave num_experts unset "
-                "(it becomes 1); for the parameter-matched baseline raise r instead."
+                f"Methods that accept it: {accepting}."
             )
         _require_int("top_k", self.top_k, minimum=1)
-        if self.top_k > self.num_experts:
-            raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}.")
         for name in ("gumbel_temperature", "gumbel_min_temperature", "dselect_k_gamma", "latent_skills_temperature"):
             _require_number(name, getattr(self, name))
         for name in (
@@ -324,30 +288,14 @@ class SmearConfig(PeftConfig):
             _require_number(name, getattr(self, name), allow_zero=True)
         _require_int("reinforce_baseline_hidden_size", self.reinforce_baseline_hidden_size, minimum=1)
         _require_int("dselect_k_selectors", self.dselect_k_selectors, minimum=1)
-        if method == "dselect_k" and self.num_experts < 2:
-            raise ValueError(f"routing='dselect_k' needs num_experts >= 2, got {self.num_experts}.")
         if self.num_tasks is not None:
             _require_int("num_tasks", self.num_tasks, minimum=1)
-        elif method == "latent_skills":
-            raise ValueError("routing='latent_skills' learns a task-by-expert matrix: set num_tasks.")
-        if self.tag_experts is not None:
-            self.tag_experts = list(self.tag_experts)
-            if not self.tag_experts or not all(
-                isinstance(e, int) and not isinstance(e, bool) and 0 <= e < self.num_experts for e in self.tag_experts
-            ):
-                raise ValueError(
-                    f"tag_experts must be a non-empty list of expert indices in [0, {self.num_experts}), "
-                    f"got {self.tag_experts!r}."
-                )
-            if self.num_tasks is not None and len(self.tag_experts) != self.num_tasks:
-                raise ValueError(f"tag_experts maps {len(self.tag_experts)} task ids but num_tasks={self.num_tasks}.")
+        router.validate(self)
 
     @property
     def routed_tasks(self) -> int | None:
         """How many task ids the routing accepts (``None``: it does not read task ids, or any count is fine)."""
-        if self.routing == "tag":
-            return len(self.tag_experts) if self.tag_experts is not None else self.num_experts
-        return self.num_tasks if self.routing == "latent_skills" else None
+        return ROUTERS[self.routing].routed_tasks(self)
 
 
 def _require_number(name: str, value: object, allow_zero: bool = False) -> None:

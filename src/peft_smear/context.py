@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .packing import UNMARKED_PACKING, PackedLayout, several_prompts
-from .routing import expand_rows, prompt_mask
-from .routing_methods import PolicyStep
+from .pooling import expand_rows, prompt_mask, require
+from .routers.base import PolicyStep, RoutingDecision
 
 
 PROMPT_UNKNOWN_IN_TRAINING = (
@@ -45,8 +45,8 @@ class RoutingContext:
     encoder_summary: torch.Tensor | None = None
     """``[batch, hidden]`` fp32 masked mean of the encoder's final hidden states (decoders of encoder-decoders)."""
 
-    routing_cache: dict[tuple[torch.nn.Module, str], torch.Tensor] | None = None
-    """During ``generate``: the routing weights every layer computed at prefill, reused for every later step."""
+    routing_cache: dict[tuple[torch.nn.Module, str], RoutingDecision] | None = None
+    """During ``generate``: the decision every layer made at prefill, reused for every later step."""
 
     recorded: dict[tuple[torch.nn.Module, str], torch.Tensor] | None = None
     """When a dict, every layer stores its routing weights here under ``(layer, adapter_name)``."""
@@ -102,13 +102,38 @@ class RoutingContext:
     def shared_summary(self, x: torch.Tensor, key: tuple, pool: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``pool()``, the pooled summary of the layer input ``x``, computed once for consecutive layers that read
         the very same tensor under the same ``key`` (the pooling rule): q/k/v, or gate/up, then pool once, not
-        three or two times. One entry only, so no more than one activation is ever held."""
+        three or two times. One entry only, so no more than one activation is ever held.
+
+        Under ``torch.compile`` every layer pools for itself: a tensor's version counter is data the compiler
+        cannot guard on (a graph break per layer), and the compiled graph shares identical pooling anyway."""
+        if torch.compiler.is_compiling():
+            return pool()
         last = self._last_summary
         if last is not None and last[0] is x and last[1] == x._version and last[2] == key:
             return last[3]
         summary = pool()
         self._last_summary = (x, x._version, key, summary)
         return summary
+
+    def cached_decision(self, key: tuple[torch.nn.Module, str], batch_size: int) -> RoutingDecision | None:
+        """Inside ``generate``, the decision ``key`` (a layer and adapter) made at prefill: decode steps see only the
+        new token, and routing on it would both differ from training and change as the answer grows."""
+        if self.routing_cache is None or key not in self.routing_cache:
+            return None
+        decision = self.routing_cache[key]
+        if decision.weights.shape[0] != batch_size:
+            raise RuntimeError(
+                f"Routing cached at prefill has batch {decision.weights.shape[0]}; a generation step has {batch_size}."
+            )
+        return decision
+
+    def observe(self, key: tuple[torch.nn.Module, str], decision: RoutingDecision) -> None:
+        """Every decision a layer applies passes here: kept for reuse inside ``generate``, and recorded when asked
+        (:func:`peft_smear.get_routing_weights`)."""
+        if self.routing_cache is not None:
+            self.routing_cache[key] = decision
+        if self.recorded is not None:
+            self.recorded[key] = decision.weights.detach()
 
     def add_aux_loss(self, name: str, value: torch.Tensor) -> None:
         self.aux_losses[name] = self.aux_losses[name] + value if name in self.aux_losses else value
@@ -150,7 +175,7 @@ class RoutingContext:
     def prompt_mask_for(
         self, batch_size: int, seq_len: int, prefix_length: int | None, training: bool
     ) -> torch.Tensor:
-        """The tokens a prompt-routed layer pools over; see :func:`peft_smear.routing.prompt_mask` for the rule.
+        """The tokens a prompt-routed layer pools over; see :func:`peft_smear.pooling.prompt_mask` for the rule.
 
         Computed once per call and shared by every layer. A training call that marks no prompt at all (no labels,
         no routing mask, no prefix length) would route on the response too, so it warns.
@@ -172,8 +197,10 @@ class RoutingContext:
         return mask
 
     def _warn_if_unmarked_packing(self, prefix_length: int | None) -> None:
-        """Warn once when labels look like several sequences packed in a row that came without boundaries."""
-        if self._warned_unmarked_packing or self.packing is not None or prefix_length is not None:
+        """Warn once when labels look like several sequences packed in a row that came without boundaries. Reading
+        the labels would break a compiled graph, so compiled calls skip it (an uncompiled call shows it)."""
+        skip = self._warned_unmarked_packing or self.packing is not None or prefix_length is not None
+        if skip or torch.compiler.is_compiling():
             return
         labels = self.labels
         if self.routing_mask is None and labels is not None and labels.dim() == 2:
@@ -195,11 +222,13 @@ class RoutingContext:
         device, so it happens once per call (and limit), not in every layer."""
         if limit in self._task_id_limits_checked or self.task_ids is None:
             return
-        if (self.task_ids < 0).any() or (self.task_ids >= limit).any():
-            raise ValueError(
-                f"smear_task_ids must be in [0, {limit}) for routing={method!r}, got "
-                f"{sorted(set(self.task_ids.tolist()))}."
-            )
+        task_ids = self.task_ids
+        require(
+            ((task_ids >= 0) & (task_ids < limit)).all(),
+            lambda: (
+                f"smear_task_ids must be in [0, {limit}) for routing={method!r}, got {sorted(set(task_ids.tolist()))}."
+            ),
+        )
         self._task_id_limits_checked.add(limit)
 
 

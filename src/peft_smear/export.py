@@ -25,16 +25,13 @@ from peft import PeftConfig, get_peft_model_state_dict
 from safetensors.torch import save_file
 from transformers.pytorch_utils import Conv1D
 
-from .expert_kinds import EXPERT_KINDS
+from .experts import EXPERT_KINDS
 from .layer import SmearLinear
 from .model import SmearModel, get_routing_weights
+from .routers import ROUTERS
 
 
 Routing = Mapping[str, torch.Tensor] | Iterable[Mapping[str, Any]]
-
-# Routing methods whose layer output is not one expert: output mixtures (ensemble, DSelect-k, Top-k with k > 1) and
-# Top-k's probability-scaled expert.
-NOT_A_MERGED_EXPERT = ("ensemble", "top_k", "dselect_k")
 
 
 def export_merged_adapter(
@@ -97,11 +94,12 @@ def export_merged_adapter(
 
 def check_exportable(routing_method: str, what: str) -> None:
     """Refuse routing methods whose layer output is not one expert, before any work is done."""
-    if routing_method in NOT_A_MERGED_EXPERT:
+    if not ROUTERS[routing_method].exportable:
+        refused = tuple(name for name, router in ROUTERS.items() if not router.exportable)
         raise ValueError(
             f"{what} uses routing={routing_method!r}, which mixes or scales the experts' outputs instead of merging "
             "their parameters, so no single expert reproduces it. Export works for routing methods that apply one "
-            f"merged or chosen expert: not {NOT_A_MERGED_EXPERT}."
+            f"merged or chosen expert: not {refused}."
         )
 
 
@@ -160,7 +158,7 @@ def _check_distributions(
             f"not SMEAR layers: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}."
         )
     for name, p in distributions.items():
-        experts = layers[name].num_experts[adapter_name]
+        experts = layers[name].num_experts(adapter_name)
         if p.shape != (experts,):
             raise ValueError(f"Routing for {name!r} has shape {tuple(p.shape)}; that layer has {experts} experts.")
         if (p < 0).any() or not torch.isclose(p.sum(), torch.tensor(1.0), atol=1e-4):

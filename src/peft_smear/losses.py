@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .routing_methods import PolicyStep
+from .routers import PolicyStep
 
 
 SUPPORTED_HEADS = (

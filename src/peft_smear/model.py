@@ -10,12 +10,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from .arguments import listing
 from .config import SmearConfig
 from .context import RoutingContext
-from .expert_kinds import EXPERT_KINDS
+from .experts import EXPERT_KINDS
 from .layer import MERGE_UNSUPPORTED, SUPPORTED_BASE_LAYERS, SmearLinear
 from .losses import consistency_loss, per_example_task_loss, predicting_positions, reinforce_losses
 from .packing import packed_layout
+from .pooling import masked_mean
 from .registration import (
     DEFAULT_TARGET_MODULES,
     BaseTuner,
@@ -23,7 +25,7 @@ from .registration import (
     adapter_state_dict_prefixes,
     select_adapter_entries,
 )
-from .routing import masked_mean
+from .routers import ROUTERS
 
 
 ROUTING_INPUTS = ("smear_routing_mask", "smear_task_ids")
@@ -119,10 +121,8 @@ class SmearModel(BaseTuner):
                 rewards = -per_example_task_loss(output.logits, labels, shift_tokens)
             losses.update(reinforce_losses(context.policy_steps, rewards))
             context.policy_steps = []
-        adamix_weight = max(
-            (self.peft_config[name].adamix_consistency_weight for name in self._adamix_adapters()), default=None
-        )
-        if adamix_weight is not None and model.training and labels is not None:
+        consistency_weight = self._consistency_weight()
+        if consistency_weight is not None and model.training and labels is not None:
             if getattr(output, "logits", None) is None:  # e.g. TRL's fused LM head computes log-probabilities only
                 raise ValueError(
                     "routing='adamix' compares the logits of two passes, but the model's output has none (TRL's "
@@ -134,7 +134,7 @@ class SmearModel(BaseTuner):
             finally:
                 self._second_pass = False
             mask = predicting_positions(labels, shift_tokens) if labels.dim() == 2 else None
-            losses["adamix_consistency"] = adamix_weight * consistency_loss(output.logits, second.logits, mask)
+            losses["adamix_consistency"] = consistency_weight * consistency_loss(output.logits, second.logits, mask)
             if getattr(output, "loss", None) is not None:
                 output.loss = (output.loss + second.loss) / 2  # both passes learn the task
         if not losses:
@@ -146,8 +146,15 @@ class SmearModel(BaseTuner):
         output.smear_aux_losses = {name: value.detach() for name, value in losses.items()}
         return output
 
-    def _adamix_adapters(self) -> list[str]:
-        return [name for name in self.active_adapters if self.peft_config[name].routing == "adamix"]
+    def _consistency_weight(self) -> float | None:
+        """The largest consistency-loss weight among the active adapters whose routing runs each training batch
+        twice (Adamix), or ``None`` when none does."""
+        weights = [ROUTERS[config.routing].consistency_weight(config) for config in self._active_configs()]
+        weights = [weight for weight in weights if weight is not None]
+        return max(weights) if weights else None
+
+    def _active_configs(self) -> list[SmearConfig]:
+        return [self.peft_config[name] for name in self.active_adapters]
 
     def _record_encoder_summary(self, arguments: dict[str, Any], routing_inputs: dict[str, Any]) -> None:
         states = arguments.get("encoder_hidden_states")
@@ -326,9 +333,8 @@ def _check_adapter_state_dict(model: nn.Module, adapter_name: str, state_dict: d
         )
 
 
-def _listing(lines: list[str], limit: int = 8) -> str:
-    shown = "".join(f"\n  {line}" for line in lines[:limit])
-    return shown + (f"\n  ... and {len(lines) - limit} more" if len(lines) > limit else "")
+def _listing(lines: list[str]) -> str:
+    return "\n  " + listing(lines, limit=8, separator="\n  ")
 
 
 def get_routing_weights(

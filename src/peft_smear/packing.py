@@ -135,18 +135,19 @@ def packed_layout(arguments: Mapping[str, Any]) -> PackedLayout | None:
     if tokens is None or tokens.dim() < 2 or tokens.shape[1] < 2:  # decode steps see one token: never packed
         return None
     rows, length = tokens.shape[0], tokens.shape[1]
-    mask = arguments.get("attention_mask")
-    if mask is not None and (mask.dim() != 2 or not bool(mask.bool().all())):
-        return None
-    found = {}
+    sources = {}
     for name in BOUNDARY_SOURCES:
         value = arguments.get(name)
         if value is None and name == "cu_seq_lens_q":
             name, value = "cu_seq_lens_k", arguments.get("cu_seq_lens_k")
         if isinstance(value, torch.Tensor):
-            found[name] = _sequence_starts(name, value, rows, length)
-    if not found:
+            sources[name] = value
+    if not sources:  # decided without reading any tensor: an ordinary call costs no synchronisation (nor graph break)
         return None
+    mask = arguments.get("attention_mask")
+    if mask is not None and (mask.dim() != 2 or not bool(mask.bool().all())):
+        return None
+    found = {name: _sequence_starts(name, value, rows, length) for name, value in sources.items()}
     (first_name, starts), *others = found.items()
     for name, other in others:
         if not torch.equal(other.to(starts.device), starts):

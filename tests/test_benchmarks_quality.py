@@ -1,0 +1,181 @@
+"""The quality benchmark end to end on a tiny random BERT and two tiny task files: every run is in the CSV with finite
+metrics, the learning rate kept is the validation argmax, and the table, the targets, the heatmaps and the RESULTS.md
+section are written. Only the plumbing is tested: these numbers mean nothing."""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import import_script, save_tiny_encoder, write_task_files
+from peft_smear.multitask.report import RoutingReport
+
+
+SWEPT = ["smear", "tag", "lora_1x_compute", "lora_1x_params"]
+ABLATION = "smear_no_dropout"  # takes SMEAR's chosen rate instead of sweeping
+METHODS = [*SWEPT, ABLATION]
+RATES = [1e-3, 3e-3, 1e-2]
+METRICS = ["topic_accuracy", "count_pearson", "average"]
+
+
+@pytest.fixture(scope="module")
+def quality():
+    return import_script("quality")
+
+
+@pytest.fixture(scope="module")
+def outputs(quality, tmp_path_factory):
+    root = tmp_path_factory.mktemp("quality")
+    save_tiny_encoder(root / "encoder")
+    files = write_task_files(root)
+    argv = ["--preset", "tiny", "--model", root / "encoder", "--methods", *METHODS, "--device", "cpu"]
+    argv += [arg for name, path in files.items() for arg in ("--task-file", f"{name}={path}")]
+    argv += ["--output-dir", root / "out", "--figures-dir", root / "figures", "--append-results", root / "RESULTS.md"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model gains nothing from threads, and a shared machine loses a lot to them
+    try:
+        assert quality.main([str(arg) for arg in argv], log=lambda _: None) == 0
+    finally:
+        torch.set_num_threads(threads)
+    with open(root / "out" / "runs.csv") as handle:
+        reader = csv.DictReader(handle)
+        return root, reader.fieldnames, list(reader)
+
+
+def test_every_run_is_in_the_csv_with_finite_metrics(quality, outputs):
+    _, columns, rows = outputs
+    tasks = [quality.TaskInfo("topic", "classification", ("a", "b")), quality.TaskInfo("count", "regression")]
+    assert columns == quality.csv_columns(tasks)
+    seeds = quality.PRESETS["tiny"].seeds
+    assert len(rows) == len(SWEPT) * (len(RATES) + seeds - 1) + seeds
+    for row in rows:
+        metrics = [f"test_{name}" for name in METRICS]
+        if row["phase"] == "sweep":
+            metrics += [f"validation_{name}" for name in METRICS]
+        else:
+            assert row["validation_average"] == ""  # the other seeds are only tested
+        for name in metrics:
+            assert math.isfinite(float(row[name])), (row["method"], name)
+        assert int(row["trainable_params"]) > 0 and float(row["train_seconds"]) > 0
+        has_routing = row["method"] in ("smear", "tag", ABLATION)
+        assert (row["routing_entropy"] != "") == has_routing, row["method"]
+        if row["method"] == "tag":  # one expert per task, so one expert for all only with one task
+            assert float(row["routing_entropy"]) == 0 and float(row["collapsed_routers"]) == 0
+    params = {row["method"]: int(row["trainable_params"]) for row in rows}
+    assert params["lora_1x_params"] > params["lora_1x_compute"]  # rank N·r against rank r
+
+
+def test_the_learning_rate_kept_is_the_validation_argmax(outputs):
+    _, _, rows = outputs
+    for method in SWEPT:
+        sweep = [row for row in rows if row["method"] == method and row["phase"] == "sweep"]
+        assert sorted(float(row["learning_rate"]) for row in sweep) == RATES
+        assert {row["seed"] for row in sweep} == {"0"}
+        best = max(sweep, key=lambda row: (float(row["validation_average"]), -float(row["learning_rate"])))
+        chosen = {row["learning_rate"] for row in rows if row["method"] == method and row["chosen"] == "True"}
+        assert chosen == {best["learning_rate"]}
+        others = [row for row in rows if row["method"] == method and row["phase"] == "seeds"]
+        assert [row["seed"] for row in others] == ["1"] and others[0]["learning_rate"] == best["learning_rate"]
+
+
+def test_the_ablation_trains_every_seed_at_smears_chosen_rate_without_a_sweep(quality, outputs):
+    _, _, rows = outputs
+    smear_rate = {row["learning_rate"] for row in rows if row["method"] == "smear" and row["chosen"] == "True"}
+    ablation = [row for row in rows if row["method"] == ABLATION]
+    assert [row["seed"] for row in ablation] == [str(seed) for seed in range(quality.PRESETS["tiny"].seeds)]
+    assert {row["phase"] for row in ablation} == {"seeds"} and {row["chosen"] for row in ablation} == {"True"}
+    assert {row["learning_rate"] for row in ablation} == smear_rate
+
+
+def test_table_targets_and_results_section(quality, outputs):
+    root, _, rows = outputs
+    text = (root / "out" / "quality.md").read_text()
+    table = [line for line in text.split("### Targets")[0].splitlines() if line.startswith("|")]
+    header = [cell.strip() for cell in table[0].strip("|").split("|")]
+    assert header[3:6] == ["topic accuracy", "count pearson", "average"]
+    assert len(table) == 2 + len(METHODS)
+    for method, line in zip(METHODS, table[2:], strict=True):
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        assert cells[0] == quality.ALL_METHODS[method].label
+        for cell in cells[3:6]:
+            mean, std = (float(x) for x in re.fullmatch(r"\**(-?[\d.]+) ± ([\d.]+)\**", cell).groups())
+            assert math.isfinite(mean) and std >= 0
+        seeds = [row for row in rows if row["method"] == method and row["chosen"] == "True"]
+        expected = sum(100 * float(row["test_average"]) for row in seeds) / len(seeds)
+        assert float(cells[5].strip("*").split(" ± ")[0]) == pytest.approx(expected, abs=0.006)
+    for target in ("SMEAR ≥ Tag", "SMEAR > LoRA 1× compute", "SMEAR ≥ LoRA 1× parameters"):
+        assert re.search(rf"- {re.escape(target)}: (met|missed) \(", text), target
+    assert "SMEAR within 0.5 points of Ensemble: not run" in text
+
+    for method in ("smear", "tag"):
+        assert (root / "figures" / f"{method}_routing.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    figures = ["smear_no_dropout_routing.png", "smear_routing.png", "tag_routing.png"]
+    assert sorted(path.name for path in (root / "figures").iterdir()) == figures
+
+    sweep = text.split("### Learning-rate sweep (seed 0)")[1].split("###")[0]
+    sweep_rows = [line for line in sweep.splitlines() if line.startswith("|")][2:]
+    assert [row.split("|")[1].strip() for row in sweep_rows] == [quality.ALL_METHODS[m].label for m in SWEPT]
+    for method, line in zip(SWEPT, sweep_rows, strict=True):
+        cells = [cell.strip() for cell in line.strip("|").split("|")][1:]
+        runs = sorted(
+            (row for row in rows if row["method"] == method and row["phase"] == "sweep"),
+            key=lambda row: float(row["learning_rate"]),
+        )
+        for cell, row in zip(cells, runs, strict=True):
+            validation, test = (float(x) for x in cell.strip("*").split(" / "))
+            assert validation == pytest.approx(100 * float(row["validation_average"]), abs=0.051)
+            assert test == pytest.approx(100 * float(row["test_average"]), abs=0.051)
+            assert cell.startswith("**") == (row["chosen"] == "True")
+
+    results = (root / "RESULTS.md").read_text()
+    assert results.startswith("# Benchmark results") and "## Quality, preset `tiny`" in results
+    assert "python benchmarks/quality.py --preset tiny" in results and "Load average" in results
+    assert text in results
+
+
+def test_targets_compare_the_means(quality):
+    def summary(method, averages):
+        metrics = {"average": averages}
+        return quality.Summary(method, 1e-3, list(range(len(averages))), metrics, 1, None, None, None)
+
+    summaries = {
+        "smear": summary("smear", [80.0, 82.0]),
+        "tag": summary("tag", [79.0, 81.0]),
+        "ensemble": summary("ensemble", [81.8, 82.8]),  # 1.3 points above SMEAR: beyond 0.5
+        "lora_1x_compute": summary("lora_1x_compute", [81.0, 81.0]),  # equal means: not strictly above
+        "lora_1x_params": summary("lora_1x_params", [80.5, 81.0]),
+    }
+    checks = dict(quality.check_targets(summaries))
+    assert checks["SMEAR ≥ Tag"].startswith("met") and "+1.00 ± 0.00" in checks["SMEAR ≥ Tag"]
+    assert checks["SMEAR within 0.5 points of Ensemble"].startswith("missed")
+    assert checks["SMEAR > LoRA 1× compute"].startswith("missed")
+    assert checks["SMEAR ≥ LoRA 1× parameters"].startswith("met")
+    assert checks["SMEAR's average ≥ every method except Ensemble"].startswith("met")
+    summaries["tag"] = summary("tag", [82.0, 81.0])
+    checks = dict(quality.check_targets(summaries))
+    assert checks["SMEAR's average ≥ every method except Ensemble"] == "missed (methods above SMEAR: Tag 81.50)"
+
+
+def test_ties_keep_the_smaller_learning_rate_and_nan_never_wins(quality):
+    rows = [
+        {"method": "smear", "phase": "sweep", "learning_rate": rate, "validation_average": value}
+        for rate, value in [(4e-3, 0.8), (1e-3, 0.8), (2e-3, 0.7), (8e-3, math.nan)]
+    ]
+    rows.append({"method": "smear", "phase": "seeds", "learning_rate": 2e-3, "validation_average": None})
+    assert quality.choose_learning_rates(rows) == {"smear": 1e-3}
+
+
+def test_a_router_has_collapsed_when_every_task_sends_its_weight_to_the_same_expert(quality):
+    routing = np.array(
+        [
+            [[0.95, 0.05], [0.95, 0.05], [0.50, 0.50]],  # task a at routers 0, 1, 2
+            [[0.92, 0.08], [0.05, 0.95], [0.95, 0.05]],  # task b: router 1 sends it to the other expert
+        ]
+    )
+    report = RoutingReport(["a", "b"], ["r0", "r1", "r2"], [1, 1], routing, np.zeros(2))
+    assert quality._collapsed_share(report) == pytest.approx(1 / 3)

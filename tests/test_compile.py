@@ -1,0 +1,143 @@
+"""torch.compile: a SMEAR model compiles into as many graphs as its base model (no graph break in the wrapped layers
+or the routing hooks), computes what eager mode computes, and recompiles no more than PEFT LoRA across batch sizes
+and sequence lengths."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+from peft import LoraConfig, get_peft_model
+
+import peft_smear
+from conftest import VOCAB, random_batch, tiny_bert, tiny_llama, tiny_t5
+
+
+KINDS = {
+    "lora": {"r": 2},
+    "adapter": {"expert_type": "adapter", "adapter_width": 4},
+    "ia3": {"expert_type": "ia3"},
+}
+# One model per router source, with the labels its task uses (a causal LM's mark the prompt it routes on).
+SOURCES = {"prompt": (tiny_llama, "CAUSAL_LM"), "self": (tiny_bert, "SEQ_CLS"), "encoder": (tiny_t5, "SEQ_2_SEQ_LM")}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+    dynamo.reset()
+
+
+def inputs_for(source: str, batch_size: int = 2, seq_len: int = 6) -> dict[str, torch.Tensor]:
+    batch = random_batch(
+        batch_size, seq_len, lengths=[seq_len, seq_len - 2][:batch_size] + [seq_len] * (batch_size - 2)
+    )
+    inputs = {**batch, "smear_task_ids": torch.arange(batch_size) % 2}
+    if source == "prompt":
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        inputs["labels"] = labels.index_fill(1, torch.arange(2), -100)
+    elif source == "self":
+        inputs["labels"] = torch.arange(batch_size) % 3
+    else:
+        inputs["labels"] = torch.randint(2, VOCAB, (batch_size, 3), generator=torch.Generator().manual_seed(0))
+    return inputs
+
+
+def smear_model(source: str, kind: str = "lora", routing: str = "smear", **options) -> torch.nn.Module:
+    build, task_type = SOURCES[source]
+    num_experts = None if routing == "single" else 3
+    config = peft_smear.SmearConfig(
+        num_experts=num_experts, routing=routing, task_type=task_type, init_weights=False, **KINDS[kind], **options
+    )
+    return get_peft_model(build(), config)
+
+
+def graphs(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[int, list[str]]:
+    dynamo.reset()
+    explained = dynamo.explain(model)(**inputs)
+    return explained.graph_count, [reason.reason.splitlines()[0] for reason in explained.break_reasons]
+
+
+def base_inputs(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {key: value for key, value in inputs.items() if key != "smear_task_ids"}
+
+
+@pytest.mark.parametrize(
+    ("source", "kind", "routing", "options"),
+    [
+        ("prompt", "lora", "smear", {}),
+        ("prompt", "adapter", "smear", {}),
+        ("prompt", "ia3", "smear", {}),
+        ("prompt", "lora", "top_k", {}),
+        ("prompt", "lora", "tag", {}),
+        ("prompt", "lora", "dselect_k", {}),
+        ("prompt", "lora", "reinforce", {}),
+        ("self", "lora", "smear", {}),
+        ("self", "lora", "latent_skills", {"num_tasks": 2}),
+        ("encoder", "lora", "smear", {}),
+    ],
+)
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_no_more_graphs_than_the_base_model(source, kind, routing, options, mode):
+    model = getattr(smear_model(source, kind, routing, **options), mode)()
+    base = getattr(SOURCES[source][0](), mode)()
+    inputs = inputs_for(source)
+    base_count, _ = graphs(base, base_inputs(inputs))
+    count, reasons = graphs(model, inputs)
+    assert count <= base_count, f"{count} graphs against the base model's {base_count}: {reasons}"
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_compiled_training_step_and_inference_equal_eager(source):
+    """Loss, every adapter gradient and the eval logits of the compiled model (inductor) equal eager mode's. Expert
+    dropout is off: its random draws would differ between the two."""
+    model = smear_model(source, expert_dropout=0.0)
+    compiled = torch.compile(model)
+    inputs = inputs_for(source)
+    results = []
+    for runner in (model, compiled):
+        model.zero_grad()
+        model.train()
+        loss = runner(**inputs).loss
+        loss.backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        model.eval()
+        with torch.no_grad():
+            logits = runner(**inputs).logits
+        results.append((loss.detach(), grads, logits))
+    (loss, grads, logits), (compiled_loss, compiled_grads, compiled_logits) = results
+    assert grads and grads.keys() == compiled_grads.keys()
+    torch.testing.assert_close(compiled_loss, loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(compiled_logits, logits, atol=1e-5, rtol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def compilations(model: torch.nn.Module, shapes: list[tuple[int, int]]) -> int:
+    """How many graphs ``torch.compile(dynamic=True)`` builds for ``model`` over batches of these shapes."""
+    built = []
+
+    def counting_backend(graph_module: torch.fx.GraphModule, example_inputs: list) -> object:
+        built.append(graph_module)
+        return graph_module.forward
+
+    dynamo.reset()
+    compiled = torch.compile(model, backend=counting_backend, dynamic=True)
+    with torch.no_grad():
+        for batch_size, seq_len in shapes:
+            compiled(**inputs_for("prompt", batch_size, seq_len))
+    return len(built)
+
+
+def test_recompiles_no_more_than_lora_across_batch_sizes_and_lengths():
+    shapes = [(2, 6), (3, 6), (2, 9), (4, 11), (3, 7)]
+    lora = get_peft_model(tiny_llama(), LoraConfig(r=2, task_type="CAUSAL_LM")).eval()
+    smear = smear_model("prompt").eval()
+    lora_count = compilations(lora, [(b, s) for b, s in shapes])
+    smear_count = compilations(smear, shapes)
+    assert smear_count <= lora_count, f"SMEAR compiled {smear_count} graphs, LoRA {lora_count}"

@@ -1,0 +1,329 @@
+"""The SMEAR forward pass against an independent per-example computation, on every supported architecture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import get_peft_model
+
+import peft_smear
+from conftest import VOCAB, random_batch, reference_smear_forward, tiny_bert, tiny_gpt2, tiny_llama, tiny_t5
+from peft_smear import SmearLinear
+
+
+ARCHITECTURES = {"llama": tiny_llama, "gpt2": tiny_gpt2, "bert": tiny_bert, "t5": tiny_t5}
+
+
+def smear(model, **overrides):
+    config = {"num_experts": 3, "r": 2, "init_weights": False, "target_modules": "all-linear", **overrides}
+    return get_peft_model(model, peft_smear.SmearConfig(**config))
+
+
+def model_inputs(arch: str, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    inputs = dict(batch)
+    if arch == "t5":
+        generator = torch.Generator().manual_seed(1)
+        inputs["decoder_input_ids"] = torch.randint(2, VOCAB, (batch["input_ids"].shape[0], 4), generator=generator)
+    return inputs
+
+
+# One model per router source: BERT routes every layer on its own input ("self"), Llama on the prompt that the labels
+# mark ("prompt"), T5's decoder on the encoder ("encoder", its encoder layers on themselves).
+SOURCES = {"self": tiny_bert, "prompt": tiny_llama, "encoder": tiny_t5}
+KINDS = {
+    "lora": {"expert_type": "lora", "r": 2},
+    "adapter": {"expert_type": "adapter", "adapter_width": 4, "adapter_layer_norm": True},
+    "ia3": {"expert_type": "ia3"},
+}
+# Each dtype's tolerance, relative to outputs of unit scale: its rounding, accumulated over a few small matmuls.
+TOLERANCES = {torch.float32: 2e-5, torch.bfloat16: 5e-2, torch.float16: 8e-3}
+IA3_INPUT_SCALED = ("down_proj", "output.dense", ".wo")  # PEFT IA3's feed-forward modules of these architectures
+
+
+@pytest.mark.parametrize("dtype", TOLERANCES)
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_layer_equals_the_reference_smear_forward(kind, source, dtype):
+    """The optimised path (shared pooling, merged parameters, batched matmuls, in-place accumulation) against
+    ``reference_smear_forward``, for each expert kind, base-model dtype and router source, with routers sharpened so
+    that a wrong distribution would show."""
+    base = SOURCES[source]().to(dtype)
+    model = get_peft_model(base, peft_smear.SmearConfig(num_experts=3, init_weights=False, **KINDS[kind])).eval()
+    assert {layer.router_source["default"] for layer in model.modules() if isinstance(layer, SmearLinear)} >= {source}
+    with torch.no_grad():
+        for router in (m for m in model.modules() if isinstance(m, peft_smear.Router)):
+            router.row_norm_weight.fill_(3.0)
+    batch = random_batch(3, 7, seed=2, lengths=[7, 4, 2])
+    inputs, token_mask = dict(batch), batch["attention_mask"]
+    if source == "prompt":  # three prompt tokens, then the labelled response
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        inputs["labels"] = labels.index_fill(1, torch.arange(3), -100)
+        token_mask = token_mask * (torch.arange(7) < 3)
+    if source == "encoder":
+        inputs["decoder_input_ids"] = torch.randint(2, VOCAB, (3, 4), generator=torch.Generator().manual_seed(1))
+    captured = []
+    hooks = [
+        layer.register_forward_hook(lambda m, args, out: captured.append((m, args[0].detach(), out.detach())))
+        for layer in model.modules()
+        if isinstance(layer, SmearLinear)
+    ]
+    with torch.no_grad():
+        outputs = model(**inputs)
+    for hook in hooks:
+        hook.remove()
+    encoder_summary = None
+    if source == "encoder":
+        states = outputs.encoder_last_hidden_state.double()
+        encoder_summary = torch.stack([states[b][batch["attention_mask"][b] == 1].mean(0) for b in range(3)])
+    names = {module: name for name, module in model.named_modules()}
+    config = model.peft_config["default"]
+    assert len(captured) == len(model.base_model.targeted_module_names)
+    for layer, x, out in captured:
+        # T5's decoder layers see the decoder tokens, which their router never reads (it reads the encoder).
+        mask = token_mask if layer.router_source["default"] != "encoder" else None
+        input_scaled = kind == "ia3" and names[layer].endswith(IA3_INPUT_SCALED)
+        expected = reference_smear_forward(layer, config, x, mask, encoder_summary, input_scaled)
+        tolerance = TOLERANCES[dtype] * max(1.0, expected.abs().max().item())
+        torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_forward_and_backward_reach_every_adapter_parameter(arch):
+    model = smear(ARCHITECTURES[arch]())
+    model.train()
+    batch = random_batch(2, 6, seed=3, lengths=[6, 3])
+    inputs = model_inputs(arch, batch)
+    if arch == "bert":
+        inputs["labels"] = torch.tensor([0, 2])
+    elif arch == "t5":
+        inputs["labels"] = inputs.pop("decoder_input_ids")
+    else:
+        inputs["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        inputs["labels"][:, :2] = -100  # the prompt the causal LMs route on
+    loss = model(**inputs).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    adapter_params = {n: p for n, p in model.named_parameters() if "smear_" in n}
+    assert adapter_params and all(p.requires_grad for p in adapter_params.values())
+    without_grad = [n for n, p in adapter_params.items() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert without_grad == []
+    frozen_with_grad = [n for n, p in model.named_parameters() if "smear_" not in n and p.grad is not None]
+    assert frozen_with_grad == []
+
+
+def test_routing_weights_are_distributions_that_depend_on_the_input():
+    model = smear(tiny_llama())
+    first = peft_smear.get_routing_weights(model, **random_batch(4, 6, seed=0))
+    second = peft_smear.get_routing_weights(model, **random_batch(4, 6, seed=1))
+    assert set(first) == set(model.base_model.targeted_module_names)
+    for name, weights in first.items():
+        assert weights.shape == (4, 3) and weights.dtype == torch.float32
+        torch.testing.assert_close(weights.sum(-1), torch.ones(4))
+        assert (weights > 0).all()
+        assert not torch.allclose(weights, second[name])
+        assert not torch.allclose(weights[0], weights[1])
+
+
+def test_get_routing_weights_restores_training_mode_and_ignores_dropout():
+    model = smear(tiny_llama(), expert_dropout=0.5)
+    model.train()
+    batch = random_batch(4, 6)
+    first = peft_smear.get_routing_weights(model, **batch)
+    second = peft_smear.get_routing_weights(model, **batch)
+    assert model.training and all(m.training for m in model.modules())
+    for name in first:
+        torch.testing.assert_close(first[name], second[name], atol=0, rtol=0)
+
+
+def test_expert_dropout_only_in_training():
+    model = smear(tiny_llama(), expert_dropout=0.5, num_experts=6, router_input="self")
+    layer = next(m for m in model.modules() if isinstance(m, SmearLinear))
+    x = torch.randn(64, 5, layer.in_features)
+    model.base_model.routing_context.start_call(attention_mask=None, labels=None)
+    layer.train()
+    dropped = layer.routing_weights("default", x)
+    torch.testing.assert_close(dropped.sum(-1), torch.ones(64))
+    zero_fraction = (dropped == 0).float().mean().item()
+    assert 0.35 < zero_fraction < 0.65
+    layer.eval()
+    assert (layer.routing_weights("default", x) > 0).all()
+
+
+def test_drop_experts_keeps_an_example_that_lost_every_expert():
+    from peft_smear.routers.learned import drop_experts
+
+    dropped = drop_experts(torch.zeros(2000, 2), 0.9).softmax(-1)
+    assert torch.isfinite(dropped).all()
+    torch.testing.assert_close(dropped.sum(-1), torch.ones(2000))
+    assert (dropped == 0).any(), "some examples lost one of their two experts"
+
+
+def test_expert_dropout_on_a_sharp_router_keeps_gradients_finite():
+    """The dominant expert dropped from a saturated router: the kept experts' probabilities all underflow, which
+    renormalising probabilities turned into NaN gradients."""
+    from peft_smear.routers.learned import router_probabilities
+
+    torch.manual_seed(0)
+    normed = torch.randn(64, 4)
+    weight = torch.zeros(3, 4)
+    weight[0] = normed.mean(0).sign()  # expert 0 takes every example once the gain is large
+    row_gain = torch.full((4,), 60.0, requires_grad=True)
+    probs = router_probabilities(normed, row_gain, weight, expert_dropout=0.5)
+    (probs[:, 1:] * torch.arange(1.0, 3.0)).sum().backward()
+    assert torch.isfinite(probs).all() and torch.isfinite(row_gain.grad).all()
+    torch.testing.assert_close(probs.sum(-1), torch.ones(64))
+
+
+def _alone_and_in_batch(model, arch, sequences, pad_left):
+    """Logits of each sequence run alone, and run inside one padded batch, at the sequence's own positions."""
+    longest = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, seq in enumerate(sequences):
+        cols = slice(longest - len(seq), longest) if pad_left else slice(0, len(seq))
+        ids[row, cols], mask[row, cols] = torch.tensor(seq), 1
+    extra = {}
+    if pad_left:
+        extra["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        batched = model(input_ids=ids, attention_mask=mask, **extra).logits
+        for row, seq in enumerate(sequences):
+            alone = model(input_ids=torch.tensor([seq]), attention_mask=torch.ones(1, len(seq), dtype=torch.long))
+            if arch == "bert":
+                torch.testing.assert_close(batched[row], alone.logits[0], atol=1e-5, rtol=1e-5)
+            else:
+                cols = slice(longest - len(seq), longest) if pad_left else slice(0, len(seq))
+                torch.testing.assert_close(batched[row, cols], alone.logits[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("arch", "pad_left"), [("llama", False), ("llama", True), ("gpt2", False), ("bert", False)])
+def test_example_output_is_the_same_alone_and_in_a_padded_batch(arch, pad_left):
+    model = smear(ARCHITECTURES[arch]())
+    generator = torch.Generator().manual_seed(5)
+    sequences = [torch.randint(2, VOCAB, (n,), generator=generator).tolist() for n in (8, 3, 5)]
+    _alone_and_in_batch(model, arch, sequences, pad_left)
+
+
+def test_padding_changes_nothing_but_ignoring_the_mask_would():
+    """Guards the test above: pooling padding tokens into the router does change the routing."""
+    model = smear(tiny_llama())
+    batch = random_batch(1, 8, seed=4)
+    padded = {k: torch.cat([v, torch.zeros(1, 4, dtype=v.dtype)], dim=1) for k, v in batch.items()}
+    alone = peft_smear.get_routing_weights(model, **batch)
+    with_mask = peft_smear.get_routing_weights(model, **padded)
+    without_mask = peft_smear.get_routing_weights(model, input_ids=padded["input_ids"])
+    for name in alone:
+        torch.testing.assert_close(with_mask[name], alone[name])
+    assert max((without_mask[name] - alone[name]).abs().max() for name in alone) > 1e-3
+
+
+def test_t5_decoder_routes_on_the_encoder_not_on_the_targets():
+    model = smear(tiny_t5())
+    batch = random_batch(2, 6, seed=6, lengths=[6, 3])
+    first = peft_smear.get_routing_weights(model, **batch, decoder_input_ids=torch.tensor([[0, 5, 6], [0, 7, 8]]))
+    second = peft_smear.get_routing_weights(model, **batch, decoder_input_ids=torch.tensor([[0, 9, 9], [0, 2, 3]]))
+    decoder_layers = [name for name in first if name.startswith("decoder.")]
+    assert decoder_layers
+    for name in decoder_layers:
+        torch.testing.assert_close(first[name], second[name], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_base_models(dtype):
+    reference = smear(tiny_llama())
+    model = smear(tiny_llama().to(dtype))
+    model.load_state_dict(reference.state_dict())
+    layer = next(m for m in model.modules() if isinstance(m, SmearLinear))
+    assert layer.smear_lora_A["default"].dtype == torch.float32  # PEFT's adapter autocast keeps experts in fp32
+    batch = random_batch(2, 6, lengths=[6, 4])
+    weights = peft_smear.get_routing_weights(model, **batch)
+    assert all(w.dtype == torch.float32 for w in weights.values())
+    with torch.no_grad():
+        logits = model(**batch).logits
+        expected = reference(**batch).logits
+    assert logits.dtype == dtype and torch.isfinite(logits).all()
+    torch.testing.assert_close(logits.float(), expected, atol=5e-2, rtol=5e-2)
+    model.train()
+    labels = batch["input_ids"].clone()
+    labels[:, :2] = -100
+    model(**batch, labels=labels).loss.backward()
+    assert all(torch.isfinite(p.grad).all() for n, p in model.named_parameters() if "smear_" in n)
+
+
+def _captured_inputs(model, inputs):
+    """Every SMEAR layer's input tensor of one forward pass (held, so no two can share an id)."""
+    seen = []
+    hooks = [
+        module.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+        for module in model.modules()
+        if isinstance(module, SmearLinear)
+    ]
+    try:
+        model(**inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
+def test_layers_reading_the_same_tensor_pool_it_once(monkeypatch):
+    """q/k/v (and gate/up) get the very same input tensor; its summary is pooled once for all of them."""
+    model = smear(tiny_llama())
+    batch = random_batch(2, 6, lengths=[6, 4])
+    with torch.no_grad():
+        layer_inputs = _captured_inputs(model, batch)
+    pooled = []
+    original = peft_smear.layer.masked_mean
+    monkeypatch.setattr(peft_smear.layer, "masked_mean", lambda *a: pooled.append(a) or original(*a))
+    with torch.no_grad():
+        model(**batch)
+    distinct = len({id(x) for x in layer_inputs})
+    assert len(layer_inputs) == len(model.base_model.targeted_module_names) > distinct
+    assert len(pooled) == distinct
+
+
+def test_shared_pooling_gives_the_gradients_of_pooling_in_every_layer(monkeypatch):
+    def gradients():
+        torch.manual_seed(0)
+        model = smear(tiny_llama())
+        model.train()
+        batch = random_batch(2, 6, lengths=[6, 4])
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        labels[:, :2] = -100
+        model(**batch, labels=labels).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    shared = gradients()
+    monkeypatch.setattr(peft_smear.context.RoutingContext, "shared_summary", lambda self, x, key, pool: pool())
+    separate = gradients()
+    assert shared.keys() == separate.keys() and any("router" in name for name in shared)
+    for name in shared:
+        torch.testing.assert_close(shared[name], separate[name], atol=1e-7, rtol=1e-6)
+
+
+class _TwoReaders(torch.nn.Module):
+    """Two linear layers reading one tensor, changed in place between the two reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        first = self.first(x)
+        x.mul_(-3.0)
+        return first, self.second(x)
+
+
+def test_a_tensor_changed_in_place_between_two_readers_is_pooled_again():
+    torch.manual_seed(0)
+    model = get_peft_model(
+        _TwoReaders(),
+        peft_smear.SmearConfig(num_experts=4, r=2, init_weights=False, target_modules=["first", "second"]),
+    )
+    model.eval()  # no expert dropout
+    x = torch.randn(3, 5, 8)
+    with torch.no_grad():
+        _, second = model(x.clone())
+        model.base_model.routing_context.start_call(attention_mask=None, labels=None)
+        alone = model.base_model.model.second(x * -3.0)
+    torch.testing.assert_close(second, alone)
