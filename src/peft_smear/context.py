@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .packing import UNMARKED_PACKING, PackedLayout, several_prompts
 from .pooling import expand_rows, prompt_mask, require
 from .routers.base import PolicyStep, RoutingDecision
 
@@ -61,6 +62,10 @@ class RoutingContext:
     input_ids: torch.Tensor | None = None
     """``[batch, seq]`` token ids of the current call (the encoder's for encoder-decoders), for hash routing."""
 
+    packing: PackedLayout | None = None
+    """When the call's rows pack several sequences: their layout. Every per-token field above then holds the padded
+    batch of its sequences (``[sequences, longest]``), and the layers unpack their inputs to match."""
+
     training_calls: int = 0
     """Calls of the model in training mode so far in this process: the clock of ST-Gumbel's temperature anneal."""
 
@@ -77,6 +82,7 @@ class RoutingContext:
     _token_bytes: dict[str, list[bytes]] = field(default_factory=dict, repr=False)
     _last_summary: tuple[torch.Tensor, int, tuple, torch.Tensor] | None = field(default=None, repr=False)
     _task_id_limits_checked: set[int] = field(default_factory=set, repr=False)
+    _warned_unmarked_packing: bool = field(default=False, repr=False)
 
     def begin_model_call(self, training: bool) -> None:
         """Forget the previous call's auxiliary losses; count training calls."""
@@ -84,10 +90,24 @@ class RoutingContext:
         self.training_calls += int(training)
 
     def start_call(
-        self, attention_mask: torch.Tensor | None, labels: torch.Tensor | None, input_ids: torch.Tensor | None = None
+        self,
+        attention_mask: torch.Tensor | None,
+        labels: torch.Tensor | None,
+        input_ids: torch.Tensor | None = None,
+        packing: PackedLayout | None = None,
     ) -> None:
-        """Record the padding mask, token labels and token ids of a new call of the wrapped model (or encoder)."""
-        self.attention_mask, self.labels, self.input_ids = attention_mask, labels, input_ids
+        """Record the padding mask, token labels and token ids of a new call of the wrapped model (or encoder), and
+        the layout of its sequences when its rows pack several (then every per-token input is unpacked once here)."""
+        if packing is not None:
+            attention_mask = packing.mask
+            if labels is not None and labels.dim() == 2:
+                labels = packing.unpack_tokens(labels, -100, "labels")
+            input_ids = None if input_ids is None else packing.unpack_tokens(input_ids, 0, "input_ids")
+            if self.routing_mask is not None:
+                self.routing_mask = packing.unpack_tokens(self.routing_mask.bool(), False, "smear_routing_mask")
+            if self.task_ids is not None:
+                self.task_ids = packing.per_sequence(self.task_ids, "smear_task_ids")
+        self.attention_mask, self.labels, self.input_ids, self.packing = attention_mask, labels, input_ids, packing
         self._prompt_masks, self._token_bytes, self._last_summary = {}, {}, None
 
     def shared_summary(self, x: torch.Tensor, key: tuple, pool: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -176,6 +196,7 @@ class RoutingContext:
         if prefix_length not in self._prompt_masks:
             if training and prefix_length is None and self.labels is None and self.routing_mask is None:
                 warnings.warn(PROMPT_UNKNOWN_IN_TRAINING, stacklevel=4)
+            self._warn_if_unmarked_packing(prefix_length)
             self._prompt_masks[prefix_length] = prompt_mask(
                 (batch_size, seq_len), self.attention_mask, self.labels, self.routing_mask, prefix_length
             )
@@ -187,6 +208,18 @@ class RoutingContext:
                 "full sequence, or use generate(), which routes once at prefill and reuses that routing."
             )
         return mask
+
+    def _warn_if_unmarked_packing(self, prefix_length: int | None) -> None:
+        """Warn once when labels look like several sequences packed in a row that came without boundaries. Reading
+        the labels would break a compiled graph, so compiled calls skip it (an uncompiled call shows it)."""
+        skip = self._warned_unmarked_packing or self.packing is not None or prefix_length is not None
+        if skip or torch.compiler.is_compiling():
+            return
+        labels = self.labels
+        if self.routing_mask is None and labels is not None and labels.dim() == 2:
+            self._warned_unmarked_packing = several_prompts(labels, self.attention_mask)
+            if self._warned_unmarked_packing:
+                warnings.warn(UNMARKED_PACKING, stacklevel=5)
 
     def set_routing_inputs(
         self,

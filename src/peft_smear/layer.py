@@ -115,6 +115,9 @@ class SmearLinear(nn.Module, BaseTunerLayer):
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.disable_adapters:
             return self.base_layer(x, *args, **kwargs)
+        packing = self.routing_context.packing
+        if packing is not None and packing.covers(x):  # a packed row: each of its sequences is an example
+            return packing.pack(self.forward(packing.unpack(x), *args, **kwargs))
         adapters = [name for name in self.active_adapters if name in self.expert_kind]
         tokens = x.reshape(x.shape[0], -1, x.shape[-1])
         inputs = x
@@ -123,7 +126,7 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             if kind.scales_input:
                 scaled = kind.scale_input(tokens, self.expert_params(name), self.route(name, x))
                 inputs = scaled.reshape(x.shape)
-        result = self.base_layer(inputs, *args, **kwargs)
+        result = self._base_output(inputs, *args, **kwargs)
         for name in adapters:
             kind = self.expert_kind[name]
             if kind.scales_input:
@@ -134,6 +137,14 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             )
             result = output.reshape(result.shape)
         return result
+
+    def _base_output(self, inputs: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The wrapped module's output. For the unpacked sequences of a packed call, the module runs on the packed
+        row and its output is unpacked: the same values, without the module's work on the padding."""
+        packing = self.routing_context.packing
+        if packing is not None and packing.holds_unpacked(inputs):
+            return packing.unpack(self.base_layer(packing.pack(inputs), *args, **kwargs), share=False)
+        return self.base_layer(inputs, *args, **kwargs)
 
     def route(self, adapter_name: str, routed: torch.Tensor) -> RoutingDecision:
         """How ``adapter_name``'s experts apply to each example (or token): the decision made at prefill inside

@@ -16,6 +16,7 @@ from .context import RoutingContext
 from .experts import EXPERT_KINDS
 from .layer import MERGE_UNSUPPORTED, SUPPORTED_BASE_LAYERS, SmearLinear
 from .losses import consistency_loss, per_example_task_loss, predicting_positions, reinforce_losses
+from .packing import packed_layout
 from .pooling import masked_mean
 from .registration import (
     DEFAULT_TARGET_MODULES,
@@ -88,7 +89,8 @@ class SmearModel(BaseTuner):
         self.routing_context.begin_model_call(self.model.training)
         if not self._is_encoder_decoder:  # an encoder-decoder's mask is recorded when its encoder runs
             mask = _padding_mask(arguments.get("attention_mask"), "attention_mask")
-            self.routing_context.start_call(mask, arguments.get("labels"), arguments.get("input_ids"))
+            packing = packed_layout(arguments)  # rows of several sequences: each is routed on its own
+            self.routing_context.start_call(mask, arguments.get("labels"), arguments.get("input_ids"), packing)
 
     def _start_encoder_call(self, arguments: dict[str, Any], routing_inputs: dict[str, Any]) -> None:
         mask = _padding_mask(arguments.get("attention_mask"), "attention_mask")
@@ -111,12 +113,21 @@ class SmearModel(BaseTuner):
                     "routing='reinforce' trains its routers with minus each example's task loss as the reward, so "
                     "training calls need labels and an output with logits (or an output with example_losses)."
                 )
+            elif context.packing is not None:  # one reward per packed sequence, as routed
+                packing = context.packing
+                logits, sequence_labels = packing.unpack(output.logits), packing.unpack_tokens(labels, -100, "labels")
+                rewards = -per_example_task_loss(logits, sequence_labels, shift_tokens)
             else:
                 rewards = -per_example_task_loss(output.logits, labels, shift_tokens)
             losses.update(reinforce_losses(context.policy_steps, rewards))
             context.policy_steps = []
         consistency_weight = self._consistency_weight()
         if consistency_weight is not None and model.training and labels is not None:
+            if getattr(output, "logits", None) is None:  # e.g. TRL's fused LM head computes log-probabilities only
+                raise ValueError(
+                    "routing='adamix' compares the logits of two passes, but the model's output has none (TRL's "
+                    "SFTTrainer computes none); train it with transformers.Trainer or a loop that keeps the logits."
+                )
             self._second_pass = True
             try:
                 second = model(*args, **kwargs)

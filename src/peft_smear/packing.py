@@ -1,0 +1,204 @@
+"""Packed and padding-free batches: several sequences in one row, each routed as an example of its own.
+
+TRL's ``SFTConfig(packing=True)`` and transformers' ``DataCollatorWithFlattening`` put several sequences in one row
+and pass no attention mask; where each sequence starts is told by ``position_ids`` restarting (transformers' rule:
+wherever a position is not its predecessor's plus one), and by TRL's ``cu_seq_lens_q`` / ``seq_idx``. SMEAR routes
+every sequence on its own prompt: a wrapped layer that sees the packed ``[rows, tokens, features]`` input unpacks it
+into a padded batch with one sequence per row (:meth:`PackedLayout.unpack`, an index gather), runs the per-example
+path on it unchanged, and gathers the output back into the packed layout (:meth:`PackedLayout.pack`). The wrapped
+module itself still runs on the packed row, so it does no work on the padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+BOUNDARY_SOURCES = ("position_ids", "cu_seq_lens_q", "seq_idx")
+
+UNMARKED_PACKING = (
+    "SMEAR prompt routing found a row whose labels switch from prompt (-100) to response more than once, but the "
+    "model got no sequence boundaries (position_ids restarting at 0, cu_seq_lens_q or seq_idx). If the row packs "
+    "several sequences, each is NOT routed on its own prompt: the whole row is routed once, on the tokens before its "
+    "first label. Pass position_ids that restart at 0 for every sequence (TRL: SFTConfig(packing=True, "
+    "packing_strategy='bfd') or padding_free=True; transformers: DataCollatorWithFlattening). If each row is one "
+    "multi-turn conversation, this is expected: routing uses the turns before the first labelled reply. (Shown once.)"
+)
+
+
+class PackedLayout:
+    """Where each sequence of a packed call lies, and the index maths between the packed ``[rows, tokens]`` layout
+    and a padded batch ``[sequences, longest]`` with one sequence per row.
+
+    Built once per call from the boundaries (``starts [rows, tokens]``, true at the first token of every sequence);
+    every wrapped layer then unpacks with one gather. The last unpacked tensor is remembered, so that layers reading
+    the very same input (q/k/v) share one unpacked copy, and packing that copy back gives the original tensor.
+    """
+
+    def __init__(self, starts: torch.Tensor) -> None:
+        starts = starts.clone()
+        starts[:, 0] = True  # a sequence never continues from the previous row
+        self.rows, self.row_length = starts.shape
+        flat = starts.reshape(-1)
+        total = flat.numel()
+        device = starts.device
+        first_token = flat.nonzero().squeeze(1)  # [S]: flat index of each sequence's first token
+        self.lengths = torch.diff(first_token, append=first_token.new_tensor([total]))
+        self.num_sequences, self.max_length = first_token.numel(), int(self.lengths.max())
+        sequence_of_token = flat.long().cumsum(0) - 1
+        offset = torch.arange(total, device=device) - first_token[sequence_of_token]
+        self.sequence_rows = first_token // self.row_length
+        """``[S]``: the row of the packed batch each sequence comes from."""
+        self.mask = torch.arange(self.max_length, device=device) < self.lengths.unsqueeze(1)
+        """``[S, longest]`` bool: the real tokens of the padded batch."""
+        positions = torch.arange(self.max_length, device=device).masked_fill(~self.mask, 0)
+        self._from_packed = (first_token.unsqueeze(1) + positions).reshape(-1)  # padded slot -> packed token
+        self._to_packed = sequence_of_token * self.max_length + offset  # packed token -> padded slot
+        self._indices = {device: (self._from_packed, self._to_packed)}
+        self._last: tuple[torch.Tensor, int, torch.Tensor] | None = None
+
+    def covers(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is a ``[rows, tokens, features]`` input of this packed call."""
+        return x.dim() == 3 and x.shape[0] == self.rows and x.shape[1] == self.row_length
+
+    def holds_unpacked(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is a ``[sequences, longest, features]`` input in this call's padded layout."""
+        return x.dim() == 3 and x.shape[0] == self.num_sequences and x.shape[1] == self.max_length
+
+    def unpack(self, x: torch.Tensor, share: bool = True) -> torch.Tensor:
+        """``[rows, tokens, ...]`` -> ``[sequences, longest, ...]``; padded slots repeat a real token of their
+        sequence (finite values; every mask of the call excludes them). ``share``: remember the result for the next
+        layer that reads the very same ``x`` (a layer's input; not its fresh output, which is updated in place)."""
+        last = self._last
+        if share and last is not None and last[0] is x and last[1] == x._version:
+            return last[2]
+        from_packed, _ = self._on(x.device)
+        tail = x.shape[2:]
+        unpacked = x.reshape(-1, *tail).index_select(0, from_packed).view(self.num_sequences, self.max_length, *tail)
+        if share:
+            self._last = (x, x._version, unpacked)
+        return unpacked
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """``[sequences, longest, ...]`` -> ``[rows, tokens, ...]``, the inverse of :meth:`unpack` on real tokens."""
+        last = self._last
+        if last is not None and last[2] is x and last[0]._version == last[1]:
+            return last[0]
+        _, to_packed = self._on(x.device)
+        tail = x.shape[2:]
+        return x.reshape(-1, *tail).index_select(0, to_packed).view(self.rows, self.row_length, *tail)
+
+    def unpack_tokens(self, values: torch.Tensor, fill: int | bool, name: str) -> torch.Tensor:
+        """A per-token input of the call (``labels``, ``input_ids``, a routing mask; ``[rows, tokens]``, or fewer
+        tokens for a routing mask) in the padded layout, ``fill`` at padded slots."""
+        if values.dim() != 2 or values.shape[0] != self.rows or values.shape[1] > self.row_length:
+            raise ValueError(
+                f"{name} has shape {tuple(values.shape)} but the packed input is [{self.rows}, {self.row_length}]."
+            )
+        values = F.pad(values, (0, self.row_length - values.shape[1]), value=fill)
+        from_packed, _ = self._on(values.device)
+        unpacked = values.reshape(-1).index_select(0, from_packed).view(self.num_sequences, self.max_length)
+        return unpacked.masked_fill(~self.mask.to(values.device), fill)
+
+    def per_sequence(self, values: torch.Tensor, name: str) -> torch.Tensor:
+        """A per-example input (``smear_task_ids``): one value per sequence as given, or one per row, which every
+        sequence of that row takes."""
+        if values.shape[0] == self.num_sequences:
+            return values
+        if values.shape[0] == self.rows:
+            return values[self.sequence_rows.to(values.device)]
+        raise ValueError(
+            f"{name} has {values.shape[0]} entries, but the packed batch has {self.rows} rows holding "
+            f"{self.num_sequences} sequences: give one per sequence (in order) or one per row."
+        )
+
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._indices:
+            self._indices[device] = (self._from_packed.to(device), self._to_packed.to(device))
+        return self._indices[device]
+
+
+def packed_layout(arguments: Mapping[str, Any]) -> PackedLayout | None:
+    """The layout of a call whose rows pack several sequences, or ``None`` for an ordinary (padded) batch.
+
+    ``arguments`` are the wrapped model's call arguments. A call is packed when it has no attention mask, or an
+    all-ones one, and its ``position_ids`` (or ``cu_seq_lens_q``, or ``seq_idx``) start a new sequence inside a row.
+    A padded batch (a mask with zeros) is never treated as packed. Sources that disagree about the boundaries are an
+    error: one of them would route some sequence on another's tokens.
+    """
+    arguments = {**arguments.get("kwargs", {}), **arguments}
+    tokens = next((arguments[n] for n in ("input_ids", "inputs_embeds") if arguments.get(n) is not None), None)
+    if tokens is None or tokens.dim() < 2 or tokens.shape[1] < 2:  # decode steps see one token: never packed
+        return None
+    rows, length = tokens.shape[0], tokens.shape[1]
+    sources = {}
+    for name in BOUNDARY_SOURCES:
+        value = arguments.get(name)
+        if value is None and name == "cu_seq_lens_q":
+            name, value = "cu_seq_lens_k", arguments.get("cu_seq_lens_k")
+        if isinstance(value, torch.Tensor):
+            sources[name] = value
+    if not sources:  # decided without reading any tensor: an ordinary call costs no synchronisation (nor graph break)
+        return None
+    mask = arguments.get("attention_mask")
+    if mask is not None and (mask.dim() != 2 or not bool(mask.bool().all())):
+        return None
+    found = {name: _sequence_starts(name, value, rows, length) for name, value in sources.items()}
+    (first_name, starts), *others = found.items()
+    for name, other in others:
+        if not torch.equal(other.to(starts.device), starts):
+            raise ValueError(
+                f"The packed batch's sequence boundaries disagree: {first_name} starts sequences at "
+                f"{_start_list(starts)}, {name} at {_start_list(other)} (row, token). Pass consistent boundaries."
+            )
+    if int(starts.sum()) == rows:
+        return None
+    return PackedLayout(starts)
+
+
+def _sequence_starts(name: str, value: torch.Tensor, rows: int, length: int) -> torch.Tensor:
+    """``[rows, tokens]`` bool, true where a sequence starts, as ``name`` tells it."""
+    if name == "position_ids" or name == "seq_idx":
+        if value.dim() == 1:
+            value = value.unsqueeze(0)
+        if value.dim() != 2 or value.shape[0] not in (1, rows) or value.shape[1] != length:
+            raise ValueError(f"{name} must be [batch, tokens] = [{rows}, {length}], got {tuple(value.shape)}.")
+        value = value.expand(rows, length)
+        starts = torch.ones(rows, length, dtype=torch.bool, device=value.device)
+        if name == "position_ids":  # transformers' rule (find_packed_sequence_indices): not predecessor + 1
+            starts[:, 1:] = value[:, 1:] != value[:, :-1] + 1
+        else:
+            starts[:, 1:] = value[:, 1:] != value[:, :-1]
+        return starts
+    # cu_seq_lens_*: cumulative lengths over the flattened batch, from 0 to rows * tokens
+    cumulative = value.flatten().long()
+    if cumulative.numel() < 2 or int(cumulative[0]) != 0 or int(cumulative[-1]) != rows * length:
+        raise ValueError(
+            f"{name} must run from 0 to the number of tokens in the batch ({rows * length}), got "
+            f"{cumulative.tolist()}."
+        )
+    flat = torch.zeros(rows * length, dtype=torch.bool, device=value.device)
+    flat[cumulative[:-1]] = True
+    starts = flat.view(rows, length)
+    if not bool(starts[:, 0].all()):
+        raise ValueError(f"{name} {cumulative.tolist()} has a sequence that runs across rows of the batch.")
+    return starts
+
+
+def _start_list(starts: torch.Tensor) -> list[tuple[int, int]]:
+    return [tuple(pair) for pair in starts.nonzero().tolist()]
+
+
+def several_prompts(labels: torch.Tensor, real: torch.Tensor | None) -> bool:
+    """Whether some row's labels switch from unlabelled to labelled more than once: several prompt/response pairs,
+    as in a packed row (or a multi-turn conversation)."""
+    labelled = labels != -100
+    if real is not None:
+        labelled &= real.to(labelled.device).bool()
+    run_starts = labelled.clone()
+    run_starts[:, 1:] &= ~labelled[:, :-1]
+    return bool((run_starts.sum(dim=1) > 1).any())
