@@ -25,9 +25,9 @@ from .registration import (  # the PEFT version is checked when registration is 
 )
 from .routers import ROUTERS, ROUTING_METHODS, Router
 from .routing_stats import RoutingStatistics
+from .version import __version__
 
 
-__version__ = "0.1.0"
 __all__ = [
     "ROUTERS",
     "ROUTING_METHODS",
@@ -40,6 +40,7 @@ __all__ = [
     "SmearModel",
     "SmearPeftType",
     "SmearRoutingCallback",
+    "__version__",
     "build_expert_bank",
     "create_router_optimizer",
     "describe_tasks",

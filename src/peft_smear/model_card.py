@@ -20,6 +20,7 @@ from torch import nn
 
 from .experts.adapter import DEFAULT_REDUCTION_FACTOR
 from .layer import SmearLinear
+from .version import __version__
 
 
 PAPER_URL = "https://arxiv.org/abs/2306.03745"
@@ -154,7 +155,6 @@ def _amend(
 def _with_framework_versions(text: str) -> str:
     """``text`` with PEFT's and peft-smear's versions under its framework versions heading (added if missing), where
     PEFT puts its own line: right below the heading."""
-    from . import __version__
 
     lines = text.rstrip("\n").splitlines()
     if FRAMEWORK_HEADING not in lines:
