@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from .base_layers import output_may_be_locked_view
 from .experts import EXPERT_KINDS, EXPERT_PARAMETER_NAMES, ExpertKind
 from .experts.base import Params
 from .pooling import masked_mean
@@ -20,8 +21,6 @@ if TYPE_CHECKING:
     from .config import SmearConfig
     from .context import RoutingContext
 
-
-SUPPORTED_BASE_LAYERS = (nn.Linear, Conv1D)
 
 # What a layer's router pools: its own input over real tokens ("self"), its own input over the prompt tokens
 # ("prompt"; causal LMs), or the encoder's final hidden states ("encoder"; decoder layers of encoder-decoders).
@@ -69,6 +68,7 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         self.base_layer = base_layer
         self.module_name = module_name  # salts hash routing, so each layer hashes examples to its own experts
         self.in_features, self.out_features = in_out_features(self.get_base_layer())
+        self.output_may_be_locked_view = output_may_be_locked_view(self.get_base_layer())
         self.routing_context = routing_context
         self.merged_adapters: list[str] = []  # own list: BaseTunerLayer's is shared at class level
         self.expert_kind: dict[str, ExpertKind] = {}
@@ -144,7 +144,10 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         packing = self.routing_context.packing
         if packing is not None and packing.holds_unpacked(inputs):
             return packing.unpack(self.base_layer(packing.pack(inputs), *args, **kwargs), share=False)
-        return self.base_layer(inputs, *args, **kwargs)
+        result = self.base_layer(inputs, *args, **kwargs)
+        if self.output_may_be_locked_view and torch.is_grad_enabled() and result._is_view():
+            result = result.clone()  # experts add into the output in place, which autograd forbids on such a view
+        return result
 
     def route(self, adapter_name: str, routed: torch.Tensor) -> RoutingDecision:
         """How ``adapter_name``'s experts apply to each example (or token): the decision made at prefill inside

@@ -11,10 +11,11 @@ import torch
 from torch import nn
 
 from .arguments import listing
+from .base_layers import check_base_layer
 from .config import SmearConfig
 from .context import RoutingContext
 from .experts import EXPERT_KINDS
-from .layer import MERGE_UNSUPPORTED, SUPPORTED_BASE_LAYERS, SmearLinear
+from .layer import MERGE_UNSUPPORTED, SmearLinear
 from .losses import consistency_loss, per_example_task_loss, predicting_positions, reinforce_losses
 from .packing import packed_layout
 from .pooling import masked_mean
@@ -246,12 +247,7 @@ class SmearModel(BaseTuner):
                 inference_mode=config.inference_mode,
             )
             return
-        if not isinstance(target, SUPPORTED_BASE_LAYERS):
-            supported = ", ".join(f"{cls.__module__}.{cls.__qualname__}" for cls in SUPPORTED_BASE_LAYERS)
-            raise TypeError(
-                f"SMEAR (expert_type={config.expert_type!r}) cannot wrap target module {current_key!r} of type "
-                f"{type(target).__name__}; supported types: {supported}. Adjust target_modules."
-            )
+        check_base_layer(target, current_key, config.expert_type)
         new_module = SmearLinear(
             target,
             adapter_name,

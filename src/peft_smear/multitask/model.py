@@ -24,7 +24,7 @@ from torch import nn
 from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import ModelOutput
 
-from ..layer import SUPPORTED_BASE_LAYERS
+from ..base_layers import SUPPORTED_BASE_LAYERS
 from ..pooling import masked_mean
 from .tasks import TaskInfo
 

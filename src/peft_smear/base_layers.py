@@ -1,0 +1,115 @@
+"""Which base layers SMEAR wraps, checked in one place before a layer is wrapped.
+
+A SMEAR layer calls its base layer and adds the experts' work to the output (or scales its input); it never reads,
+casts or dequantizes the base weight. So a quantized base works when its layer is an ``nn.Linear`` whose forward maps
+``[..., in_features]`` to ``[..., out_features]`` in the activations' dtype, and nothing else assumes a float weight.
+bitsandbytes' ``Linear4bit`` (NF4, FP4) and ``Linear8bitLt`` are such layers and are tested. Every other quantized
+layer is refused with its class and backend named: most are no ``nn.Linear`` (HQQ, GPTQ, AWQ, EETQ, AQLM, ...), and
+an ``nn.Linear`` with a quantized weight tensor (torchao's tensor subclasses, a float8 weight) would have PEFT cast
+the experts to the weight's dtype or go untested.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+
+SUPPORTED_BASE_LAYERS = (nn.Linear, Conv1D)
+
+# Weight dtypes of an unquantized layer: PEFT moves the experts to the base weight's dtype, and these are the ones
+# an expert may have (PEFT's adapter autocast then lifts fp16 / bf16 experts to fp32).
+FLOAT_WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+# Top-level packages whose layers (or weight tensors) are quantized, by the name of their quantization backend:
+# those PEFT LoRA dispatches to a layer class of its own, and transformers' quantizer integrations.
+QUANTIZATION_BACKENDS = {
+    "torchao": "torchao",
+    "hqq": "HQQ",
+    "gptqmodel": "GPTQModel (GPTQ / AWQ)",
+    "auto_gptq": "AutoGPTQ",
+    "awq": "AutoAWQ",
+    "eetq": "EETQ",
+    "aqlm": "AQLM",
+    "neural_compressor": "Intel Neural Compressor",
+    "transformer_engine": "Transformer Engine",
+    "megatron": "Megatron-LM (tensor-parallel layers)",
+    "optimum": "optimum-quanto",
+    "quanto": "quanto",
+    "compressed_tensors": "compressed-tensors",
+    "vptq": "VPTQ",
+    "fbgemm_gpu": "FBGEMM",
+}
+
+SUPPORTED_QUANTIZATION = (
+    "SMEAR wraps unquantized torch.nn.Linear and transformers Conv1D layers, and bitsandbytes-quantized bases: "
+    "bitsandbytes.nn.Linear4bit (NF4, FP4) and bitsandbytes.nn.Linear8bitLt"
+)
+
+
+def bitsandbytes_layer_types() -> tuple[type, ...]:
+    """bitsandbytes' quantized linear layers, if bitsandbytes is imported at all (a model quantized with it has
+    imported it; no other model needs it imported)."""
+    bnb = sys.modules.get("bitsandbytes")
+    if bnb is None:
+        return ()
+    return (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
+
+
+def output_may_be_locked_view(base_layer: nn.Module) -> bool:
+    """Whether ``base_layer``'s output may be a view that autograd forbids changing in place: bitsandbytes' 8-bit
+    matmul (in inference, and in training on GPUs) returns a reshaped view of its autograd Function's result."""
+    return isinstance(base_layer, bitsandbytes_layer_types())
+
+
+def check_base_layer(target: nn.Module, module_name: str, expert_type: str) -> None:
+    """Raise ``TypeError`` naming ``target``'s class, and its quantization backend if it has one, unless SMEAR
+    can wrap it (see the module docstring)."""
+    what = (
+        f"SMEAR (expert_type={expert_type!r}) cannot wrap target module {module_name!r} of type "
+        f"{type(target).__name__} ({type(target).__module__})"
+    )
+    if isinstance(target, bitsandbytes_layer_types()):
+        return
+    backend = quantization_backend(type(target))
+    if backend is not None:
+        raise TypeError(
+            f"{what}: it is a layer quantized with {backend}, which SMEAR does not support. {SUPPORTED_QUANTIZATION}."
+        )
+    if not isinstance(target, SUPPORTED_BASE_LAYERS):
+        supported = ", ".join(f"{cls.__module__}.{cls.__qualname__}" for cls in SUPPORTED_BASE_LAYERS)
+        raise TypeError(f"{what}; supported types: {supported}. Adjust target_modules.")
+    weight = target.weight
+    backend = quantization_backend(type(weight))
+    if backend is not None or not is_plain_float_weight(weight):
+        weight_type = f"{type(weight).__module__}.{type(weight).__qualname__} of dtype {weight.dtype}"
+        source = f", quantized with {backend}" if backend is not None else ""
+        raise TypeError(
+            f"{what}: its weight is a {weight_type}{source}, not a float tensor, and SMEAR supports no such "
+            f"quantized weight. {SUPPORTED_QUANTIZATION}."
+        )
+
+
+def quantization_backend(cls: type) -> str | None:
+    """The quantization backend that defines ``cls``, by its top-level package (or transformers integration)."""
+    module = cls.__module__
+    package = module.split(".")[0]
+    if package == "transformers" and module.startswith("transformers.integrations."):
+        integration = module.split(".")[2]
+        return None if integration == "bitsandbytes" else f"transformers' {integration} integration"
+    if package == "optimum" and not module.startswith("optimum.quanto"):
+        return None
+    return QUANTIZATION_BACKENDS.get(package)
+
+
+def is_plain_float_weight(weight: torch.Tensor) -> bool:
+    """A float tensor, parameter, or a sharded one (DTensor); not a quantized tensor subclass or an integer or
+    float8 weight."""
+    plain_types: tuple[type, ...] = (torch.Tensor, nn.Parameter)
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if dtensor is not None:
+        plain_types = (*plain_types, dtensor)
+    return type(weight) in plain_types and weight.dtype in FLOAT_WEIGHT_DTYPES
