@@ -127,13 +127,22 @@ def _greedy_assignment(cost: np.ndarray, size: int) -> np.ndarray:
 
 
 def _kmeans_plus_plus(points: np.ndarray, num_clusters: int, rng: np.random.Generator) -> np.ndarray:
+    """Greedy k-means++: each new centroid is the best of ``2 + log N`` candidates drawn by squared distance (the
+    candidate that lowers the potential most), which gave lower final sums of squares than one draw."""
+    trials = 2 + int(np.log(num_clusters))
     centroids = [points[rng.integers(points.shape[0])]]
     closest = ((points - centroids[0]) ** 2).sum(axis=1)
     for _ in range(1, num_clusters):
         total = closest.sum()
-        index = rng.choice(points.shape[0], p=closest / total) if total > 0 else rng.integers(points.shape[0])
-        centroids.append(points[index])
-        closest = np.minimum(closest, ((points - points[index]) ** 2).sum(axis=1))
+        if total <= 0:
+            candidates = rng.integers(points.shape[0], size=trials)
+        else:
+            candidates = rng.choice(points.shape[0], size=trials, p=closest / total)
+        distances = _squared_distances(points, points[candidates])  # [n, trials]
+        potentials = np.minimum(closest[:, None], distances).sum(axis=0)
+        best = int(potentials.argmin())
+        centroids.append(points[candidates[best]])
+        closest = np.minimum(closest, distances[:, best])
     return np.stack(centroids)
 
 
