@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..report import RoutingReport
-from .moefy import emoe_gates
+from .gate import EmoeGate
 
 
 def selection_report(model: nn.Module, batches_by_task: Mapping[str, Iterable[Mapping[str, Any]]]) -> RoutingReport:
@@ -19,7 +19,8 @@ def selection_report(model: nn.Module, batches_by_task: Mapping[str, Iterable[Ma
     examples: ``mean_routing[t, k, e]`` is how often expert ``e`` of layer ``k`` was selected for a token of task
     ``t``, divided by top-k, so each row sums to 1 and the report's heatmaps, table and similarities apply as for
     SMEAR. ``entropy``: of an example's selection shares (uniform over all experts: ``log N``)."""
-    gates = emoe_gates(model)
+    # Named by where each gate sits (e.g. ``bert.encoder.layer.4.intermediate.intermediate_act_fn``).
+    gates = {name: module for name, module in model.named_modules() if isinstance(module, EmoeGate)}
     if not gates:
         raise ValueError("The model has no EMoE layer; call moefy(model) first.")
     was_training = model.training
@@ -50,7 +51,7 @@ def selection_report(model: nn.Module, batches_by_task: Mapping[str, Iterable[Ma
     return RoutingReport(tasks, list(gates), examples, np.stack(means), np.array(entropies))
 
 
-def _example_shares(gate: Any, attention_mask: torch.Tensor | None) -> torch.Tensor:
+def _example_shares(gate: EmoeGate, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """``[batch, experts]``: each example's share of the selections of ``gate``'s last call, over its real tokens."""
     selection = gate.last_selection.float().cpu()
     if selection.dim() == 2:  # one row per example
