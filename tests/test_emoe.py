@@ -391,6 +391,10 @@ def test_a_partition_that_is_not_balanced_is_refused():
     labels[0] = 1
     with pytest.raises(ValueError, match="is not 8 experts of 6 neurons each"):
         moefy(tiny_llama(), 8, 2, partition={"model.layers.0.mlp": labels})
+    with pytest.raises(ValueError, match=r"got shape \(6, 8\)"):
+        moefy(tiny_llama(), 8, 2, partition={"model.layers.0.mlp": (torch.arange(48) % 8).view(6, 8)})
+    with pytest.raises(ValueError, match=r"Pass either layers=\[1\] or a partition"):
+        moefy(tiny_llama(), 8, 2, layers=[1], partition={"model.layers.0.mlp": torch.arange(48) % 8})
 
 
 # --- analysis ---------------------------------------------------------------------------------------------------

@@ -29,13 +29,13 @@ class EmoeGate(nn.Module):
         self,
         activation: nn.Module,
         group_of: torch.Tensor,
+        num_experts: int,
         top_k: int,
         key_layer: nn.Module,
         ffn_name: str,
     ) -> None:
         super().__init__()
         self.activation = activation
-        num_experts = int(group_of.max()) + 1
         self.num_experts, self.top_k, self.ffn_name = num_experts, top_k, ffn_name
         self.register_buffer("group_of", group_of.to(torch.long), persistent=False)
         # Neurons sorted by expert: h[..., order] viewed as [..., N, d/N] gives each expert's neurons.

@@ -87,6 +87,8 @@ def moefy(
         raise ValueError(f"num_experts={num_experts!r} must be a positive integer.")
     if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k={top_k!r} must be an integer between 1 and num_experts={num_experts}.")
+    if partition is not None and layers is not None:
+        raise ValueError(f"Pass either layers={layers!r} or a partition (which names its layers), not both.")
     feed_forwards = find_feed_forwards(model)
     chosen = select_layers(feed_forwards, layers) if partition is None else _by_name(feed_forwards, partition)
     for ffn in chosen:
@@ -105,7 +107,8 @@ def moefy(
         else:
             labels = torch.from_numpy(_partition(ffn, num_experts, clustering, seed))
         activation = getattr(ffn.activation_owner, ffn.kind.activation_attr)
-        gate = EmoeGate(activation, labels.to(ffn.key_layer.weight.device), top_k, ffn.key_layer, ffn.name)
+        device = ffn.key_layer.weight.device
+        gate = EmoeGate(activation, labels.to(device), num_experts, top_k, ffn.key_layer, ffn.name)
         setattr(ffn.activation_owner, ffn.kind.activation_attr, gate)
     return model
 
@@ -173,13 +176,8 @@ def select_layers(feed_forwards: list[FeedForward], layers: int | Sequence[int] 
 def check_partition(labels: torch.Tensor, ffn: FeedForward, num_experts: int) -> None:
     """A partition must give each of the FFN's neurons an expert in ``[0, num_experts)``, each expert equally many."""
     size = ffn.width // num_experts
-    counts = torch.bincount(labels.clamp(min=0), minlength=num_experts) if labels.numel() else labels
-    if (
-        labels.shape != (ffn.width,)
-        or labels.min() < 0
-        or labels.max() >= num_experts
-        or not torch.equal(counts, torch.full_like(counts, size))
-    ):
+    balanced = labels.shape == (ffn.width,) and bool((labels >= 0).all()) and bool((labels < num_experts).all())
+    if not balanced or not bool((torch.bincount(labels, minlength=num_experts) == size).all()):
         raise ValueError(
             f"The partition of {ffn.name} is not {num_experts} experts of {size} neurons each over its {ffn.width} "
             f"neurons (got shape {tuple(labels.shape)})."
