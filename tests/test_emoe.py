@@ -432,3 +432,56 @@ def test_gate_module_is_an_emoe_gate_with_its_settings():
     assert isinstance(gate, EmoeGate) and (gate.num_experts, gate.top_k, gate.expert_size) == (N, K, 128 // N)
     remove_emoe(model)
     assert not isinstance(model.transformer.h[1].mlp.act, EmoeGate)
+
+
+# --- EMoE-learn -------------------------------------------------------------------------------------------------
+
+
+def test_learned_gate_starts_at_the_avg_k_selection_and_weighs_experts_by_its_softmax():
+    model = moefy(tiny_bert(), N, K, layers=[1], gate="learned")
+    ffn = find_feed_forwards(model)[1]
+    gate = ffn.gate
+    gate.record = True
+    module = model.get_submodule(ffn.name)
+    seen, hooks = _capture(ffn.key_layer, module.output.dense)
+    inner = {}
+    hooks.append(module.output.dense.register_forward_pre_hook(lambda m, args: inner.setdefault("a", args[0])))
+    logits(model, random_batch(2, 5))
+    for hook in hooks:
+        hook.remove()
+    x = seen["x"]
+    keys = ffn.key_layer.weight.detach()
+    assert torch.equal(gate.last_selection, _selection_from_keys(keys, x, gate.group_of, K))
+    # by hand: k p_i / (sum of the selected p) on the neurons of the selected experts
+    means = torch.stack([keys[gate.group_of == e].mean(dim=0) for e in range(N)])
+    p = torch.softmax(x @ means.T, dim=-1)
+    selected = gate.last_selection.float()
+    weights = K * p * selected / (p * selected).sum(dim=-1, keepdim=True)
+    expected = gate.activation(x @ keys.T + ffn.key_layer.bias) * weights[..., gate.group_of]
+    torch.testing.assert_close(inner["a"], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_learned_gate_trains_saves_reloads_and_is_removed_cleanly(tmp_path):
+    from peft_smear.emoe import gate_parameters
+
+    model = get_peft_model(moefy(tiny_bert(), N, K, layers=[0, 1], gate="learned"), _adapter("lora"))
+    parameters = gate_parameters(model)
+    assert len(parameters) == 2 and not any(p.requires_grad for p in parameters)  # PEFT froze them
+    for parameter in parameters:
+        parameter.requires_grad_(True)
+    batch = {**random_batch(4, 6), "labels": torch.tensor([0, 1, 2, 0])}
+    model.train()
+    model(**batch).loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in parameters)
+    with torch.no_grad():
+        for parameter in parameters:
+            parameter.add_(torch.randn_like(parameter))
+    model.eval()
+    model.save_pretrained(tmp_path)
+    save_emoe(model, tmp_path)
+    expected = logits(model, batch)
+    reloaded = PeftModel.from_pretrained(load_emoe(tiny_bert(), tmp_path), tmp_path).eval()
+    assert all(torch.equal(a, b) for a, b in zip(gate_parameters(reloaded), parameters, strict=True))
+    assert torch.equal(logits(reloaded, batch), expected)
+    remove_emoe(model)
+    assert not any(ffn.key_layer._forward_pre_hooks for ffn in find_feed_forwards(model))

@@ -11,7 +11,7 @@ model (EMoE2LoRA), the fast way to serve.
 from .analysis import selection_report
 from .clustering import balanced_assignment, balanced_kmeans, random_partition, within_cluster_sum_of_squares
 from .gate import EmoeGate
-from .moefy import FEED_FORWARD_KINDS, emoe_gates, find_feed_forwards, moefy, remove_emoe
+from .moefy import FEED_FORWARD_KINDS, emoe_gates, find_feed_forwards, gate_parameters, moefy, remove_emoe
 from .persistence import CONFIG_NAME, PARTITION_NAME, load_emoe, save_emoe
 
 
@@ -24,6 +24,7 @@ __all__ = [
     "balanced_kmeans",
     "emoe_gates",
     "find_feed_forwards",
+    "gate_parameters",
     "load_emoe",
     "moefy",
     "random_partition",

@@ -23,6 +23,12 @@ class EmoeGate(nn.Module):
     adapter wrapper), whose current bias is subtracted from ``h`` so that the score is ``x . G`` as in the paper; it
     is held in a list, not registered, so it stays out of this module's parameters but follows ``deepcopy``. With
     ``record=True`` the last selection is kept as ``last_selection`` (``[..., num_experts]`` bool) for analysis.
+
+    ``learned_from_keys`` (``[d_ff, hidden]``) makes it the paper's EMoE-learn ablation: a trainable gate
+    ``weight`` ``[N, hidden]``, initialised at the experts' mean keys, scores the FFN's input ``x`` (read by a
+    pre-hook on the first layer); the selected experts' activations are scaled by ``k p_i / sum_selected p`` with
+    ``p = softmax(x W^T)`` (fp32), as a learned top-k gate weighs its experts (the scale averages 1), so the gate
+    gets a gradient.
     """
 
     def __init__(
@@ -33,6 +39,7 @@ class EmoeGate(nn.Module):
         top_k: int,
         key_layer: nn.Module,
         ffn_name: str,
+        learned_from_keys: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.activation = activation
@@ -43,6 +50,20 @@ class EmoeGate(nn.Module):
         self._key_layer = [key_layer]
         self.record = False
         self.last_selection: torch.Tensor | None = None
+        self.weight: nn.Parameter | None = None
+        if learned_from_keys is not None:  # [d_ff, hidden]
+            grouped = learned_from_keys.detach().float()[self.order].unflatten(0, (num_experts, self.expert_size))
+            self.weight = nn.Parameter(grouped.mean(dim=1))
+            self._input: torch.Tensor | None = None
+            self._hook = key_layer.register_forward_pre_hook(self._keep_input)
+
+    def detach_from_key_layer(self) -> None:
+        """Remove the learned gate's input hook (when the gate is removed)."""
+        if self.weight is not None:
+            self._hook.remove()
+
+    def _keep_input(self, module: nn.Module, args: tuple) -> None:
+        self._input = args[0]
 
     @property
     def expert_size(self) -> int:
@@ -59,14 +80,33 @@ class EmoeGate(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         activated = self.activation(hidden)
+        if self.weight is not None:
+            return activated * self._learned_scale(activated.dtype)
         with torch.no_grad():  # the selection is a hard 0/1 gate: no gradient flows through it (paper eq. 5)
             top = self.scores(hidden).topk(self.top_k, dim=-1).indices
-            selection = torch.zeros(*hidden.shape[:-1], self.num_experts, dtype=torch.bool, device=hidden.device)
-            selection.scatter_(-1, top, True)
-            if self.record:
-                self.last_selection = selection
-            mask = selection[..., self.group_of].to(activated.dtype)
+            mask = self._select(top)[..., self.group_of].to(activated.dtype)
         return activated * mask
 
+    def _select(self, top: torch.Tensor) -> torch.Tensor:
+        selection = torch.zeros(*top.shape[:-1], self.num_experts, dtype=torch.bool, device=top.device)
+        selection.scatter_(-1, top, True)
+        if self.record:
+            self.last_selection = selection
+        return selection
+
+    def _learned_scale(self, dtype: torch.dtype) -> torch.Tensor:
+        """``[..., d_ff]``: ``k p_i / sum_selected p`` on the neurons of selected experts, 0 elsewhere."""
+        x, self._input = self._input, None
+        if x is None:
+            raise RuntimeError(f"The learned EMoE gate of {self.ffn_name} did not see its FFN's input.")
+        probabilities = torch.softmax(x.float() @ self.weight.float().T, dim=-1)
+        top = probabilities.topk(self.top_k, dim=-1)
+        kept = torch.zeros_like(probabilities).scatter(-1, top.indices, top.values)
+        with torch.no_grad():
+            self._select(top.indices)
+        weights = self.top_k * kept / top.values.sum(dim=-1, keepdim=True)
+        return weights[..., self.group_of].to(dtype)
+
     def extra_repr(self) -> str:
-        return f"ffn={self.ffn_name!r}, num_experts={self.num_experts}, top_k={self.top_k}"
+        learned = ", learned gate" if self.weight is not None else ""
+        return f"ffn={self.ffn_name!r}, num_experts={self.num_experts}, top_k={self.top_k}{learned}"

@@ -17,6 +17,7 @@ from .gate import EmoeGate
 
 
 CLUSTERINGS = ("kmeans", "random")
+GATES = ("avg_k", "learned")
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ def moefy(
     clustering: str = "kmeans",
     seed: int = 0,
     partition: Mapping[str, torch.Tensor | np.ndarray] | None = None,
+    gate: str = "avg_k",
 ) -> nn.Module:
     """Turn the chosen FFNs of ``model`` (a transformers model, or a ``PeftModel`` around one) into emergent experts,
     in place, and return it. Adds no parameter and leaves every ``state_dict`` unchanged.
@@ -80,7 +82,11 @@ def moefy(
     for the paper's default, the last even-numbered layer (0-based). ``clustering``: ``"kmeans"`` (balanced k-means
     of the L2-normalised keys, the paper's) or ``"random"`` (random equal groups, the ablation). ``partition``: the
     expert of every neuron per FFN name (what :func:`~peft_smear.emoe.load_emoe` passes), instead of clustering.
+    ``gate``: ``"avg_k"`` (the paper's EMoE, no parameter) or ``"learned"`` (EMoE-learn: a trainable gate per layer,
+    initialised at the experts' mean keys; PEFT freezes it, so pass :func:`gate_parameters` to training yourself).
     """
+    if gate not in GATES:
+        raise ValueError(f"gate={gate!r} is not one of {GATES}.")
     if clustering not in CLUSTERINGS:
         raise ValueError(f"clustering={clustering!r} is not one of {CLUSTERINGS}.")
     if not isinstance(num_experts, int) or num_experts < 1:
@@ -108,8 +114,9 @@ def moefy(
             labels = torch.from_numpy(_partition(ffn, num_experts, clustering, seed))
         activation = getattr(ffn.activation_owner, ffn.kind.activation_attr)
         device = ffn.key_layer.weight.device
-        gate = EmoeGate(activation, labels.to(device), num_experts, top_k, ffn.key_layer, ffn.name)
-        setattr(ffn.activation_owner, ffn.kind.activation_attr, gate)
+        keys = ffn.keys() if gate == "learned" else None
+        emoe_gate = EmoeGate(activation, labels.to(device), num_experts, top_k, ffn.key_layer, ffn.name, keys)
+        setattr(ffn.activation_owner, ffn.kind.activation_attr, emoe_gate)
     return model
 
 
@@ -117,8 +124,15 @@ def remove_emoe(model: nn.Module) -> nn.Module:
     """Put the dense FFNs back (the original activation modules), in place: what EMoE2LoRA evaluates."""
     for ffn in find_feed_forwards(model):
         if (gate := ffn.gate) is not None:
+            gate.detach_from_key_layer()
             setattr(ffn.activation_owner, ffn.kind.activation_attr, gate.activation)
     return model
+
+
+def gate_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The learned gates' weights (``gate="learned"``), to train: ``for p in gate_parameters(model):
+    p.requires_grad_(True)`` after ``get_peft_model``, which freezes them with the rest of the base model."""
+    return [gate.weight for gate in emoe_gates(model).values() if gate.weight is not None]
 
 
 def emoe_gates(model: nn.Module) -> dict[str, EmoeGate]:

@@ -13,6 +13,7 @@ import os
 import tempfile
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -22,6 +23,7 @@ from .moefy import emoe_gates, moefy
 CONFIG_NAME = "emoe_config.json"
 PARTITION_NAME = "emoe_partition.safetensors"
 FORMAT_VERSION = 1
+GATE_SUFFIX = ":gate_weight"  # the learned gate's weight of a layer, in the partition file
 
 
 def save_emoe(model: nn.Module, directory: str | os.PathLike) -> None:
@@ -30,14 +32,24 @@ def save_emoe(model: nn.Module, directory: str | os.PathLike) -> None:
     gates = emoe_gates(model)
     if not gates:
         raise ValueError("The model has no EMoE layer to save; call moefy(model) first.")
-    settings = {(gate.num_experts, gate.top_k) for gate in gates.values()}
+    settings = {(gate.num_experts, gate.top_k, gate.weight is not None) for gate in gates.values()}
     if len(settings) > 1:
-        raise ValueError(f"EMoE layers with different (num_experts, top_k) cannot be saved together: {settings}.")
-    (num_experts, top_k) = settings.pop()
-    config = {"format": FORMAT_VERSION, "num_experts": num_experts, "top_k": top_k, "layers": list(gates)}
+        raise ValueError(
+            f"EMoE layers with different (num_experts, top_k, learned) cannot be saved together: {settings}."
+        )
+    (num_experts, top_k, learned) = settings.pop()
+    config = {
+        "format": FORMAT_VERSION,
+        "num_experts": num_experts,
+        "top_k": top_k,
+        "gate": "learned" if learned else "avg_k",
+        "layers": list(gates),
+    }
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {name: gate.group_of.detach().cpu().contiguous() for name, gate in gates.items()}
+    if learned:
+        tensors.update({name + GATE_SUFFIX: gate.weight.detach().cpu().contiguous() for name, gate in gates.items()})
     _write_atomically(directory / PARTITION_NAME, lambda path: save_file(tensors, str(path)))
     _write_atomically(directory / CONFIG_NAME, lambda path: path.write_text(json.dumps(config, indent=2) + "\n"))
 
@@ -53,11 +65,18 @@ def load_emoe(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
     config = json.loads(config_path.read_text())
     if config.get("format") != FORMAT_VERSION:
         raise ValueError(f"{config_path} has format {config.get('format')!r}; this version reads {FORMAT_VERSION}.")
-    partition = load_file(str(partition_path))
-    if sorted(partition) != sorted(config["layers"]):
-        raise ValueError(f"{partition_path} holds layers {sorted(partition)}, the config {sorted(config['layers'])}.")
-    ordered = {name: partition[name] for name in config["layers"]}
-    return moefy(model, num_experts=config["num_experts"], top_k=config["top_k"], partition=ordered)
+    tensors = load_file(str(partition_path))
+    gate = config.get("gate", "avg_k")
+    expected = config["layers"] + ([name + GATE_SUFFIX for name in config["layers"]] if gate == "learned" else [])
+    if sorted(tensors) != sorted(expected):
+        raise ValueError(f"{partition_path} holds {sorted(tensors)}; its config needs {sorted(expected)}.")
+    ordered = {name: tensors[name] for name in config["layers"]}
+    moefy(model, num_experts=config["num_experts"], top_k=config["top_k"], partition=ordered, gate=gate)
+    if gate == "learned":
+        with torch.no_grad():
+            for name, emoe_gate in emoe_gates(model).items():
+                emoe_gate.weight.copy_(tensors[name + GATE_SUFFIX])
+    return model
 
 
 def _write_atomically(path: Path, write) -> None:
