@@ -60,7 +60,14 @@ METHODS = {
     "emoe_smear": Method("EMoE + SMEAR", "smear", "kmeans"),
 }
 DENSE = "_dense"  # suffix of an EMoE run evaluated with its EMoE layers removed (EMoE2LoRA)
-NUM_EXPERTS, TOP_K = 64, 16
+
+
+@dataclass
+class EmoeSetup(Setup):
+    """quality.py's setup and EMoE's shape (the paper's N=64, k=16 by default)."""
+
+    num_experts: int = 64
+    top_k: int = 16
 
 
 def label(method: str) -> str:
@@ -69,7 +76,7 @@ def label(method: str) -> str:
     return METHODS[method].label
 
 
-def run_one(run: Run, setup: Setup) -> tuple[list[dict[str, Any]], RoutingReport | None]:
+def run_one(run: Run, setup: EmoeSetup) -> tuple[list[dict[str, Any]], RoutingReport | None]:
     """Train one method at one rate and seed; its row (and, for EMoE, the row of the same adapter evaluated dense)
     and, for EMoE, the expert-selection report on the routing examples."""
     preset, method = setup.preset, METHODS[run.method]
@@ -77,7 +84,7 @@ def run_one(run: Run, setup: Setup) -> tuple[list[dict[str, Any]], RoutingReport
 
     def make_config(base: torch.nn.Module):
         if method.clustering is not None:  # random groups: a new draw per seed; k-means is deterministic
-            moefy(base, NUM_EXPERTS, TOP_K, clustering=method.clustering, seed=run.seed, gate=method.gate)
+            moefy(base, setup.num_experts, setup.top_k, clustering=method.clustering, seed=run.seed, gate=method.gate)
         return quality.peft_config(method.adapter, base, preset)
 
     model = build_model(setup.model_dir, setup.tasks, make_config, run.seed)
@@ -253,7 +260,10 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
     parser.add_argument("--seeds", type=int, help="seeds per method at the chosen rate (default: the preset's)")
     parser.add_argument("--steps", type=int, help="training steps (default: the preset's)")
     parser.add_argument("--model", type=Path, help="local encoder directory (default: the MiniLM of the benchmark)")
-    parser.add_argument("--tasks", nargs="+", help="benchmark tasks (default: all)")
+    parser.add_argument("--tasks", nargs="+", help="benchmark tasks (default: all, or only the --task-file tasks)")
+    parser.add_argument("--task-file", action="append", type=quality._task_file, default=[], metavar="NAME=PATH")
+    parser.add_argument("--num-experts", type=int, default=64, help="EMoE experts per layer (default: 64)")
+    parser.add_argument("--top-k", type=int, default=16, help="EMoE experts kept per token (default: 16)")
     parser.add_argument("--cache-dir", help="data cache (default: $PEFT_SMEAR_CACHE or ~/.cache/peft_smear)")
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--threads", type=int)
@@ -268,10 +278,13 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
     learning_rates = args.learning_rates or list(preset.learning_rates)
     load_before, started = os.getloadavg(), time.perf_counter()
     args.output_dir.mkdir(parents=True, exist_ok=True)
+    task_files = dict(args.task_file)
+    tasks = args.tasks if args.tasks or not task_files else list(task_files)
     with tempfile.TemporaryDirectory(dir=args.output_dir) as scratch:
-        setup = load_setup(
-            preset, args.model or default_model_dir(), args.tasks, {}, args.cache_dir, True, Path(scratch)
+        loaded = load_setup(
+            preset, args.model or default_model_dir(), tasks, task_files, args.cache_dir, True, Path(scratch)
         )
+        setup = EmoeSetup(**vars(loaded), num_experts=args.num_experts, top_k=args.top_k)
         rows, reports = run_benchmark(setup, args.methods, learning_rates, preset.seeds, args.jobs, args.threads, log)
     seconds, load_after = time.perf_counter() - started, os.getloadavg()
     metrics = [metric_name(task) for task in setup.tasks]
@@ -285,8 +298,8 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
         [
             f"Tasks: {', '.join(task.name for task in setup.tasks)}. {preset.steps} steps of batch "
             f"{preset.batch_size}, {preset.max_length} tokens; LoRA rank {preset.r} on every linear layer of the "
-            f"blocks; SMEAR {preset.num_experts} experts of rank {preset.r}; EMoE N={NUM_EXPERTS}, top-k={TOP_K} "
-            f"in the last even-numbered layer (layer 4 of 6). Learning rate chosen from "
+            f"blocks; SMEAR {preset.num_experts} experts of rank {preset.r}; EMoE N={setup.num_experts}, top-k="
+            f"{setup.top_k} in the last even-numbered layer. Learning rate chosen from "
             f"{', '.join(f'{r:.0e}' for r in learning_rates)} on the validation average of seed 0 (EMoE2LoRA: its "
             f"EMoE run's), then {preset.seeds} seeds; test mean ± sample std over seeds. " + quality.TARGETS_NOTE,
             "",
