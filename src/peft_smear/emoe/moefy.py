@@ -76,7 +76,8 @@ def moefy(
     gate: str = "avg_k",
 ) -> nn.Module:
     """Turn the chosen FFNs of ``model`` (a transformers model, or a ``PeftModel`` around one) into emergent experts,
-    in place, and return it. Adds no parameter and leaves every ``state_dict`` unchanged.
+    in place, and return it. Adds no parameter and leaves every ``state_dict`` unchanged (except ``gate="learned"``).
+    Every check runs before the model is changed, so an error leaves it as it was.
 
     ``layers``: FFN indices (negative counts from the end), a regex matched against FFN module names, or ``None``
     for the paper's default, the last even-numbered layer (0-based). ``clustering``: ``"kmeans"`` (balanced k-means
@@ -106,12 +107,15 @@ def moefy(
                 f"num_experts={num_experts} does not divide the FFN width {ffn.width} of {ffn.name}; choose a divisor "
                 f"such as {divisors[-8:]}."
             )
+    partitions = {}
     for ffn in chosen:
         if partition is not None:
-            labels = torch.as_tensor(np.asarray(partition[ffn.name]), dtype=torch.long)
-            check_partition(labels, ffn, num_experts)
+            partitions[ffn.name] = torch.as_tensor(np.asarray(partition[ffn.name]), dtype=torch.long)
+            check_partition(partitions[ffn.name], ffn, num_experts)
         else:
-            labels = torch.from_numpy(_partition(ffn, num_experts, clustering, seed))
+            partitions[ffn.name] = torch.from_numpy(_partition(ffn, num_experts, clustering, seed))
+    for ffn in chosen:
+        labels = partitions[ffn.name]
         activation = getattr(ffn.activation_owner, ffn.kind.activation_attr)
         device = ffn.key_layer.weight.device
         keys = ffn.keys() if gate == "learned" else None
