@@ -393,6 +393,10 @@ def test_a_partition_that_is_not_balanced_is_refused():
         moefy(tiny_llama(), 8, 2, partition={"model.layers.0.mlp": labels})
     with pytest.raises(ValueError, match=r"got shape \(6, 8\)"):
         moefy(tiny_llama(), 8, 2, partition={"model.layers.0.mlp": (torch.arange(48) % 8).view(6, 8)})
+    model = tiny_llama()
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp is not 8 experts"):  # the second one is wrong
+        moefy(model, 8, 2, partition={"model.layers.0.mlp": torch.arange(48) % 8, "model.layers.1.mlp": labels})
+    assert emoe_gates(model) == {}  # and nothing was changed
     with pytest.raises(ValueError, match=r"Pass either layers=\[1\] or a partition"):
         moefy(tiny_llama(), 8, 2, layers=[1], partition={"model.layers.0.mlp": torch.arange(48) % 8})
 
