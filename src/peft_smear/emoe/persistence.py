@@ -1,0 +1,90 @@
+"""Save an EMoE model's partition beside its adapter, and put it back on a fresh base model.
+
+The base weights are not touched by :func:`~peft_smear.emoe.moefy`, so the adapter (LoRA, SMEAR, ...) is saved by
+PEFT as usual; what EMoE adds is the expert of every neuron of each EMoE layer, which must be saved too: after full
+fine-tuning, or with another seed or library version, clustering again would not give it back. It is written as
+``emoe_config.json`` (experts, top-k, layers) and ``emoe_partition.safetensors`` (one int64 vector per layer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .moefy import emoe_gates, moefy
+
+
+CONFIG_NAME = "emoe_config.json"
+PARTITION_NAME = "emoe_partition.safetensors"
+FORMAT_VERSION = 1
+GATE_SUFFIX = ":gate_weight"  # the learned gate's weight of a layer, in the partition file
+
+
+def save_emoe(model: nn.Module, directory: str | os.PathLike) -> None:
+    """Write the EMoE settings and partition of ``model`` (a transformers model or a ``PeftModel``) into
+    ``directory`` (created if needed; e.g. the adapter's own). Each file is written whole or not at all."""
+    gates = emoe_gates(model)
+    if not gates:
+        raise ValueError("The model has no EMoE layer to save; call moefy(model) first.")
+    settings = {(gate.num_experts, gate.top_k, gate.weight is not None) for gate in gates.values()}
+    if len(settings) > 1:
+        raise ValueError(
+            f"EMoE layers with different (num_experts, top_k, learned) cannot be saved together: {settings}."
+        )
+    (num_experts, top_k, learned) = settings.pop()
+    config = {
+        "format": FORMAT_VERSION,
+        "num_experts": num_experts,
+        "top_k": top_k,
+        "gate": "learned" if learned else "avg_k",
+        "layers": list(gates),
+    }
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: gate.group_of.detach().cpu().contiguous() for name, gate in gates.items()}
+    if learned:
+        tensors.update({name + GATE_SUFFIX: gate.weight.detach().cpu().contiguous() for name, gate in gates.items()})
+    _write_atomically(directory / PARTITION_NAME, lambda path: save_file(tensors, str(path)))
+    _write_atomically(directory / CONFIG_NAME, lambda path: path.write_text(json.dumps(config, indent=2) + "\n"))
+
+
+def load_emoe(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
+    """Make ``model`` the EMoE model saved in ``directory`` (same layers, partition and top-k), in place, and return
+    it. Every saved layer must exist in ``model``; nothing is clustered again."""
+    directory = Path(directory)
+    config_path, partition_path = directory / CONFIG_NAME, directory / PARTITION_NAME
+    for path in (config_path, partition_path):
+        if not path.is_file():
+            raise FileNotFoundError(f"{directory} holds no saved EMoE model: {path.name} is missing.")
+    config = json.loads(config_path.read_text())
+    if config.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{config_path} has format {config.get('format')!r}; this version reads {FORMAT_VERSION}.")
+    tensors = load_file(str(partition_path))
+    gate = config.get("gate", "avg_k")
+    expected = config["layers"] + ([name + GATE_SUFFIX for name in config["layers"]] if gate == "learned" else [])
+    if sorted(tensors) != sorted(expected):
+        raise ValueError(f"{partition_path} holds {sorted(tensors)}; its config needs {sorted(expected)}.")
+    ordered = {name: tensors[name] for name in config["layers"]}
+    moefy(model, num_experts=config["num_experts"], top_k=config["top_k"], partition=ordered, gate=gate)
+    if gate == "learned":
+        with torch.no_grad():
+            for name, emoe_gate in emoe_gates(model).items():
+                emoe_gate.weight.copy_(tensors[name + GATE_SUFFIX])
+    return model
+
+
+def _write_atomically(path: Path, write) -> None:
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(handle)
+    try:
+        write(Path(temporary))
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
