@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..report import RoutingReport
+from ..multitask.report import RoutingReport
 from .gate import EmoeGate
 
 
