@@ -18,8 +18,10 @@ import peft
 from huggingface_hub import ModelCard
 from torch import nn
 
+from .experts import EXPERT_KINDS
 from .experts.adapter import DEFAULT_REDUCTION_FACTOR
 from .layer import SmearLinear
+from .routers import ROUTERS, Reads
 from .version import __version__
 
 
@@ -45,28 +47,11 @@ ROUTER_SOURCES = {
     "prompt": "the layer's input averaged over the example's prompt tokens only, so the response never reaches it",
     "encoder": "the encoder's final hidden states, averaged over the real tokens (decoder layers)",
 }
-TASK_ID_METHODS = ("tag", "latent_skills")
-ROUTERLESS_METHODS = ("tag", "hash", "adamix", "latent_skills", "single")
-EXPERT_NAMES = {"lora": "LoRA", "adapter": "bottleneck adapter", "ia3": "(IA)³"}
 
 
 def routing_description(config: Any) -> str:
-    """One line on what ``config.routing`` does with the experts."""
-    k = config.top_k if config.routing == "top_k" else config.dselect_k_selectors
-    return {
-        "smear": "the router's distribution averages the experts' parameters into one expert per example",
-        "ensemble": "every expert runs and their outputs are averaged by the router's distribution",
-        "top_k": f"the {k} most probable expert(s) run, each output scaled by its probability",
-        "st_gumbel": "one expert per example from a Gumbel-softmax sample in training (straight-through), the argmax "
-        "at inference",
-        "reinforce": "one sampled expert per example, trained by a policy gradient; the argmax at inference",
-        "dselect_k": f"the DSelect-k gate mixes {k} selected expert(s)",
-        "tag": "the expert of the example's task id (`smear_task_ids`)",
-        "hash": "a fixed pseudo-random expert per example, from a hash of its routing tokens",
-        "adamix": "AdaMix: a random expert per example in training, the average of all experts at inference",
-        "latent_skills": "Polytropon's learned task-by-expert matrix merges the experts per task id",
-        "single": "one expert, no router",
-    }[config.routing]
+    """One line on what ``config.routing`` does with the experts, from its router class."""
+    return ROUTERS[config.routing].describe(config)
 
 
 def expert_description(config: Any) -> str:
@@ -174,7 +159,7 @@ def _section(
     layers = [m for m in peft_model.modules() if isinstance(m, SmearLinear) and name in m.expert_kind]
     sources = sorted({layer.router_source[name] for layer in layers})
     n, routing = config.num_experts, config.routing
-    expert = EXPERT_NAMES[config.expert_type]
+    expert = EXPERT_KINDS[config.expert_type].title
     if routing == "smear":
         pitch = (
             f"Every adapted layer holds {n} {expert} experts and a small router. For each example the router reads "
@@ -197,7 +182,7 @@ def _section(
         (
             "router input",
             f"`{config.router_input}`: " + "; ".join(f"`{s}`, {ROUTER_SOURCES[s]}" for s in sources)
-            if routing not in ROUTERLESS_METHODS
+            if ROUTERS[routing].reads is not Reads.TASK_IDS and ROUTERS[routing].reads is not Reads.NOTHING
             else "no learned router",
         ),
         ("expert dropout", f"{config.expert_dropout:g}"),
@@ -228,7 +213,7 @@ def _section(
         usage or _load_snippet(config, adapter_id or str(directory), base_model),
         "```",
     ]
-    if routing in TASK_ID_METHODS:
+    if ROUTERS[routing].reads is Reads.TASK_IDS:
         lines += ["", "Every call needs each example's task id: pass `smear_task_ids` (a `LongTensor [batch]`)."]
     lines += ["", "## Adapter", "", "| | |", "|---|---|", *(f"| {key} | {value} |" for key, value in rows)]
     report = directory / ROUTING_JSON

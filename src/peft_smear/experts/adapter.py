@@ -72,6 +72,7 @@ class BottleneckAdapterExperts(ExpertKind):
     """
 
     name = "adapter"
+    title = "bottleneck adapter"
     exported_as = "a single-expert SMEAR adapter"
     parameter_names = (DOWN, DOWN_BIAS, UP, UP_BIAS, NORM_WEIGHT, NORM_BIAS)
     options = ("adapter_width", "adapter_reduction_factor", "adapter_activation", "adapter_layer_norm")

@@ -53,6 +53,9 @@ class ExpertKind:
     init_schemes: ClassVar[tuple[bool | str, ...]] = (True, False, "smear")
     """The ``SmearConfig.init_weights`` values this kind understands."""
 
+    title: ClassVar[str]
+    """What an expert of this kind is called in prose (the model card's)."""
+
     exported_as: ClassVar[str]
     """What :meth:`export_weights` and :meth:`export_config` make, for messages (``"a LoRA adapter"``)."""
 

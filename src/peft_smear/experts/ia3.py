@@ -46,6 +46,7 @@ class IA3Experts(ExpertKind):
     """
 
     name = "ia3"
+    title = "(IA)³"
     exported_as = "an IA3 adapter"
     parameter_names = (VECTOR,)
     options = ("ia3_feedforward_modules",)

@@ -111,6 +111,7 @@ class LoraExperts(ExpertKind):
     """
 
     name = "lora"
+    title = "LoRA"
     exported_as = "a LoRA adapter"
     parameter_names = ("smear_lora_A", "smear_lora_B")
     options = ("r", "lora_alpha", "use_rslora")

@@ -140,6 +140,9 @@ class Router(nn.Module):
     default_num_experts: ClassVar[int] = 8
     """``SmearConfig.num_experts`` when left unset."""
 
+    description: ClassVar[str] = ""
+    """One line on what the method does with the experts (the model card's)."""
+
     exportable: ClassVar[bool] = True
     """Whether each example's output is that of one merged or chosen expert, which a fixed routing can export.
     Output mixtures and probability-scaled experts are not."""
@@ -160,6 +163,11 @@ class Router(nn.Module):
     @classmethod
     def validate(cls, config: SmearConfig) -> None:
         """Check this method's options when the config is built; each error names the offending value."""
+
+    @classmethod
+    def describe(cls, config: SmearConfig) -> str:
+        """:attr:`description`, with this config's settings where they matter."""
+        return cls.description
 
     @classmethod
     def routed_tasks(cls, config: SmearConfig) -> int | None:

@@ -21,6 +21,7 @@ class SingleRouter(Router):
     """One expert for every example: the monolithic baseline (``r = N * r`` gives the parameter-matched one)."""
 
     name = "single"
+    description = "one expert, no router"
     reads = Reads.NOTHING
     default_num_experts = 1
 
@@ -41,6 +42,7 @@ class TagRouter(Router):
     tasks share an expert: the oracle that knows each example's task."""
 
     name = "tag"
+    description = "the expert of the example's task id (`smear_task_ids`)"
     reads = Reads.TASK_IDS
     options = ("tag_experts",)
 
@@ -79,6 +81,7 @@ class HashRouter(Router):
     key is the layer's module name)."""
 
     name = "hash"
+    description = "a fixed pseudo-random expert per example, from a hash of its routing tokens"
     reads = Reads.TOKEN_IDS
 
     def __init__(self, features: int, config: SmearConfig, module_name: str) -> None:
@@ -98,6 +101,7 @@ class AdamixRouter(Router):
     batch (the model runs it twice); the plain average of all experts' parameters at inference."""
 
     name = "adamix"
+    description = "AdaMix: a random expert per example in training, the average of all experts at inference"
     reads = Reads.NOTHING
     options = ("adamix_consistency_weight",)
 
@@ -118,6 +122,7 @@ class LatentSkillsRouter(Router):
     are merged by it."""
 
     name = "latent_skills"
+    description = "Polytropon's learned task-by-expert matrix merges the experts per task id"
     reads = Reads.TASK_IDS
     options = ("latent_skills_temperature",)
 

@@ -96,6 +96,7 @@ class SmearRouter(ProbabilityRouter):
     """SMEAR: the experts' parameters are merged by the router's distribution into one expert per example."""
 
     name = "smear"
+    description = "the router's distribution averages the experts' parameters into one expert per example"
     default_expert_dropout = 0.1
 
     def decide(self, probs: torch.Tensor, normed: torch.Tensor, context: RoutingContext) -> RoutingDecision:
@@ -106,6 +107,7 @@ class EnsembleRouter(ProbabilityRouter):
     """Every expert runs and their outputs are averaged by the distribution (N times one expert's cost)."""
 
     name = "ensemble"
+    description = "every expert runs and their outputs are averaged by the router's distribution"
     default_expert_dropout = 0.1
     exportable = False
 
@@ -118,6 +120,11 @@ class TopKRouter(ProbabilityRouter):
     learns through the scale."""
 
     name = "top_k"
+
+    @classmethod
+    def describe(cls, config: SmearConfig) -> str:
+        return f"the {config.top_k} most probable expert(s) run, each output scaled by its probability"
+
     options = ("top_k",)
     default_expert_dropout = 0.1
     exportable = False
@@ -149,6 +156,9 @@ class STGumbelRouter(ProbabilityRouter):
     Inference: the argmax of the router."""
 
     name = "st_gumbel"
+    description = (
+        "one expert per example from a Gumbel-softmax sample in training (straight-through), the argmax at inference"
+    )
     options = ("gumbel_temperature", "gumbel_anneal_rate", "gumbel_min_temperature")
 
     def __init__(self, features: int, config: SmearConfig, module_name: str) -> None:
@@ -173,6 +183,7 @@ class ReinforceRouter(ProbabilityRouter):
     losses are formed by the model once the task loss is known, from the :class:`PolicyStep` left in the context."""
 
     name = "reinforce"
+    description = "one sampled expert per example, trained by a policy gradient; the argmax at inference"
     options = (
         "reinforce_policy_weight",
         "reinforce_entropy_weight",
@@ -214,6 +225,11 @@ class DSelectKRouter(NormalizedInputRouter):
     that drives the selectors to one-hot."""
 
     name = "dselect_k"
+
+    @classmethod
+    def describe(cls, config: SmearConfig) -> str:
+        return f"the DSelect-k gate mixes {config.dselect_k_selectors} selected expert(s)"
+
     options = ("dselect_k_selectors", "dselect_k_gamma", "dselect_k_entropy_weight")
     exportable = False
 

@@ -54,6 +54,9 @@ class ArrowRouter(Router):
     gradient), so a bank whose experts are trained further stays consistent."""
 
     name = "arrow"
+    description = (
+        "Arrow: per token, the experts whose prototype (top singular vector) best matches the token, outputs mixed"
+    )
     reads = Reads.TOKENS
     per_token = True
     exportable = False
@@ -125,6 +128,7 @@ class PhatgooseRouter(GateRouter):
     """PHATGOOSE: per token, softmax of the local scores, the ``phatgoose_top_k`` best kept and renormalised."""
 
     name = "phatgoose"
+    description = "PHATGOOSE: per token, the experts whose trained gates best match the token, outputs mixed"
     reads = Reads.TOKENS
     per_token = True
     exportable = False
@@ -153,6 +157,7 @@ class GliderRouter(GateRouter):
     builds on.)"""
 
     name = "glider"
+    description = "GLIDER: per token, PHATGOOSE's local scores plus a global score from the query's task description"
     reads = Reads.TOKENS
     per_token = True
     exportable = False
@@ -211,6 +216,7 @@ class GliderMergeRouter(GliderRouter):
     cost, exportable for a fixed routing."""
 
     name = "glider_merge"
+    description = "GLIDER's global and local scores, per example, merge the experts' parameters into one expert"
     reads = Reads.SUMMARY
     per_token = False
     exportable = True
