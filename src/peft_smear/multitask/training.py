@@ -131,7 +131,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     report.save_json(output_dir / "routing.json")
     report.save_heatmaps(output_dir / "routing.png")
     write_model_card(
-        peft_model, output_dir, usage=f'from peft_smear.training import load_run\n\nmodel = load_run("{output_dir}")'
+        peft_model, output_dir, usage=f'from peft_smear.multitask.training import load_run\n\nmodel = load_run("{output_dir}")'
     )
     print("\n" + report.table())
     summary = {
