@@ -130,9 +130,8 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     report = RoutingReport.collect(peft_model, batches_by_task(splits["test"], tasks, collator, args.batch_size))
     report.save_json(output_dir / "routing.json")
     report.save_heatmaps(output_dir / "routing.png")
-    write_model_card(
-        peft_model, output_dir, usage=f'from peft_smear.multitask.training import load_run\n\nmodel = load_run("{output_dir}")'
-    )
+    usage = f'from peft_smear.multitask.training import load_run\n\nmodel = load_run("{output_dir}")'
+    write_model_card(peft_model, output_dir, usage=usage)
     print("\n" + report.table())
     summary = {
         "split": "test",
