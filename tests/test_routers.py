@@ -4,6 +4,7 @@ routing and auxiliary losses."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -475,3 +476,69 @@ def test_auxiliary_losses_are_added_to_a_tuple_output_too():
     torch.manual_seed(0)
     aux = model(**batch).smear_aux_losses["dselect_k_entropy"]
     torch.testing.assert_close(loss, F.cross_entropy(logits, batch["labels"]) + aux, atol=1e-5, rtol=0)
+
+
+# --- remedies against router collapse (all off by default: the paper's router) --------------------------------------
+
+
+def recorded_training_call(model, batch) -> tuple[dict, object]:
+    """One training-mode call with every layer's routing weights recorded."""
+    context = model.base_model.routing_context
+    context.recorded = {}
+    try:
+        outputs = model.train()(**batch)
+    finally:
+        recorded, context.recorded = context.recorded, None
+    return recorded, outputs
+
+
+def test_router_temperature_divides_the_logits():
+    cold = bert_with("smear", expert_dropout=0.0)
+    warm = bert_with("smear", expert_dropout=0.0, router_temperature=2.5)
+    warm.load_state_dict(cold.state_dict())
+    batch = classification_data(n_batches=1)[0]
+    base = peft_smear.get_routing_weights(cold, **batch)
+    softened = peft_smear.get_routing_weights(warm, **batch)
+    for name, probs in base.items():
+        torch.testing.assert_close(softened[name], (probs.log() / 2.5).softmax(dim=-1), atol=1e-6, rtol=1e-5)
+        assert (softened[name].max(-1).values <= probs.max(-1).values + 1e-7).all()
+
+
+def test_router_warmup_routes_uniformly_and_freezes_the_router_for_its_steps():
+    model = bert_with("smear", expert_dropout=0.0, router_warmup_steps=2, init_weights=False)
+    batch = classification_data(n_batches=1)[0]
+    for call in (1, 2, 3):
+        model.zero_grad()
+        recorded, outputs = recorded_training_call(model, batch)
+        outputs.loss.backward()
+        uniform = all(torch.allclose(w, torch.full_like(w, 0.25)) for w in recorded.values())
+        router_grads = [p.grad for n, p in model.named_parameters() if n.endswith(".smear_router.default.weight")]
+        learned = any(g is not None and g.abs().sum() > 0 for g in router_grads)
+        assert (uniform, learned) == ((True, False) if call <= 2 else (False, True)), f"call {call}"
+
+
+def test_router_balance_loss_is_the_mean_routing_penalty_summed_over_routers():
+    model = bert_with("smear", expert_dropout=0.0, router_balance_weight=0.3)
+    batch = classification_data(n_batches=1)[0]
+    recorded, outputs = recorded_training_call(model, batch)
+    expected = sum(0.3 * (4 * w.mean(0).square().sum() - 1) for w in recorded.values())
+    torch.testing.assert_close(outputs.smear_aux_losses["router_balance"], expected)
+    assert outputs.smear_aux_losses["router_balance"] > 0
+    plain = bert_with("smear", expert_dropout=0.0)
+    plain.load_state_dict(model.state_dict())
+    torch.testing.assert_close(outputs.loss, plain.train()(**batch).loss + expected.detach(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"router_temperature": 0}, "router_temperature must be a number > 0, got 0"),
+        ({"router_warmup_steps": -1}, "router_warmup_steps must be an integer >= 0, got -1"),
+        ({"router_warmup_steps": 1.5}, "router_warmup_steps must be an integer >= 0, got 1.5"),
+        ({"router_balance_weight": -0.1}, "router_balance_weight must be a number >= 0, got -0.1"),
+        ({"routing": "tag", "router_temperature": 2.0}, "router_temperature=2.0 only applies to routing="),
+    ],
+)
+def test_bad_remedy_settings_are_refused_by_name(options, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SmearConfig(**{"routing": "smear", **options})

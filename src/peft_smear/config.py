@@ -79,6 +79,15 @@ class SmearConfig(PeftConfig):
             share an expert. Default: expert = task id.
         adamix_consistency_weight: Weight of Adamix's symmetric-KL consistency loss between its two passes.
         latent_skills_temperature: Temperature of the relaxed-Bernoulli samples of ``"latent_skills"``.
+        router_temperature: For the methods with SMEAR's probability router (``"smear"``, ``"ensemble"``,
+            ``"top_k"``, ``"st_gumbel"``, ``"reinforce"``): the logits are divided by it before the softmax; above 1
+            routing is softer (slower to collapse onto one expert). 1: the paper's router.
+        router_warmup_steps: For the same methods: route every example uniformly (with expert dropout) for the first
+            ``k`` training calls of the process, so that the experts differentiate before the router commits; the
+            router does not learn meanwhile. 0: the paper's.
+        router_balance_weight: For the same methods: weight of a load-balancing loss on each router's mean routing
+            over the batch, ``N * sum_n mean_p_n^2 - 1`` (0 for an even load, ``N - 1`` for one expert), summed over
+            routers and added to the loss as ``router_balance``. 0: none, as in the paper.
         arrow_top_k: Experts per token for ``"arrow"`` (3, PEFT's default).
         arrow_temperature: Temperature of Arrow's softmax over the selected experts' scores (1.0).
         phatgoose_top_k: Experts per token for ``"phatgoose"`` (2, the paper's).
@@ -190,6 +199,15 @@ class SmearConfig(PeftConfig):
     tag_experts: list[int] | None = field(default=None, metadata={"help": "tag: expert of each task id."})
     adamix_consistency_weight: float = field(default=1.0, metadata={"help": "adamix: consistency loss weight."})
     latent_skills_temperature: float = field(default=1.0, metadata={"help": "latent_skills: sample temperature."})
+    router_temperature: float = field(
+        default=1.0, metadata={"help": "Probability routers: divide the router's logits by this (1: the paper's)."}
+    )
+    router_warmup_steps: int = field(
+        default=0, metadata={"help": "Probability routers: route uniformly for the first k training calls."}
+    )
+    router_balance_weight: float = field(
+        default=0.0, metadata={"help": "Probability routers: weight of a load-balancing loss on the mean routing."}
+    )
     arrow_top_k: int = field(default=3, metadata={"help": "arrow: experts per token."})
     arrow_temperature: float = field(default=1.0, metadata={"help": "arrow: softmax temperature."})
     phatgoose_top_k: int = field(default=2, metadata={"help": "phatgoose: experts per token."})

@@ -73,20 +73,54 @@ class NormalizedInputRouter(Router):
 
 
 class ProbabilityRouter(NormalizedInputRouter):
-    """``softmax(LN(pooled) @ LN_rows(W).T)`` in fp32, with expert dropout in training: the distribution SMEAR merges
-    by, and that the baselines sharing its router turn into their own decisions (:meth:`decide`)."""
+    """``softmax(LN(pooled) @ LN_rows(W).T / router_temperature)`` in fp32, with expert dropout in training: the
+    distribution SMEAR merges by, and that the baselines sharing its router turn into their own decisions
+    (:meth:`decide`).
+
+    Three options against router collapse, all off by default (the paper's router): a temperature that softens the
+    logits, a warm-up during which every example is routed uniformly (the experts differentiate under expert dropout
+    before the router commits; the router learns nothing meanwhile), and a load-balancing loss on the batch's mean
+    routing, ``router_balance_weight * (N * sum_n mean_p_n^2 - 1)`` per router (0 for an even load, N - 1 when every
+    example goes to one expert), added to the model's loss as ``router_balance``.
+    """
 
     accepts_expert_dropout = True
+    options = ("router_temperature", "router_warmup_steps", "router_balance_weight")
 
     def __init__(self, features: int, config: SmearConfig, module_name: str) -> None:
         super().__init__(features, config, module_name)
         self.row_norm_weight = nn.Parameter(torch.full((features,), ROW_NORM_INIT_GAIN))
         self.expert_dropout = config.expert_dropout
+        self.temperature = config.router_temperature
+        self.warmup_steps = config.router_warmup_steps
+        self.balance_weight = config.router_balance_weight
+
+    @classmethod
+    def validate(cls, config: SmearConfig) -> None:
+        temperature, warmup, balance = (
+            config.router_temperature,
+            config.router_warmup_steps,
+            config.router_balance_weight,
+        )
+        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
+            raise ValueError(f"router_temperature must be a number > 0, got {temperature!r}.")
+        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+            raise ValueError(f"router_warmup_steps must be an integer >= 0, got {warmup!r}.")
+        if not isinstance(balance, (int, float)) or isinstance(balance, bool) or not balance >= 0:
+            raise ValueError(f"router_balance_weight must be a number >= 0, got {balance!r}.")
 
     def forward(self, summary: torch.Tensor, context: RoutingContext) -> RoutingDecision:
         normed = self.normalized_input(summary)
         dropout = self.expert_dropout if self.training else 0.0
-        return self.decide(router_probabilities(normed, self.row_norm_weight, self.weight, dropout), normed, context)
+        if self.training and context.training_calls <= self.warmup_steps:
+            probs = drop_experts(normed.new_zeros(normed.shape[0], self.num_experts), dropout).softmax(dim=-1)
+            return self.decide(probs, normed, context)
+        # Dividing the rows' LayerNorm gain divides the logits: the weight itself is normalised away.
+        probs = router_probabilities(normed, self.row_norm_weight / self.temperature, self.weight, dropout)
+        if self.training and self.balance_weight > 0:
+            mean = probs.mean(dim=0)
+            context.add_aux_loss("router_balance", self.balance_weight * (self.num_experts * mean.square().sum() - 1))
+        return self.decide(probs, normed, context)
 
     def decide(self, probs: torch.Tensor, normed: torch.Tensor, context: RoutingContext) -> RoutingDecision:
         raise NotImplementedError
@@ -125,7 +159,7 @@ class TopKRouter(ProbabilityRouter):
     def describe(cls, config: SmearConfig) -> str:
         return f"the {config.top_k} most probable expert(s) run, each output scaled by its probability"
 
-    options = ("top_k",)
+    options = (*ProbabilityRouter.options, "top_k")
     default_expert_dropout = 0.1
     exportable = False
 
@@ -135,6 +169,7 @@ class TopKRouter(ProbabilityRouter):
 
     @classmethod
     def validate(cls, config: SmearConfig) -> None:
+        super().validate(config)
         if config.top_k > config.num_experts:
             raise ValueError(f"top_k={config.top_k} exceeds num_experts={config.num_experts}.")
 
@@ -159,7 +194,7 @@ class STGumbelRouter(ProbabilityRouter):
     description = (
         "one expert per example from a Gumbel-softmax sample in training (straight-through), the argmax at inference"
     )
-    options = ("gumbel_temperature", "gumbel_anneal_rate", "gumbel_min_temperature")
+    options = (*ProbabilityRouter.options, "gumbel_temperature", "gumbel_anneal_rate", "gumbel_min_temperature")
 
     def __init__(self, features: int, config: SmearConfig, module_name: str) -> None:
         super().__init__(features, config, module_name)
@@ -185,6 +220,7 @@ class ReinforceRouter(ProbabilityRouter):
     name = "reinforce"
     description = "one sampled expert per example, trained by a policy gradient; the argmax at inference"
     options = (
+        *ProbabilityRouter.options,
         "reinforce_policy_weight",
         "reinforce_entropy_weight",
         "reinforce_value_weight",

@@ -1,0 +1,40 @@
+"""The routing diagnosis script's statistics, on routing weights whose answers are known by construction."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from conftest import import_script
+
+
+diagnosis = import_script("routing_diagnosis")
+
+
+def test_step_statistics_of_a_collapsed_and_a_task_specific_router():
+    task_ids = torch.tensor([0, 0, 1, 1])
+    collapsed = torch.tensor([[0.05, 0.95]] * 4)
+    specific = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]])
+    stats = diagnosis.step_statistics(
+        {("a", "default"): collapsed, ("b", "default"): specific}, {"a": "collapsed", "b": "specific"}, task_ids, 2
+    )
+    entropy = -(0.05 * math.log(0.05) + 0.95 * math.log(0.95)) / math.log(2)
+    assert math.isclose(stats["collapsed"]["entropy"], entropy, rel_tol=1e-5)
+    assert stats["collapsed"]["collapsed"] and stats["collapsed"]["top_expert"] == 1
+    assert math.isclose(stats["collapsed"]["task_distance"], 0.0, abs_tol=1e-7)
+    assert not stats["specific"]["collapsed"] and math.isclose(stats["specific"]["task_distance"], 1.0)
+    assert math.isclose(stats["specific"]["entropy"], 0.0, abs_tol=1e-6)
+
+
+def test_analysis_finds_the_first_collapse_and_the_expert_with_the_largest_early_update():
+    def entry(step, collapsed):
+        return {"step": step, "routers": {"r": {"collapsed": collapsed, "top_expert": 2}, "s": {"collapsed": False}}}
+
+    result = {
+        "history": [entry(10, False), entry(20, True), entry(30, True)],
+        "early_norms": {"r": [0.1, 0.2, 0.9], "s": [1.0, 0.0, 0.0]},
+    }
+    analysis = diagnosis.analyse(result)
+    assert analysis["first_collapse"] == {"r": 20}
+    assert analysis["collapsed_at_end"] == ["r"] and analysis["collapsed_on_largest_early_update"] == ["r"]
