@@ -13,6 +13,9 @@ initialisation and the data order; the splits never change.
 Writes ``<output-dir>/runs.csv`` (every run), ``<output-dir>/quality.md`` (the table and the targets) and
 ``<figures-dir>/<method>_routing.png`` (each routed method's mean routing per task and router, from its seed-0 run at
 the chosen rate, on test examples).
+
+Longer than 400 lines on purpose: the comparison's whole protocol (methods, presets, the rate sweep, parallel runs,
+the summary and its targets) stays in the one file its RESULTS.md command names.
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ of a method's own cost); peak memory is the median. Ratios are to PEFT LoRA of r
 expert).
 
     python benchmarks/speed.py --preset cpu --append-results benchmarks/RESULTS.md
+
+Longer than 400 lines on purpose: the whole measurement protocol (presets, methods, interleaved timing, memory probes
+in fresh processes, outputs) stays in the one file its RESULTS.md command names; other scripts import its model and
+step helpers.
 """
 
 from __future__ import annotations

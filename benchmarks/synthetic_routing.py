@@ -23,6 +23,9 @@ routing) and the Jaccard index of the experts they use (those with a mean weight
 pairs of tasks of the same group and over pairs from different groups, and over routers (the appendix's measure).
 
     python benchmarks/synthetic_routing.py --append-results benchmarks/RESULTS.md
+
+Longer than 400 lines on purpose: the data generator, the model, the training loop and the report of one experiment
+stay in the one file its RESULTS.md command names.
 """
 
 from __future__ import annotations

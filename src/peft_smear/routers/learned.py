@@ -154,14 +154,13 @@ class TopKRouter(ProbabilityRouter):
     learns through the scale."""
 
     name = "top_k"
+    options = (*ProbabilityRouter.options, "top_k")
+    default_expert_dropout = 0.1
+    exportable = False
 
     @classmethod
     def describe(cls, config: SmearConfig) -> str:
         return f"the {config.top_k} most probable expert(s) run, each output scaled by its probability"
-
-    options = (*ProbabilityRouter.options, "top_k")
-    default_expert_dropout = 0.1
-    exportable = False
 
     def __init__(self, features: int, config: SmearConfig, module_name: str) -> None:
         super().__init__(features, config, module_name)
@@ -261,13 +260,12 @@ class DSelectKRouter(NormalizedInputRouter):
     that drives the selectors to one-hot."""
 
     name = "dselect_k"
+    options = ("dselect_k_selectors", "dselect_k_gamma", "dselect_k_entropy_weight")
+    exportable = False
 
     @classmethod
     def describe(cls, config: SmearConfig) -> str:
         return f"the DSelect-k gate mixes {config.dselect_k_selectors} selected expert(s)"
-
-    options = ("dselect_k_selectors", "dselect_k_gamma", "dselect_k_entropy_weight")
-    exportable = False
 
     def __init__(self, features: int, config: SmearConfig, module_name: str) -> None:
         k, bits = config.dselect_k_selectors, dselect_k_num_bits(config.num_experts)
