@@ -24,7 +24,7 @@ import torch
 from common import append_results, load_description, machine_description
 from peft import LoraConfig, get_peft_model
 from speed import PRESETS as SPEED_PRESETS
-from speed import TARGET_MODULES, build_base_model
+from speed import TARGET_MODULES, build_base_model, inference, train_step
 from transformers import AutoModelForSequenceClassification
 
 from peft_smear.emoe import emoe_gates, moefy
@@ -59,19 +59,6 @@ def variants(base: torch.nn.Module, targets: list[str]) -> dict[str, torch.nn.Mo
         torch.manual_seed(0)
         models[label] = get_peft_model(model, LoraConfig(r=R, lora_alpha=R, target_modules=targets))
     return models
-
-
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: dict[str, torch.Tensor]) -> None:
-    model.train()
-    model(**inputs).loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def inference(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> None:
-    model.eval()
-    with torch.no_grad():
-        model(**{key: value for key, value in inputs.items() if key != "labels"})
 
 
 def timed(work: Callable[[], object]) -> float:

@@ -11,10 +11,10 @@ import struct
 import pytest
 import torch
 from peft import get_peft_model
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 
 import peft_smear
-from conftest import VOCAB, random_batch, tiny_bert, tiny_llama, tiny_tokenizer
+from conftest import VOCAB, random_batch, tiny_bert, tiny_llama, tiny_tokenizer, training_args
 from peft_smear import RoutingStatistics, SmearRoutingCallback
 from peft_smear.routing_stats import COLLAPSE_THRESHOLD, collapsed_routers
 
@@ -254,23 +254,16 @@ def pad_lm(features: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
 
 def trainer_for(model, output_dir, **overrides) -> Trainer:
     settings = {
-        "output_dir": str(output_dir),
         "max_steps": 4,
         "per_device_train_batch_size": 4,
         "per_device_eval_batch_size": 4,
         "learning_rate": 5e-2,
         "logging_steps": 2,
-        "save_strategy": "no",
-        "report_to": [],
-        "use_cpu": True,
-        "disable_tqdm": True,
-        "seed": 0,
-        "dataloader_num_workers": 0,
         **overrides,
     }
     return Trainer(
         model=model,
-        args=TrainingArguments(**settings),
+        args=training_args(output_dir, **settings),
         train_dataset=lm_rows(16),
         eval_dataset=lm_rows(6, seed=1),
         data_collator=pad_lm,
