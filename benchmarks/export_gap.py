@@ -28,8 +28,10 @@ from peft import PeftModel
 from transformers import AutoTokenizer
 
 from peft_smear import SmearLinear, export_merged_adapter, get_routing_weights
-from peft_smear.multitask.data import TaskInfo, benchmark_task_info, load_benchmark
+from peft_smear.multitask.data import load_benchmark
+from peft_smear.multitask.features import benchmark_task_info
 from peft_smear.multitask.model import MultiTaskCollator, MultiTaskModel, task_metrics
+from peft_smear.multitask.tasks import TaskInfo
 from peft_smear.multitask.training import load_run
 
 

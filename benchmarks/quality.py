@@ -41,9 +41,11 @@ from peft import LoraConfig, PeftConfig, PeftModel
 from transformers import AutoTokenizer
 
 from peft_smear import create_router_optimizer
-from peft_smear.multitask.data import TaskInfo, benchmark_task_info, load_benchmark
+from peft_smear.multitask.data import load_benchmark
+from peft_smear.multitask.features import benchmark_task_info
 from peft_smear.multitask.model import MultiTaskCollator, MultiTaskModel, block_linear_names, metric_name
 from peft_smear.multitask.report import RoutingReport
+from peft_smear.multitask.tasks import TaskInfo
 from peft_smear.multitask.training import (
     batches_by_task,
     build_model,
@@ -54,6 +56,7 @@ from peft_smear.multitask.training import (
     smear_config,
     tokenize_tasks,
 )
+from peft_smear.routing_stats import collapsed_routers
 
 
 @dataclass(frozen=True)
@@ -307,14 +310,12 @@ def _mean_task_similarity(report: RoutingReport | None) -> float | None:
     return float((similarity.sum() - similarity.trace()) / (n * (n - 1)))
 
 
-def _collapsed_share(report: RoutingReport | None, threshold: float = 0.9) -> float | None:
-    """Share of the routers that have collapsed: every task sends more than ``threshold`` of its mean routing to one
-    and the same expert."""
+def _collapsed_share(report: RoutingReport | None) -> float | None:
+    """Share of the routers that have collapsed: every task sends more than ``COLLAPSE_THRESHOLD`` of its mean
+    routing to one and the same expert (the definition the training logs use too)."""
     if report is None:
         return None
-    top = report.mean_routing.argmax(axis=-1)  # [tasks, routers]
-    collapsed = (report.mean_routing.max(axis=-1) > threshold).all(axis=0) & (top == top[0]).all(axis=0)
-    return float(collapsed.mean())
+    return collapsed_routers(torch.from_numpy(report.mean_routing)).float().mean().item()
 
 
 _WORKER_SETUP: Setup | None = None

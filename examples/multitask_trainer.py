@@ -12,6 +12,7 @@ pieces directly, top to bottom, so you can see (and change) every step:
    blocks (``block_linear_names``); the heads are trained in full (``modules_to_save``). ``get_peft_model`` applies it.
 5. A plain ``transformers.Trainer`` trains it. ``MultiTaskCollator`` pads batches and passes the task index along;
    ``remove_unused_columns=False`` keeps that column, ``label_names`` hands it to the metrics.
+   ``SmearRoutingCallback`` adds the routing statistics (entropy, expert load, collapsed routers) to every log.
 6. ``task_metrics`` scores every task on the test split (accuracy, or Pearson correlation for regression).
 7. ``RoutingReport`` averages each task's routing distribution per layer. The router never sees the task: any
    difference between the tasks' rows was learned from the text alone.
@@ -38,9 +39,10 @@ from datasets import Dataset
 from peft import get_peft_model
 from transformers import AutoTokenizer, EvalPrediction, Trainer, TrainingArguments, set_seed
 
-from peft_smear import SmearConfig
+from peft_smear import SmearConfig, SmearRoutingCallback
 from peft_smear.config import ROUTING_METHODS
-from peft_smear.multitask.data import benchmark_task_info, load_benchmark
+from peft_smear.multitask.data import load_benchmark
+from peft_smear.multitask.features import benchmark_task_info
 from peft_smear.multitask.model import MultiTaskCollator, MultiTaskModel, block_linear_names, metric_name, task_metrics
 from peft_smear.multitask.report import RoutingReport
 
@@ -123,6 +125,7 @@ def main() -> None:
         data_collator=collator,
         compute_metrics=compute_metrics,
     )
+    SmearRoutingCallback.attach(trainer)  # routing entropy, expert load and collapsed routers in every log
     trainer.train()
     trained = time.perf_counter()
 

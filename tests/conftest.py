@@ -70,7 +70,7 @@ def tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config).eval()
 
 
-def tiny_bert(seed: int = 0, num_labels: int = 3) -> BertForSequenceClassification:
+def tiny_bert(seed: int = 0, num_labels: int = 3, **overrides) -> BertForSequenceClassification:
     torch.manual_seed(seed)
     config = BertConfig(
         vocab_size=VOCAB,
@@ -81,11 +81,12 @@ def tiny_bert(seed: int = 0, num_labels: int = 3) -> BertForSequenceClassificati
         max_position_embeddings=64,
         num_labels=num_labels,
         pad_token_id=0,
+        **overrides,
     )
     return BertForSequenceClassification(config).eval()
 
 
-def tiny_t5(seed: int = 0) -> T5ForConditionalGeneration:
+def tiny_t5(seed: int = 0, **overrides) -> T5ForConditionalGeneration:
     torch.manual_seed(seed)
     config = T5Config(
         vocab_size=VOCAB,
@@ -98,6 +99,7 @@ def tiny_t5(seed: int = 0) -> T5ForConditionalGeneration:
         pad_token_id=0,
         decoder_start_token_id=0,
         eos_token_id=1,
+        **overrides,
     )
     return T5ForConditionalGeneration(config).eval()
 

@@ -58,7 +58,7 @@ def build_model(routing: str = "smear", **options: object) -> PeftModel:
 
 def global_batch(step: int) -> dict[str, torch.Tensor]:
     """The ``GLOBAL_BATCH`` examples of ``step``: random tokens, the first ``PROMPT`` unlabelled (they are the prompt
-    SMEAR routes on), two task ids for the routing methods that need them."""
+    SMEAR routes on), two task ids for the routing methods that need them, and GLIDER's query embeddings."""
     generator = torch.Generator().manual_seed(100 + step)
     input_ids = torch.randint(2, VOCAB, (GLOBAL_BATCH, LENGTH), generator=generator)
     labels = input_ids.clone()
@@ -68,6 +68,7 @@ def global_batch(step: int) -> dict[str, torch.Tensor]:
         "attention_mask": torch.ones_like(input_ids),
         "labels": labels,
         "smear_task_ids": torch.arange(GLOBAL_BATCH) % 2,
+        "smear_query_embeddings": torch.ones(GLOBAL_BATCH, 4),  # GLIDER's global input, matching no expert closely
     }
 
 
@@ -162,7 +163,12 @@ def run_ddp(output: Path) -> None:
 
     max_differences = {}
     for method in ROUTING_METHODS:
-        options = {"latent_skills": {"num_tasks": 2}, "single": {"num_experts": 1}}.get(method, {})
+        options = {
+            "latent_skills": {"num_tasks": 2},
+            "single": {"num_experts": 1},
+            "glider": {"expert_embeddings": torch.eye(4).tolist()},
+            "glider_merge": {"expert_embeddings": torch.eye(4).tolist()},
+        }.get(method, {})
         model = build_model(method, expert_dropout=None, **options)  # each method's default: experts are dropped
         # An inactive second adapter: frozen, so DDP neither waits for its gradient nor reduces it.
         model.add_adapter("inactive", peft_smear.SmearConfig(num_experts=4, r=4, task_type="CAUSAL_LM"))

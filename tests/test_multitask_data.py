@@ -28,15 +28,10 @@ from datasets import (
 )
 
 from peft_smear.multitask import data
-from peft_smear.multitask.data import (
-    BENCHMARK_TASKS,
-    LABEL_BY_TASK,
-    benchmark_task_info,
-    concatenate_tasks,
-    load_benchmark,
-    load_task_file,
-    task_features,
-)
+from peft_smear.multitask.data import load_benchmark
+from peft_smear.multitask.features import LABEL_BY_TASK, benchmark_task_info, concatenate_tasks, task_features
+from peft_smear.multitask.task_files import load_task_file, read_data_file
+from peft_smear.multitask.tasks import BENCHMARK_TASKS, TaskInfo
 
 
 disable_progress_bars()
@@ -171,11 +166,11 @@ def _decoded(ds) -> dict[str, set]:
     return pairs
 
 
-def _feature_of(info: data.TaskInfo):
+def _feature_of(info: TaskInfo):
     return ClassLabel(names=list(info.labels)) if info.kind == "classification" else Value("float32")
 
 
-def _columns(infos: list[data.TaskInfo]) -> dict:
+def _columns(infos: list[TaskInfo]) -> dict:
     """The documented features of a dataset of ``infos``, written out independently of the loader's code."""
     strings = {"text": Value("string"), "label": Value("float32"), "task": Value("string")}
     return {**strings, LABEL_BY_TASK: {info.name: _feature_of(info) for info in infos}}
@@ -287,7 +282,7 @@ def test_user_tasks_from_csv_json_and_jsonl(cache, tmp_path):
     rows += [["x", "book a table  FOR 0", "cancel"], ["y", "Cancel order 3", "cancel"]]  # duplicates: dropped
     path.write_bytes(_csv(rows))
     ds, info = load_task_file(path, "intent")
-    assert info == data.TaskInfo("intent", "classification", ("book", "cancel")) and info.num_labels == 2
+    assert info == TaskInfo("intent", "classification", ("book", "cancel")) and info.num_labels == 2
     assert ds.num_rows == 24 and ds.features == _columns([info])
     assert dict(zip(ds["text"], ds["label"], strict=True))["Book a table for 0"] == 0.0
 
@@ -295,7 +290,7 @@ def test_user_tasks_from_csv_json_and_jsonl(cache, tmp_path):
     scores.write_text("".join(json.dumps({"text": f"sentence {i}", "label": i / 4, "task": "score"}) + "\n"
                               for i in range(20)))  # fmt: skip
     ds, info = load_task_file(scores, "score")
-    assert info == data.TaskInfo("score", "regression") and info.num_labels == 1
+    assert info == TaskInfo("score", "regression") and info.num_labels == 1
     assert ds["label"] == [i / 4 for i in range(20)]
 
     digits = tmp_path / "digits.json"
@@ -306,7 +301,7 @@ def test_user_tasks_from_csv_json_and_jsonl(cache, tmp_path):
 
     ds = load_benchmark(["trec6"], cache_dir=cache, task_files={"intent": path, "score": scores})
     assert list(benchmark_task_info(ds)) == ["trec6", "intent", "score"]
-    assert benchmark_task_info(ds)["intent"] == data.TaskInfo("intent", "classification", ("book", "cancel"))
+    assert benchmark_task_info(ds)["intent"] == TaskInfo("intent", "classification", ("book", "cancel"))
     assert sum(split.num_rows for split in ds.values()) == len(EXPECTED["trec6"]) + 24 + 20
     for split, rows in _assignment(ds).items():
         assert all(_documented_split(0, task, text) == split for task, text, _ in rows)
@@ -359,13 +354,13 @@ def test_csv_cells_are_read_as_written_and_latin1_and_bom_files_are_decoded(tmp_
         load_task_file(codes, "codes")
     codes.write_bytes(_csv([["text", "label"], ["NA", "007"], ["123", "NA"], ["null", "007"], ["1.50", "N/A"]]))
     ds, info = load_task_file(codes, "codes")
-    assert info == data.TaskInfo("codes", "classification", ("007", "N/A", "NA"))
+    assert info == TaskInfo("codes", "classification", ("007", "N/A", "NA"))
     assert list(zip(ds["text"], ds["label"], strict=True)) == [("NA", 0.0), ("123", 2.0), ("null", 0.0), ("1.50", 1.0)]
 
     numbers = tmp_path / "numbers.csv"  # labels that all parse as numbers: a regression task
     numbers.write_bytes(_csv([["text", "label"], ["a", "007"], ["b", "-2.5"], ["c", "1e1"]]))
     ds, info = load_task_file(numbers, "numbers")
-    assert info == data.TaskInfo("numbers", "regression") and ds["label"] == [7.0, -2.5, 10.0]
+    assert info == TaskInfo("numbers", "regression") and ds["label"] == [7.0, -2.5, 10.0]
 
     latin = tmp_path / "latin.csv"
     latin.write_bytes("text,label\nCafé crème,x\nNaïve ½,y\n".encode("latin-1"))
@@ -382,15 +377,15 @@ def test_read_data_file_keeps_json_types_and_reads_json_lines_under_a_json_name(
     (tmp_path / "lines.json").write_text("".join(json.dumps(row) + "\n" for row in rows))
     expected = [{"label": None, "task": None, **row} for row in rows]  # a missing field reads as null
     for name in ("array.json", "lines.json"):
-        table = data.read_data_file(tmp_path / name)
+        table = read_data_file(tmp_path / name)
         assert table.column_names == ["text", "label", "task"] and table.to_list() == expected, name
     (tmp_path / "gaps.jsonl").write_text('\n{"text": "a", "label": 1}\n\n{"text": "b", "label": 2.5}\n\n')
-    assert data.read_data_file(tmp_path / "gaps.jsonl").to_list() == [
+    assert read_data_file(tmp_path / "gaps.jsonl").to_list() == [
         {"text": "a", "label": 1},
         {"text": "b", "label": 2.5},
     ]
     (tmp_path / "blank.jsonl").write_text("\n \n")
-    assert data.read_data_file(tmp_path / "blank.jsonl").num_rows == 0
+    assert read_data_file(tmp_path / "blank.jsonl").num_rows == 0
 
 
 def test_unknown_and_clashing_task_names_are_refused(tmp_path):
@@ -428,7 +423,7 @@ def test_task_info_survives_save_load_parquet_and_transforms_and_is_refused_when
     # Datasets of different tasks join with concatenate_tasks; concatenate_datasets alone keeps only the features
     # all parts share, which loses the ClassLabels: refused, never read as another kind of task.
     other = load_task_file(_write_csv(tmp_path / "mine.csv"), "mine")[0]
-    mine = data.TaskInfo("mine", "classification", ("neg", "pos"))
+    mine = TaskInfo("mine", "classification", ("neg", "pos"))
     joined = concatenate_tasks([train, other])
     assert benchmark_task_info(joined) == {**expected, "mine": mine}
     assert list(benchmark_task_info(joined)) == ["sms_spam", "nyt_reg", "mine"]

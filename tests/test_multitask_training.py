@@ -4,6 +4,7 @@ data cache), plus the multi-task model's per-example losses."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -17,8 +18,8 @@ from conftest import save_tiny_encoder, write_task_files
 from peft_smear import SmearLinear, get_routing_weights
 from peft_smear.cli import main
 from peft_smear.multitask import training
-from peft_smear.multitask.data import TaskInfo
 from peft_smear.multitask.model import UNUSED_CLASS_LOGIT, MultiTaskModel
+from peft_smear.multitask.tasks import TaskInfo
 from peft_smear.multitask.training import load_run
 from peft_smear.routers.base import merged
 
@@ -133,6 +134,19 @@ def test_reloaded_run_gives_the_trained_models_logits(run):
         expected = model(**batch).logits
         reloaded = load_run(run_dir)(**batch).logits
     torch.testing.assert_close(reloaded, expected, rtol=0, atol=0)
+
+
+def test_the_run_card_shows_the_routing_report_and_how_to_load_the_run(run):
+    run_dir, _ = run
+    text = (run_dir / "README.md").read_text()
+    report = json.loads((run_dir / "routing.json").read_text())
+    for task in ("topic", "count"):
+        assert f"| {task} | {report['examples'][task]} | " in text
+    assert "](routing.png)" in text and "| trained in full | `heads` |" in text
+    (snippet,) = re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+    namespace: dict = {}
+    exec(snippet, namespace)
+    assert isinstance(namespace["model"], PeftModel)
 
 
 def test_export_tasks_writes_a_lora_adapter_per_task(exported):

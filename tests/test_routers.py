@@ -25,6 +25,8 @@ from peft_smear.routers.learned import annealed_temperature
 
 NUM_TASKS = 3
 METHOD_SETTINGS = {
+    "glider": {"expert_embeddings": torch.eye(4).tolist()},
+    "glider_merge": {"expert_embeddings": torch.eye(4).tolist()},
     "latent_skills": {"num_tasks": NUM_TASKS},
     "single": {},
     "st_gumbel": {"gumbel_temperature": 1.0},
@@ -52,7 +54,11 @@ def classification_data(n_batches: int = 4, batch_size: int = 8, seed: int = 0) 
         batch = random_batch(batch_size, 6, seed=int(torch.randint(10_000, (1,), generator=generator)))
         labels = torch.randint(3, (batch_size,), generator=generator)
         batch["input_ids"][:, 0] = 10 + labels
-        batches.append({**batch, "labels": labels, "smear_task_ids": labels.clone()})
+        # Task ids for tag and latent-skills routing, an embedding of the task for GLIDER's global router.
+        queries = F.one_hot(labels, 4).float()
+        batches.append(
+            {**batch, "labels": labels, "smear_task_ids": labels.clone(), "smear_query_embeddings": queries}
+        )
     return batches
 
 
@@ -417,7 +423,11 @@ def test_every_method_saves_and_reloads_exactly(routing, tmp_path):
     model = bert_with(routing)
     train(model, classification_data(n_batches=1), steps=2)
     model.eval()
-    batch = {**random_batch(3, 6, seed=7), "smear_task_ids": torch.tensor([0, 2, 1])}
+    batch = {
+        **random_batch(3, 6, seed=7),
+        "smear_task_ids": torch.tensor([0, 2, 1]),
+        "smear_query_embeddings": torch.eye(4)[[0, 2, 1]],
+    }
     with torch.no_grad():
         expected = model(**batch).logits
     model.save_pretrained(tmp_path)

@@ -6,6 +6,10 @@ import argparse
 from collections.abc import Sequence
 
 
+class CommandError(Exception):
+    """A problem with the command's input: reported as one ``error:`` line and exit code 2, without a traceback."""
+
+
 def positive_int(text: str) -> int:
     if not text.strip().isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")

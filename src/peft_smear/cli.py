@@ -27,7 +27,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from .arguments import listing, positive_int
+from .arguments import CommandError, listing, positive_int
+from .bank_command import add_build_bank_command
 from .config import SmearConfig
 from .experts import EXPERT_KINDS
 from .export import export_merged_adapter, refuse_occupied
@@ -46,10 +47,6 @@ AUTO_MODEL_CLASSES = {
     None: AutoModel,
 }
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
-
-
-class CommandError(Exception):
-    """A problem with the command's input: reported as one ``error:`` line and exit code 2, without a traceback."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     export.set_defaults(run=export_command)
+    add_build_bank_command(commands)
     add_train_command(commands)
     add_export_tasks_command(commands)
     return parser
@@ -197,7 +195,7 @@ def _read_smear_config(adapter: Path) -> SmearConfig:
 
 def _task_texts(path: Path, text_column: str, task: str | None) -> list[str]:
     """The texts of the rows of ``path`` (those of ``task`` only, if given), refusing missing or empty text."""
-    from .multitask.data import read_data_file  # datasets, only when --task-data is given
+    from .multitask.task_files import read_data_file  # datasets, only when --task-data is given
 
     try:
         rows = read_data_file(path)

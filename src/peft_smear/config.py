@@ -55,7 +55,12 @@ class SmearConfig(PeftConfig):
               the average of all experts at inference;
             * ``"latent_skills"``: a learned task-by-expert matrix (Polytropon) merges the experts per task id;
             * ``"single"``: one expert for everything (with ``num_experts=1``; ``r=N*r`` gives the parameter-matched
-              baseline).
+              baseline);
+            * routers over a bank of existing LoRA adapters (:func:`peft_smear.build_expert_bank`), deciding per
+              token: ``"arrow"`` (zero-shot, prototypes from the experts), ``"phatgoose"`` (sigmoid gates trained on
+              each expert's data, :func:`peft_smear.train_phatgoose_gates`), ``"glider"`` (PHATGOOSE's local scores
+              plus a global score from task-description embeddings); and per example ``"glider_merge"``, GLIDER's
+              score merging the experts' parameters as SMEAR does.
         top_k: Experts per example for ``routing="top_k"`` (1, as in the paper).
         gumbel_temperature: Initial Gumbel-softmax temperature for ``"st_gumbel"`` (the paper's 10).
         gumbel_anneal_rate: The temperature after ``t`` training calls is
@@ -74,6 +79,22 @@ class SmearConfig(PeftConfig):
             share an expert. Default: expert = task id.
         adamix_consistency_weight: Weight of Adamix's symmetric-KL consistency loss between its two passes.
         latent_skills_temperature: Temperature of the relaxed-Bernoulli samples of ``"latent_skills"``.
+        arrow_top_k: Experts per token for ``"arrow"`` (3, PEFT's default).
+        arrow_temperature: Temperature of Arrow's softmax over the selected experts' scores (1.0).
+        phatgoose_top_k: Experts per token for ``"phatgoose"`` (2, the paper's).
+        glider_top_k: Experts per token (``"glider"``) or per example (``"glider_merge"``), 2 as in the paper.
+        glider_threshold: GLIDER's cosine threshold ``p``: the global score is scaled by
+            ``gamma * [max cos > p] + beta`` (0.8).
+        glider_gamma: GLIDER's ``gamma`` (100).
+        glider_beta: GLIDER's ``beta`` (3).
+        freeze_experts: Keep every expert frozen, also when the adapter is activated or loaded trainable: only the
+            routers (and ``modules_to_save``) train. What a bank of existing adapters wants (the default of
+            :func:`peft_smear.build_expert_bank`).
+        expert_names: A bank's expert names (:func:`peft_smear.build_expert_bank` sets them), one per expert.
+        expert_descriptions: A bank's task description of each expert, kept with the adapter.
+        expert_embeddings: An embedding of each expert's task description (``num_experts`` rows of one size):
+            the global router of ``"glider"`` and ``"glider_merge"``, which compare it with each example's
+            ``smear_query_embeddings``.
         adapter_width: Bottleneck width of each ``"adapter"`` expert. Set this or ``adapter_reduction_factor``.
         adapter_reduction_factor: Width as the module's ``out_features // adapter_reduction_factor`` (16 when
             neither is set; the paper's T5 experiments used 32).
@@ -169,6 +190,23 @@ class SmearConfig(PeftConfig):
     tag_experts: list[int] | None = field(default=None, metadata={"help": "tag: expert of each task id."})
     adamix_consistency_weight: float = field(default=1.0, metadata={"help": "adamix: consistency loss weight."})
     latent_skills_temperature: float = field(default=1.0, metadata={"help": "latent_skills: sample temperature."})
+    arrow_top_k: int = field(default=3, metadata={"help": "arrow: experts per token."})
+    arrow_temperature: float = field(default=1.0, metadata={"help": "arrow: softmax temperature."})
+    phatgoose_top_k: int = field(default=2, metadata={"help": "phatgoose: experts per token."})
+    glider_top_k: int = field(default=2, metadata={"help": "glider, glider_merge: experts per token / example."})
+    glider_threshold: float = field(default=0.8, metadata={"help": "glider: cosine threshold p of the global score."})
+    glider_gamma: float = field(default=100.0, metadata={"help": "glider: global scale gamma above the threshold."})
+    glider_beta: float = field(default=3.0, metadata={"help": "glider: global scale beta, always added."})
+    freeze_experts: bool = field(
+        default=False, metadata={"help": "Keep the experts frozen (a bank of trained adapters); routers still train."}
+    )
+    expert_names: list[str] | None = field(default=None, metadata={"help": "A bank's expert names, in order."})
+    expert_descriptions: list[str] | None = field(
+        default=None, metadata={"help": "A bank's task description of each expert."}
+    )
+    expert_embeddings: list[list[float]] | None = field(
+        default=None, metadata={"help": "An embedding of each expert's task description (GLIDER's global router)."}
+    )
     adapter_width: int | None = field(default=None, metadata={"help": "adapter: bottleneck width."})
     adapter_reduction_factor: int | None = field(
         default=None, metadata={"help": "adapter: width = out_features // factor (16 when no width is set)."}
@@ -236,10 +274,39 @@ class SmearConfig(PeftConfig):
         layers = [self.layers_to_transform] if isinstance(self.layers_to_transform, int) else self.layers_to_transform
         if layers is not None and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
             raise ValueError(f"layers_to_transform must be layer indices >= 0, got {self.layers_to_transform!r}.")
+        self._validate_bank_metadata()
         if self.modules_to_save is not None and (
             isinstance(self.modules_to_save, str) or not all(isinstance(m, str) for m in self.modules_to_save)
         ):
             raise ValueError(f"modules_to_save must be a list of module names, got {self.modules_to_save!r}.")
+
+    def _validate_bank_metadata(self) -> None:
+        for name in ("expert_names", "expert_descriptions"):
+            values = getattr(self, name)
+            if values is None:
+                continue
+            if not isinstance(values, (list, tuple)) or not all(isinstance(v, str) for v in values):
+                raise ValueError(f"{name} must be a list of strings, got {values!r}.")
+            if len(values) != self.num_experts:
+                raise ValueError(f"{name} has {len(values)} entries but num_experts={self.num_experts}.")
+            setattr(self, name, list(values))
+        if self.expert_names is not None and len(set(self.expert_names)) != len(self.expert_names):
+            raise ValueError(f"expert_names must be unique, got {self.expert_names!r}.")
+        if self.expert_embeddings is not None:
+            rows = self.expert_embeddings
+            if hasattr(rows, "tolist"):
+                rows = rows.tolist()
+            if (
+                not isinstance(rows, (list, tuple))
+                or len(rows) != self.num_experts
+                or not all(isinstance(row, (list, tuple)) and row for row in rows)
+                or len({len(row) for row in rows}) != 1
+            ):
+                raise ValueError(
+                    f"expert_embeddings must be num_experts={self.num_experts} rows of one size, got "
+                    f"{len(rows) if isinstance(rows, (list, tuple)) else rows!r} rows."
+                )
+            self.expert_embeddings = [[float(v) for v in row] for row in rows]
 
     def _validate_expert_type(self) -> None:
         if self.expert_type not in EXPERT_KINDS:
@@ -262,7 +329,9 @@ class SmearConfig(PeftConfig):
     def _validate_routing(self) -> None:
         method, router = self.routing, ROUTERS[self.routing]
         for other in ROUTERS.values():
-            changed = [name for name in other.options if getattr(self, name) != _DEFAULTS[name]]
+            changed = [
+                name for name in other.options if name not in router.options and getattr(self, name) != _DEFAULTS[name]
+            ]
             if other is not router and changed:
                 raise ValueError(
                     f"{changed[0]}={getattr(self, changed[0])!r} only applies to routing={other.name!r}, "
@@ -290,6 +359,10 @@ class SmearConfig(PeftConfig):
         _require_int("dselect_k_selectors", self.dselect_k_selectors, minimum=1)
         if self.num_tasks is not None:
             _require_int("num_tasks", self.num_tasks, minimum=1)
+        if router.expert_types is not None and self.expert_type not in router.expert_types:
+            raise ValueError(
+                f"routing={method!r} works with expert_type in {router.expert_types}, got {self.expert_type!r}."
+            )
         router.validate(self)
 
     @property

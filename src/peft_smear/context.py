@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +13,9 @@ from .packing import UNMARKED_PACKING, PackedLayout, several_prompts
 from .pooling import expand_rows, prompt_mask, require
 from .routers.base import PolicyStep, RoutingDecision
 
+
+if TYPE_CHECKING:
+    from .routing_stats import RoutingStatistics
 
 PROMPT_UNKNOWN_IN_TRAINING = (
     "SMEAR prompt routing in training mode got neither token labels, nor smear_routing_mask, nor "
@@ -42,6 +46,10 @@ class RoutingContext:
     task_ids: torch.Tensor | None = None
     """``[batch]`` ``smear_task_ids`` of the current call, for tag routing and analysis."""
 
+    query_embeddings: torch.Tensor | None = None
+    """``[batch, embedding size]`` ``smear_query_embeddings`` of the current call: an embedding of each example's task
+    description, GLIDER's global routing input."""
+
     encoder_summary: torch.Tensor | None = None
     """``[batch, hidden]`` fp32 masked mean of the encoder's final hidden states (decoders of encoder-decoders)."""
 
@@ -66,6 +74,9 @@ class RoutingContext:
 
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
     """Auxiliary losses the layers added during the current call (already weighted), by name."""
+
+    statistics: RoutingStatistics | None = None
+    """When set, every layer reports each routing decision to it (see :mod:`peft_smear.routing_stats`)."""
 
     _prompt_masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict, repr=False)
     _token_bytes: dict[str, list[bytes]] = field(default_factory=dict, repr=False)
@@ -96,6 +107,8 @@ class RoutingContext:
                 self.routing_mask = packing.unpack_tokens(self.routing_mask.bool(), False, "smear_routing_mask")
             if self.task_ids is not None:
                 self.task_ids = packing.per_sequence(self.task_ids, "smear_task_ids")
+            if self.query_embeddings is not None:
+                self.query_embeddings = packing.per_sequence(self.query_embeddings, "smear_query_embeddings")
         self.attention_mask, self.labels, self.input_ids, self.packing = attention_mask, labels, input_ids, packing
         self._prompt_masks, self._token_bytes, self._last_summary = {}, {}, None
 
@@ -128,12 +141,14 @@ class RoutingContext:
         return decision
 
     def observe(self, key: tuple[torch.nn.Module, str], decision: RoutingDecision) -> None:
-        """Every decision a layer applies passes here: kept for reuse inside ``generate``, and recorded when asked
-        (:func:`peft_smear.get_routing_weights`)."""
+        """Every decision a layer applies passes here: kept for reuse inside ``generate``, recorded when asked
+        (:func:`peft_smear.get_routing_weights`), and counted by the routing statistics when they are on."""
         if self.routing_cache is not None:
             self.routing_cache[key] = decision
         if self.recorded is not None:
             self.recorded[key] = decision.weights.detach()
+        if self.statistics is not None:
+            self.statistics.observe(*key, decision.weights)
 
     def add_aux_loss(self, name: str, value: torch.Tensor) -> None:
         self.aux_losses[name] = self.aux_losses[name] + value if name in self.aux_losses else value
@@ -208,14 +223,23 @@ class RoutingContext:
             if self._warned_unmarked_packing:
                 warnings.warn(UNMARKED_PACKING, stacklevel=5)
 
-    def set_routing_inputs(self, routing_mask: torch.Tensor | None, task_ids: torch.Tensor | None) -> None:
-        """Record the ``smear_routing_mask`` and ``smear_task_ids`` of a new call."""
-        self.routing_mask, self.task_ids = routing_mask, task_ids
+    def set_routing_inputs(
+        self,
+        routing_mask: torch.Tensor | None,
+        task_ids: torch.Tensor | None,
+        query_embeddings: torch.Tensor | None = None,
+    ) -> None:
+        """Record the ``smear_routing_mask``, ``smear_task_ids`` and ``smear_query_embeddings`` of a new call."""
+        self.routing_mask, self.task_ids, self.query_embeddings = routing_mask, task_ids, query_embeddings
         self._task_id_limits_checked = set()
 
     def task_ids_for(self, batch_size: int) -> torch.Tensor | None:
         """``smear_task_ids`` for a layer that sees ``batch_size`` rows (repeated per beam / returned sequence)."""
         return expand_rows(self.task_ids, batch_size, "smear_task_ids")
+
+    def query_embeddings_for(self, batch_size: int) -> torch.Tensor | None:
+        """``smear_query_embeddings`` for a layer that sees ``batch_size`` rows (repeated per beam / sequence)."""
+        return expand_rows(self.query_embeddings, batch_size, "smear_query_embeddings")
 
     def check_task_ids(self, limit: int, method: str) -> None:
         """Raise unless every task id of the call is in ``[0, limit)``. Reading the ids back synchronises host and

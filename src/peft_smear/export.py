@@ -94,8 +94,15 @@ def export_merged_adapter(
 
 def check_exportable(routing_method: str, what: str) -> None:
     """Refuse routing methods whose layer output is not one expert, before any work is done."""
-    if not ROUTERS[routing_method].exportable:
-        refused = tuple(name for name, router in ROUTERS.items() if not router.exportable)
+    router = ROUTERS[routing_method]
+    if router.per_token:
+        raise ValueError(
+            f"{what} uses routing={routing_method!r}, which routes every token on its own and mixes the experts' "
+            "outputs per token, so no single expert reproduces it. Export a fixed routing of an exportable method "
+            "instead, e.g. one expert of the bank (routing={module: one-hot}) or a glider_merge / smear routing."
+        )
+    if not router.exportable:
+        refused = tuple(name for name, other in ROUTERS.items() if not other.exportable)
         raise ValueError(
             f"{what} uses routing={routing_method!r}, which mixes or scales the experts' outputs instead of merging "
             "their parameters, so no single expert reproduces it. Export works for routing methods that apply one "

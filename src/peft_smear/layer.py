@@ -13,7 +13,7 @@ from .experts import EXPERT_KINDS, EXPERT_PARAMETER_NAMES, ExpertKind
 from .experts.base import Params
 from .pooling import masked_mean
 from .registration import BaseTunerLayer
-from .routers import ROUTERS, Reads, Router, RoutingDecision
+from .routers import ROUTERS, Reads, Router, RoutingDecision, TokenStates
 
 
 if TYPE_CHECKING:
@@ -147,20 +147,20 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         return self.base_layer(inputs, *args, **kwargs)
 
     def route(self, adapter_name: str, routed: torch.Tensor) -> RoutingDecision:
-        """How ``adapter_name``'s experts apply to each example: the decision made at prefill inside ``generate``,
-        else the router's decision on what it reads of ``routed`` (the layer's input, or its output for kinds that
-        route on it)."""
-        key = (self, adapter_name)
-        decision = self.routing_context.cached_decision(key, routed.shape[0])
+        """How ``adapter_name``'s experts apply to each example (or token): the decision made at prefill inside
+        ``generate``, else the router's decision on what it reads of ``routed`` (the layer's input, or its output for
+        kinds that route on it)."""
+        key, router = (self, adapter_name), self.smear_router[adapter_name]
+        # A per-token router routes every new token on itself, so nothing made at prefill is reused.
+        decision = None if router.per_token else self.routing_context.cached_decision(key, routed.shape[0])
         if decision is None:
-            router = self.smear_router[adapter_name]
             decision = router(self._router_input(adapter_name, router, routed), self.routing_context)
         self.routing_context.observe(key, decision)
         return decision
 
     def routing_weights(self, adapter_name: str, x: torch.Tensor) -> torch.Tensor:
         """``[batch, num_experts]`` fp32 routing weights of ``adapter_name`` for the layer input ``x`` (one-hot for
-        methods that choose one expert)."""
+        methods that choose one expert; ``[batch, tokens, num_experts]`` for per-token routers)."""
         routed = self.get_base_layer()(x) if self.expert_kind[adapter_name].routes_on_output else x
         return self.route(adapter_name, routed).weights
 
@@ -172,6 +172,8 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             return self._task_ids(adapter_name, router, x)
         if router.reads is Reads.TOKEN_IDS:
             return self._routing_token_bytes(adapter_name, x)
+        if router.reads is Reads.TOKENS:
+            return TokenStates(x.reshape(x.shape[0], -1, x.shape[-1]), self.expert_params(adapter_name))
         return x
 
     def _summary(self, adapter_name: str, x: torch.Tensor) -> torch.Tensor:
@@ -234,6 +236,15 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             for name in self.expert_kind[adapter_name].parameter_names
             if adapter_name in getattr(self, name)
         }
+
+    def set_adapter(self, adapter_names: str | list[str], inference_mode: bool = False) -> None:
+        """PEFT's activation, which makes every parameter of an active adapter trainable, except the experts of
+        adapters whose experts are frozen (``SmearConfig.freeze_experts``)."""
+        super().set_adapter(adapter_names, inference_mode=inference_mode)
+        for name, kind in self.expert_kind.items():
+            if kind.frozen:
+                for param in self.expert_params(name).values():
+                    param.requires_grad_(False)
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         raise TypeError(MERGE_UNSUPPORTED)

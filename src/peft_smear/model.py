@@ -28,7 +28,7 @@ from .registration import (
 from .routers import ROUTERS
 
 
-ROUTING_INPUTS = ("smear_routing_mask", "smear_task_ids")
+ROUTING_INPUTS = ("smear_routing_mask", "smear_task_ids", "smear_query_embeddings")
 
 
 class SmearModel(BaseTuner):
@@ -162,13 +162,23 @@ class SmearModel(BaseTuner):
         self.routing_context.encoder_summary = None if states is None else masked_mean(states, mask)
 
     def _set_routing_inputs(
-        self, smear_routing_mask: torch.Tensor | None = None, smear_task_ids: torch.Tensor | None = None
+        self,
+        smear_routing_mask: torch.Tensor | None = None,
+        smear_task_ids: torch.Tensor | None = None,
+        smear_query_embeddings: torch.Tensor | None = None,
     ) -> None:
         if smear_task_ids is not None and (smear_task_ids.dim() != 1 or smear_task_ids.is_floating_point()):
             raise ValueError(f"smear_task_ids must be an integer tensor [batch], got {tuple(smear_task_ids.shape)}.")
         if smear_routing_mask is not None and smear_routing_mask.dim() != 2:
             raise ValueError(f"smear_routing_mask must be [batch, tokens], got {tuple(smear_routing_mask.shape)}.")
-        self.routing_context.set_routing_inputs(smear_routing_mask, smear_task_ids)
+        if smear_query_embeddings is not None and (
+            smear_query_embeddings.dim() != 2 or not smear_query_embeddings.is_floating_point()
+        ):
+            raise ValueError(
+                "smear_query_embeddings must be a float tensor [batch, embedding size], got "
+                f"{tuple(smear_query_embeddings.shape)} {smear_query_embeddings.dtype}."
+            )
+        self.routing_context.set_routing_inputs(smear_routing_mask, smear_task_ids, smear_query_embeddings)
 
     def _wrap_generate(self, model: nn.Module) -> None:
         """Route every sequence once, on its prompt, at prefill, and keep the ``smear_*`` inputs for every step

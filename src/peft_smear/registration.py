@@ -9,6 +9,8 @@ place, with a message that says which range is supported.
 from __future__ import annotations
 
 import enum
+import functools
+from collections.abc import Callable
 
 import peft
 from packaging.version import Version
@@ -33,6 +35,7 @@ check_peft_version(peft.__version__)
 # These imports are below the version check on purpose: on an unsupported PEFT they may not exist.
 from peft import mapping as _peft_mapping  # noqa: E402
 from peft.config import PeftConfig  # noqa: E402
+from peft.peft_model import PeftModel  # noqa: E402
 from peft.tuners.tuners_utils import (  # noqa: E402
     BaseTuner,
     BaseTunerLayer,
@@ -59,6 +62,7 @@ __all__ = [
     "adapter_state_dict_prefixes",
     "check_peft_version",
     "register",
+    "route_peft_model_method",
     "select_adapter_entries",
 ]
 
@@ -110,3 +114,20 @@ def register(config_cls: type, tuner_cls: type, prefix: str) -> None:
     _peft_mapping.PEFT_TYPE_TO_CONFIG_MAPPING[key] = config_cls
     _peft_mapping.PEFT_TYPE_TO_TUNER_MAPPING[key] = tuner_cls
     _peft_mapping.PEFT_TYPE_TO_PREFIX_MAPPING[key] = prefix
+
+
+def route_peft_model_method(name: str, smear_method: Callable) -> None:
+    """Make ``PeftModel.<name>(...)`` call ``smear_method(peft_method, model, ...)`` when the model's active adapter
+    is SMEAR; every other PEFT model keeps PEFT's method. Used for the model card and ``push_to_hub``, which PEFT
+    offers no hook for. Idempotent: a second call replaces the routing, never stacks it."""
+    current = getattr(PeftModel, name)
+    peft_method = getattr(current, "__smear_peft_method__", current)
+
+    @functools.wraps(peft_method)
+    def method(self, *args, **kwargs):
+        if getattr(self.active_peft_config, "peft_type", None) == SmearPeftType.SMEAR:
+            return smear_method(peft_method, self, *args, **kwargs)
+        return peft_method(self, *args, **kwargs)
+
+    method.__smear_peft_method__ = peft_method
+    setattr(PeftModel, name, method)

@@ -15,7 +15,16 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from .base import Expert, ExpertKind, Params, exported_config_fields, fan_in_uniform_, merge_parameter, scaled
+from .base import (
+    Expert,
+    ExpertKind,
+    Params,
+    exported_config_fields,
+    fan_in_uniform_,
+    merge_parameter,
+    per_token,
+    scaled,
+)
 
 
 if TYPE_CHECKING:
@@ -166,15 +175,15 @@ class BottleneckAdapterExperts(ExpertKind):
         the time of a single einsum that materialises every expert's output)."""
         p = {name: params[name].to(y.dtype) for name in self.names}
         n, d, width = p[DOWN].shape
-        weights = weights.to(y.dtype)
+        weights = per_token(weights).to(y.dtype)  # [batch, tokens or 1, N]
         hidden = self.activation(y @ p[DOWN].permute(1, 0, 2).reshape(d, n * width) + p[DOWN_BIAS].reshape(-1))
         if not self.layer_norm:
-            hidden = hidden * weights.repeat_interleave(width, dim=1).unsqueeze(1)
-            return y + hidden @ p[UP].reshape(n * width, d) + (weights @ p[UP_BIAS]).unsqueeze(1)
-        out = y + (weights @ p[NORM_BIAS]).unsqueeze(1)
+            hidden = hidden * weights.repeat_interleave(width, dim=-1)
+            return y + hidden @ p[UP].reshape(n * width, d) + weights @ p[UP_BIAS]
+        out = y + weights @ p[NORM_BIAS]
         for expert, expert_hidden in enumerate(hidden.split(width, dim=-1)):  # N matmuls: no [.., N, d] tensor
             normed = F.layer_norm(expert_hidden @ p[UP][expert] + p[UP_BIAS][expert], (d,))
-            out = out + normed * (weights[:, expert, None, None] * p[NORM_WEIGHT][expert])
+            out = out + normed * (weights[..., expert, None] * p[NORM_WEIGHT][expert])
         return out
 
     def export_weights(self, params: Params, distribution: torch.Tensor) -> dict[str, torch.Tensor]:

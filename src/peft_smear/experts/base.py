@@ -65,6 +65,7 @@ class ExpertKind:
 
     def __init__(self, in_features: int, out_features: int, config: SmearConfig, module_name: str) -> None:
         self.in_features, self.out_features = in_features, out_features
+        self.frozen = config.freeze_experts  # the layer keeps these parameters out of training
 
     @classmethod
     def validate(cls, config: SmearConfig) -> None:
@@ -106,7 +107,8 @@ class ExpertKind:
 
     def mix(self, x: torch.Tensor, y: torch.Tensor, params: Params, weights: torch.Tensor) -> torch.Tensor:
         """The module's output with the experts' contributions mixed by ``weights [batch, N]`` (ensemble, Top-k with
-        k > 1, DSelect-k); ``y`` as in :meth:`apply`."""
+        k > 1, DSelect-k), or by ``[batch, tokens, N]`` for each token on its own (per-token routers); ``y`` as in
+        :meth:`apply`."""
         raise NotImplementedError
 
     def scale_input(self, x: torch.Tensor, params: Params, decision: RoutingDecision) -> torch.Tensor:
@@ -152,6 +154,11 @@ def merge_parameter(parameter: torch.Tensor, probs: torch.Tensor, dtype: torch.d
     n = parameter.shape[0]
     merged = probs.to(parameter.dtype) @ parameter.reshape(n, -1)
     return merged.view(-1, *parameter.shape[1:]).to(dtype)
+
+
+def per_token(weights: torch.Tensor) -> torch.Tensor:
+    """Mixture weights as ``[batch, tokens or 1, N]``: per-example ``[batch, N]`` weights broadcast over the tokens."""
+    return weights if weights.dim() == 3 else weights.unsqueeze(1)
 
 
 def scaled(contribution: torch.Tensor, output_scale: torch.Tensor | None) -> torch.Tensor:

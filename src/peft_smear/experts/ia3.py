@@ -17,7 +17,7 @@ from peft import IA3Config
 
 from ..registration import DEFAULT_IA3_FEEDFORWARD_MODULES, DEFAULT_IA3_TARGET_MODULES
 from ..routers.base import RoutingDecision
-from .base import Expert, ExpertKind, Params, exported_config_fields, merge_parameter
+from .base import Expert, ExpertKind, Params, exported_config_fields, merge_parameter, per_token
 
 
 if TYPE_CHECKING:
@@ -100,13 +100,12 @@ class IA3Experts(ExpertKind):
         return y * with_output_scale(expert[0], output_scale).unsqueeze(1)
 
     def mix(self, x: torch.Tensor, y: torch.Tensor, params: Params, weights: torch.Tensor) -> torch.Tensor:
-        return y * mixed_vector(params[VECTOR], weights, y.dtype).unsqueeze(1)
+        return y * mixed_vector(params[VECTOR], weights, y.dtype)
 
     def scale_input(self, x: torch.Tensor, params: Params, decision: RoutingDecision) -> torch.Tensor:
         if decision.mixture:
-            vector = mixed_vector(params[VECTOR], decision.weights, x.dtype)
-        else:
-            vector = with_output_scale(self.expert_for(params, decision, x.dtype)[0], decision.output_scale)
+            return x * mixed_vector(params[VECTOR], decision.weights, x.dtype)
+        vector = with_output_scale(self.expert_for(params, decision, x.dtype)[0], decision.output_scale)
         return x * vector.unsqueeze(1)
 
     def export_weights(self, params: Params, distribution: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -131,6 +130,7 @@ def with_output_scale(vector: torch.Tensor, output_scale: torch.Tensor | None) -
 
 
 def mixed_vector(vectors: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The one vector per example equal to mixing the experts' contributions by ``weights [batch, N]``:
-    ``1 + sum_n w_n (l_n - 1)``, which is the merge ``sum_n w_n l_n`` when the weights sum to one."""
-    return 1 + merge_parameter(vectors - 1, weights, dtype)
+    """The one vector per example (``weights [batch, N]``) or token (``[batch, tokens, N]``) equal to mixing the
+    experts' contributions: ``1 + sum_n w_n (l_n - 1)``, which is the merge ``sum_n w_n l_n`` when the weights sum to
+    one. Shaped ``[batch, tokens or 1, features]`` to multiply the activations."""
+    return 1 + (per_token(weights).to(vectors.dtype) @ (vectors - 1)).to(dtype)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from peft import LoraConfig
 
-from .base import Expert, ExpertKind, Params, exported_config_fields, merge_parameter, scaled
+from .base import Expert, ExpertKind, Params, exported_config_fields, merge_parameter, per_token, scaled
 
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ def add_lora_mixture(
     scaling: float,
 ) -> torch.Tensor:
     """``y`` plus the experts' *outputs* mixed per example, ``sum_n w_n B_n A_n x`` (ensemble, Top-k with k > 1,
-    DSelect-k).
+    DSelect-k), or per token when ``weights`` is ``[batch, tokens, N]`` (Arrow, PHATGOOSE, GLIDER).
 
     All experts run as one rank ``N * r`` LoRA whose rank dimensions are weighted by their expert's ``w_n``: one
     dense matmul pair instead of N, but still N times the work of one expert. The second matmul accumulates into
@@ -96,7 +96,7 @@ def add_lora_mixture(
     n, r, _ = lora_A.shape
     stacked_A = lora_A.reshape(n * r, -1).to(tokens.dtype)
     stacked_B = lora_B.permute(1, 0, 2).reshape(-1, n * r).to(tokens.dtype)
-    hidden = tokens @ stacked_A.T * weights.repeat_interleave(r, dim=1).unsqueeze(1).to(tokens.dtype)
+    hidden = tokens @ stacked_A.T * per_token(weights).repeat_interleave(r, dim=-1).to(tokens.dtype)
     if hidden.dtype != y.dtype:
         return y.add_((hidden @ stacked_B.T * scaling).to(y.dtype))
     y.view(-1, y.shape[-1]).addmm_(hidden.reshape(-1, n * r), stacked_B.T, alpha=scaling)

@@ -1,5 +1,6 @@
-"""The multi-task benchmark application built on the SMEAR PEFT method: the real six-task text benchmark
-(:mod:`.data`), a shared encoder with one head per task (:mod:`.model`), the ``peft-smear train`` and
+"""The multi-task benchmark application built on the SMEAR PEFT method: the tasks (:mod:`.tasks`), the real six-task
+text benchmark (:mod:`.data`; its columns and task metadata :mod:`.features`; your own task files
+:mod:`.task_files`), a shared encoder with one head per task (:mod:`.model`), the ``peft-smear train`` and
 ``export-tasks`` jobs (:mod:`.training`, :mod:`.commands`) and the routing report (:mod:`.report`).
 
 It sits above the PEFT method and is never imported by it: ``import peft_smear`` loads neither ``datasets`` nor
@@ -16,11 +17,11 @@ _EXPORTS = {
     "BENCHMARK_TASKS": "tasks",
     "TaskInfo": "tasks",
     "load_benchmark": "data",
-    "load_task_file": "data",
-    "benchmark_task_info": "data",
-    "concatenate_tasks": "data",
-    "read_data_file": "data",
-    "task_features": "data",
+    "load_task_file": "task_files",
+    "read_data_file": "task_files",
+    "benchmark_task_info": "features",
+    "concatenate_tasks": "features",
+    "task_features": "features",
     "MultiTaskModel": "model",
     "MultiTaskCollator": "model",
     "RoutingReport": "report",

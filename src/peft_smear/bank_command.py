@@ -1,0 +1,274 @@
+"""``peft-smear build-bank``: a bank of saved LoRA adapters as one SMEAR adapter directory, optionally with task
+descriptions and their embeddings (GLIDER), PHATGOOSE gates trained on each expert's data, and a SMEAR router
+trained over the frozen bank on mixed data."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from .arguments import CommandError, positive_int
+from .export import refuse_occupied
+from .routers import ROUTING_METHODS
+
+
+def add_build_bank_command(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "build-bank",
+        help="build a bank of saved LoRA adapters, routed by Arrow, PHATGOOSE, GLIDER or SMEAR, as one adapter",
+        description=(
+            "Build one SMEAR adapter whose experts are saved PEFT LoRA adapters (peft_smear.build_expert_bank), "
+            "optionally describe and embed each expert's task (GLIDER), train PHATGOOSE gates on each expert's "
+            "own data, or train a SMEAR router over the frozen bank on mixed data, and save it as a loadable "
+            "adapter directory. Data files are CSV/JSON/JSONL: 'prompt' and 'response' columns for a causal LM, "
+            "'text' and 'label' for classifiers."
+        ),
+        epilog="Bad input is reported as one 'error:' line with exit code 2, and nothing is written.",
+    )
+    parser.add_argument("--base-model", required=True, type=Path, metavar="DIR", help="the base model's directory")
+    parser.add_argument(
+        "--adapter", required=True, action="append", metavar="NAME=DIR", help="an expert (repeat, in order)"
+    )
+    parser.add_argument("--output", required=True, type=Path, metavar="DIR", help="where to write the bank")
+    parser.add_argument("--routing", default="smear", choices=ROUTING_METHODS, help="routing method (default: smear)")
+    parser.add_argument("--task-type", default=None, help="the adapters' task type, if they do not record one")
+    parser.add_argument(
+        "--general-adapter", action="append", default=[], metavar="NAME=DIR", help="GenKnowSub's general adapters"
+    )
+    parser.add_argument("--trainable-experts", action="store_true", help="leave the experts trainable")
+    described = parser.add_argument_group("GLIDER's task descriptions")
+    described.add_argument("--description", action="append", default=[], metavar="NAME=TEXT", help="an expert's")
+    described.add_argument(
+        "--examples", action="append", default=[], metavar="NAME=FILE", help="generate from the file's first 3 rows"
+    )
+    described.add_argument("--description-model", type=Path, metavar="PATH", help="causal LM dir or .gguf file")
+    described.add_argument("--embedding-model", type=Path, metavar="DIR", help="sentence encoder (e.g. MiniLM)")
+    training = parser.add_argument_group("training over the bank")
+    training.add_argument("--gate-data", action="append", default=[], metavar="NAME=FILE", help="PHATGOOSE gates")
+    training.add_argument("--gate-steps", type=positive_int, default=100, metavar="N", help="per expert (100)")
+    training.add_argument("--gate-lr", type=float, default=5e-3, help="gate learning rate (5e-3)")
+    training.add_argument("--router-data", type=Path, metavar="FILE", help="mixed data: train the SMEAR router")
+    training.add_argument("--router-steps", type=positive_int, default=200, metavar="N", help="router steps (200)")
+    training.add_argument("--router-lr", type=float, default=1e-3, help="router learning rate (1e-3)")
+    training.add_argument("--batch-size", type=positive_int, default=8, metavar="N", help="examples per batch (8)")
+    training.add_argument("--max-length", type=positive_int, default=256, metavar="N", help="truncate to N tokens")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    parser.set_defaults(run=build_bank_command)
+
+
+def build_bank_command(args: argparse.Namespace) -> None:
+    from peft import PeftConfig
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from . import build_expert_bank, describe_tasks, embed_texts, train_phatgoose_gates
+
+    adapters = _named_paths(args.adapter, "--adapter", CommandError)
+    general = _named_paths(args.general_adapter, "--general-adapter", CommandError)
+    for path in [args.base_model, *adapters.values(), *general.values()]:
+        if path.resolve().is_relative_to(args.output.resolve()):
+            raise CommandError(f"--output {args.output} holds the input {path}; writing there would delete it.")
+    try:
+        refuse_occupied(args.output, args.overwrite, "pass --overwrite to replace it")
+    except FileExistsError as error:
+        raise CommandError(f"--output {error}") from None
+    _require_file(args.base_model, "--base-model", "config.json")
+    for name, path in {**adapters, **general}.items():
+        _require_file(path, f"--adapter {name}=", "adapter_config.json")
+    descriptions = dict(_pairs(args.description, "--description", CommandError))
+    examples = {name: _read_rows(Path(path)) for name, path in _pairs(args.examples, "--examples", CommandError)}
+    for name in [*descriptions, *examples]:
+        if name not in adapters:
+            raise CommandError(f"{name!r} is not one of the adapters {list(adapters)}.")
+    if examples and args.description_model is None:
+        raise CommandError("--examples needs --description-model to write the descriptions.")
+    if (descriptions or examples) and set(descriptions) | set(examples) != set(adapters):
+        raise CommandError(f"describe every expert (given or generated): {sorted(adapters)}.")
+    if args.routing in ("glider", "glider_merge") and (args.embedding_model is None or not (descriptions or examples)):
+        raise CommandError(f"--routing {args.routing} needs descriptions (or --examples) and --embedding-model.")
+
+    task_type = args.task_type or PeftConfig.from_pretrained(str(next(iter(adapters.values())))).task_type
+    if task_type not in ("CAUSAL_LM", "SEQ_CLS"):
+        raise CommandError(f"build-bank handles CAUSAL_LM and SEQ_CLS adapters, got task type {task_type!r}.")
+    tokenizer = AutoTokenizer.from_pretrained(args.base_model, local_files_only=True)
+    if tokenizer.pad_token is None:  # padding never reaches a router, so any known token pads
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    if examples:
+        generator, generator_tokenizer = _load_causal_lm(args.description_model)
+        pairs = {name: [_example_pair(row) for row in rows[:3]] for name, rows in examples.items()}
+        descriptions.update(describe_tasks(pairs, generator, generator_tokenizer))
+        del generator
+    embeddings = None
+    if descriptions and args.embedding_model is not None:
+        from transformers import AutoModel
+
+        encoder = AutoModel.from_pretrained(args.embedding_model, local_files_only=True).eval()
+        encoder_tokenizer = AutoTokenizer.from_pretrained(args.embedding_model, local_files_only=True)
+        ordered = [descriptions[name] for name in adapters]
+        embeddings = dict(zip(adapters, embed_texts(ordered, encoder, encoder_tokenizer).tolist(), strict=True))
+
+    auto_class = AutoModelForCausalLM if task_type == "CAUSAL_LM" else AutoModelForSequenceClassification
+    base = auto_class.from_pretrained(args.base_model, local_files_only=True)
+    settings: dict[str, Any] = {"routing": args.routing, "task_type": task_type}
+    try:
+        bank = build_expert_bank(
+            base,
+            adapters,
+            settings,
+            general_adapters=general or None,
+            trainable_experts=args.trainable_experts,
+            descriptions=descriptions or None,
+            embeddings=embeddings,
+        )
+    except ValueError as error:
+        raise CommandError(str(error)) from None
+
+    def batches(path: Path) -> list[dict[str, torch.Tensor]]:
+        rows = _read_rows(path)
+        return list(
+            _training_batches(tokenizer, rows, task_type, args.batch_size, args.max_length, path, CommandError)
+        )
+
+    gate_data = {name: batches(Path(path)) for name, path in _pairs(args.gate_data, "--gate-data", CommandError)}
+    if gate_data:
+        train_phatgoose_gates(bank, gate_data, steps=args.gate_steps, learning_rate=args.gate_lr, progress=True)
+    if args.router_data is not None:
+        _train_router(bank, batches(args.router_data), args.router_steps, args.router_lr)
+
+    _save_atomically(bank, args.output, args.overwrite)
+    print(
+        f"Wrote a bank of {len(adapters)} experts ({', '.join(adapters)}), routing={args.routing!r}, to {args.output}"
+    )
+
+
+def _train_router(model, batches: list[dict[str, torch.Tensor]], steps: int, learning_rate: float) -> None:
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=learning_rate)
+    model.train()
+    stream = itertools.cycle(batches)
+    for _ in tqdm(range(steps), desc="Router", file=sys.stderr):
+        loss = model(**next(stream)).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+
+
+def _training_batches(tokenizer, rows, task_type, batch_size, max_length, path, error_type):
+    """Batches with labels: a causal LM's prompt tokens get label -100, so routers route on the prompt."""
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start : start + batch_size]
+        if task_type == "CAUSAL_LM":
+            if not all("prompt" in row and "response" in row for row in chunk):
+                raise error_type(f"{path}: a causal LM's data needs 'prompt' and 'response' columns.")
+            prompts = [tokenizer(str(r["prompt"]))["input_ids"] for r in chunk]
+            responses = [tokenizer(str(r["response"]), add_special_tokens=False)["input_ids"] for r in chunk]
+            ids = [(p + a)[:max_length] for p, a in zip(prompts, responses, strict=True)]
+            width = max(map(len, ids))
+            input_ids = torch.full((len(ids), width), tokenizer.pad_token_id)
+            labels = torch.full((len(ids), width), -100)
+            mask = torch.zeros(len(ids), width, dtype=torch.long)
+            for row, (sequence, prompt) in enumerate(zip(ids, prompts, strict=True)):
+                input_ids[row, : len(sequence)] = torch.tensor(sequence)
+                mask[row, : len(sequence)] = 1
+                labels[row, len(prompt) : len(sequence)] = torch.tensor(sequence[len(prompt) :], dtype=torch.long)
+            yield {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+        else:
+            if not all("text" in row and "label" in row for row in chunk):
+                raise error_type(f"{path}: a classifier's data needs 'text' and 'label' columns.")
+            encoded = tokenizer(
+                [str(r["text"]) for r in chunk],
+                padding=True,
+                truncation=True,
+                max_length=max_length,
+                return_tensors="pt",
+            )
+            yield {**encoded, "labels": torch.tensor([int(r["label"]) for r in chunk])}
+
+
+def _example_pair(row: dict[str, Any]) -> tuple[str, str]:
+    """A data row as an ``(input, output)`` example: prompt and response, or text and label."""
+    if "prompt" in row:
+        return str(row["prompt"]), str(row.get("response", ""))
+    return str(row.get("text", row.get("input", ""))), str(row.get("label", row.get("output", "")))
+
+
+def _load_causal_lm(path: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, gguf = (path.parent, {"gguf_file": path.name}) if path.suffix == ".gguf" else (path, {})
+    model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32, **gguf)
+    return model.eval(), AutoTokenizer.from_pretrained(directory, local_files_only=True, **gguf)
+
+
+def _save_atomically(model, target: Path, overwrite: bool) -> None:
+    """Save into a sibling temporary directory, then move it into place: no half-written bank."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        staging.chmod(0o755)
+        model.save_pretrained(staging)
+        if target.exists() and overwrite:
+            shutil.rmtree(target) if target.is_dir() else target.unlink()
+        os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _require_file(directory: Path, option: str, name: str) -> None:
+    if not directory.is_dir():
+        raise CommandError(f"{option} {directory} is not a directory.")
+    if not (directory / name).is_file():
+        raise CommandError(f"{option} {directory} has no {name}; save it with save_pretrained().")
+
+
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a CSV or JSON Lines file (or a JSON file holding a list of objects)."""
+    if not path.is_file():
+        raise CommandError(f"{path} does not exist.")
+    if path.suffix.lower() == ".csv":
+        with path.open(newline="", encoding="utf-8") as file:
+            rows = list(csv.DictReader(file))
+    else:
+        text = path.read_text(encoding="utf-8")
+        try:
+            rows = json.loads(text) if path.suffix.lower() == ".json" else None
+        except json.JSONDecodeError:
+            rows = None
+        if not isinstance(rows, list):
+            try:
+                rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+            except json.JSONDecodeError as error:
+                raise CommandError(f"{path}: not CSV, JSON or JSON Lines ({error.msg}).") from None
+    if not rows or not all(isinstance(row, dict) for row in rows):
+        raise CommandError(f"{path} must hold at least one row, each an object.")
+    return rows
+
+
+def _pairs(values: list[str], option: str, error_type: type[Exception]) -> list[tuple[str, str]]:
+    pairs = []
+    for value in values:
+        name, separator, rest = value.partition("=")
+        if not separator or not name or not rest:
+            raise error_type(f"{option} takes NAME=VALUE, got {value!r}.")
+        pairs.append((name, rest))
+    return pairs
+
+
+def _named_paths(values: list[str], option: str, error_type: type[Exception]) -> dict[str, Path]:
+    pairs = _pairs(values, option, error_type)
+    names = [name for name, _ in pairs]
+    if len(set(names)) != len(names):
+        raise error_type(f"{option} names must be unique, got {names}.")
+    return {name: Path(path) for name, path in pairs}

@@ -1,0 +1,231 @@
+"""Routers over a library of existing experts (a bank of LoRA adapters, :func:`peft_smear.build_expert_bank`):
+Arrow, PHATGOOSE and GLIDER, which decide for every token on its own, and GLIDER's score used per example to merge
+the experts' parameters.
+
+* **Arrow** (Ostapenko et al., 2024; PEFT's ``ArrowConfig``) is zero-shot: the prototype of an expert is the top right
+  singular vector of its ``B A``, a token's score for it ``|x . prototype|`` (the sign of a singular vector is
+  arbitrary), and the ``k`` best scores are softmaxed with a temperature.
+* **PHATGOOSE** (Muqeeth et al., 2024) trains, after each expert, a gate vector ``v`` per module that scales the expert
+  by ``sigmoid(v . x)`` on the expert's own data (:func:`peft_smear.train_phatgoose_gates`). Routing compares the
+  standardised token with each standardised gate, scaled by ``1/sqrt(d)``, softmax, top-2, renormalised.
+* **GLIDER** (Li et al., 2024) adds a global score: the cosine between an embedding of the example's task description
+  (``smear_query_embeddings``) and each expert's (``SmearConfig.expert_embeddings``), scaled by
+  ``alpha = gamma * [max cos > p] + beta`` so that a clearly matching expert is retrieved, combined as
+  ``alpha * s_glob + s_loc / sqrt(N)`` with PHATGOOSE's local scores ``s_loc``, softmax, top-2 renormalised.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import Reads, Router, RoutingDecision, TokenStates, merged, mixed, top_k_renormalised
+
+
+if TYPE_CHECKING:
+    from ..config import SmearConfig
+    from ..context import RoutingContext
+
+
+def lora_prototypes(lora_A: torch.Tensor, lora_B: torch.Tensor) -> torch.Tensor:
+    """The top right singular vector of each expert's ``B_n A_n`` (``[N, r, in]``, ``[N, out, r]``) as ``[N, in]``
+    fp32, without forming ``B A``: with ``B = Q R``, ``B A = Q (R A)`` has the right singular vectors of the small
+    ``R A``. An expert that is zero (an adapter that did not touch this module) gets a zero prototype, so it scores 0.
+    """
+    A, B = lora_A.detach().float(), lora_B.detach().float()
+    _, r_factor = torch.linalg.qr(B)
+    _, singular_values, vh = torch.linalg.svd(r_factor @ A, full_matrices=False)
+    prototypes = vh[:, 0, :]
+    return prototypes * (singular_values[:, :1] > 0).to(prototypes.dtype)
+
+
+def standardised(x: torch.Tensor) -> torch.Tensor:
+    """``(x - mean) / std`` over the last dimension in fp32; a constant vector (a gate still at zero) becomes 0."""
+    return F.layer_norm(x.float(), (x.shape[-1],))
+
+
+class ArrowRouter(Router):
+    """Arrow: per token, ``|x . prototype_n|`` for every expert, the ``arrow_top_k`` best softmaxed at
+    ``arrow_temperature``, the others 0. The prototypes are recomputed whenever the experts change (they have no
+    gradient), so a bank whose experts are trained further stays consistent."""
+
+    name = "arrow"
+    reads = Reads.TOKENS
+    per_token = True
+    exportable = False
+    expert_types = ("lora",)
+    options = ("arrow_top_k", "arrow_temperature")
+
+    def __init__(self, features: int, config: SmearConfig, module_name: str) -> None:
+        super().__init__(features, config, module_name)
+        self.k, self.temperature = config.arrow_top_k, config.arrow_temperature
+        self._prototypes: tuple[tuple, torch.Tensor] | None = None
+
+    @classmethod
+    def validate(cls, config: SmearConfig) -> None:
+        _require_top_k("arrow_top_k", config.arrow_top_k, config.num_experts)
+        _require_positive("arrow_temperature", config.arrow_temperature)
+
+    def prototypes(self, lora_A: torch.Tensor, lora_B: torch.Tensor) -> torch.Tensor:
+        """``[N, in]`` fp32, cached until either bank tensor is replaced or changed in place."""
+        key = (lora_A.data_ptr(), lora_A._version, lora_B.data_ptr(), lora_B._version, lora_A.device)
+        if self._prototypes is None or self._prototypes[0] != key:
+            with torch.no_grad():
+                self._prototypes = (key, lora_prototypes(lora_A, lora_B))
+        return self._prototypes[1]
+
+    def forward(self, tokens: TokenStates, context: RoutingContext) -> RoutingDecision:
+        prototypes = self.prototypes(tokens.experts["smear_lora_A"], tokens.experts["smear_lora_B"])
+        scores = (tokens.states.float() @ prototypes.T).abs()
+        top = scores.topk(self.k, dim=-1)
+        kept = torch.full_like(scores, float("-inf")).scatter_(-1, top.indices, top.values)
+        return mixed((kept / self.temperature).softmax(dim=-1))
+
+
+class GateRouter(Router):
+    """A router that owns PHATGOOSE's gates, ``gate [N, features]`` (zero-initialised: each expert starts scaled by
+    ``sigmoid(0) = 1/2`` when its gate is trained). :func:`peft_smear.train_phatgoose_gates` switches it into gate
+    training for one expert (:meth:`start_gate_training`): then only that expert acts, on every token, scaled by its
+    gate's sigmoid, which is PHATGOOSE's training protocol."""
+
+    def __init__(self, features: int, config: SmearConfig, module_name: str) -> None:
+        super().__init__(features, config, module_name)
+        self.gate = nn.Parameter(torch.zeros(config.num_experts, features))
+        self.gate_training_expert: int | None = None
+
+    def start_gate_training(self, expert: int) -> None:
+        """Route every token to ``expert`` alone, scaled by ``sigmoid(gate[expert] . x)``, until
+        :meth:`stop_gate_training`. Per-example routers read every token meanwhile."""
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert must be in [0, {self.num_experts}), got {expert}.")
+        self.gate_training_expert = expert
+        self.reads, self.per_token = Reads.TOKENS, True  # instance attributes shadow the class's traits
+
+    def stop_gate_training(self) -> None:
+        self.gate_training_expert = None
+        for trait in ("reads", "per_token"):
+            self.__dict__.pop(trait, None)
+
+    def gate_training_decision(self, states: torch.Tensor) -> RoutingDecision:
+        expert = self.gate_training_expert
+        scale = torch.sigmoid(states.float() @ self.gate[expert].float())
+        one_hot = F.one_hot(torch.tensor(expert, device=states.device), self.num_experts).float()
+        return mixed(scale.unsqueeze(-1) * one_hot)
+
+    def local_scores(self, states: torch.Tensor) -> torch.Tensor:
+        """PHATGOOSE's scores ``standardised(x) . standardised(gate_n) / sqrt(d)`` for ``states [..., d]``."""
+        return standardised(states) @ standardised(self.gate).T / math.sqrt(states.shape[-1])
+
+
+class PhatgooseRouter(GateRouter):
+    """PHATGOOSE: per token, softmax of the local scores, the ``phatgoose_top_k`` best kept and renormalised."""
+
+    name = "phatgoose"
+    reads = Reads.TOKENS
+    per_token = True
+    exportable = False
+    options = ("phatgoose_top_k",)
+
+    def __init__(self, features: int, config: SmearConfig, module_name: str) -> None:
+        super().__init__(features, config, module_name)
+        self.k = config.phatgoose_top_k
+
+    @classmethod
+    def validate(cls, config: SmearConfig) -> None:
+        _require_top_k("phatgoose_top_k", config.phatgoose_top_k, config.num_experts)
+
+    def forward(self, tokens: TokenStates, context: RoutingContext) -> RoutingDecision:
+        if self.gate_training_expert is not None:
+            return self.gate_training_decision(tokens.states)
+        return mixed(top_k_renormalised(self.local_scores(tokens.states).softmax(dim=-1), self.k))
+
+
+class GliderRouter(GateRouter):
+    """GLIDER: per token, ``alpha * s_glob + s_loc / sqrt(N)``, softmax, the ``glider_top_k`` best renormalised.
+    ``s_glob [batch, N]`` is the cosine between the example's ``smear_query_embeddings`` and each expert's
+    ``expert_embeddings``; ``alpha = glider_gamma`` when the best cosine exceeds ``glider_threshold``, plus
+    ``glider_beta``. (The paper calls the local score a cosine of the standardised vectors and scales it by
+    ``1/sqrt(N)``; here the local score is PHATGOOSE's, ``1/sqrt(d)`` included, as in PHATGOOSE's code that GLIDER's
+    builds on.)"""
+
+    name = "glider"
+    reads = Reads.TOKENS
+    per_token = True
+    exportable = False
+    options = ("glider_top_k", "glider_threshold", "glider_gamma", "glider_beta")
+
+    def __init__(self, features: int, config: SmearConfig, module_name: str) -> None:
+        super().__init__(features, config, module_name)
+        self.k = config.glider_top_k
+        self.threshold, self.gamma, self.beta = config.glider_threshold, config.glider_gamma, config.glider_beta
+        # From the config, not the weights file: the descriptions' embeddings are bank metadata, saved once.
+        self.register_buffer("expert_embeddings", torch.tensor(config.expert_embeddings), persistent=False)
+
+    @classmethod
+    def validate(cls, config: SmearConfig) -> None:
+        _require_top_k("glider_top_k", config.glider_top_k, config.num_experts)
+        if config.expert_embeddings is None:
+            raise ValueError(
+                f"routing={cls.name!r} compares each example's task-description embedding with each expert's: set "
+                "expert_embeddings (peft_smear.build_expert_bank(..., descriptions=..., embedder=...) does)."
+            )
+        if not 0 <= config.glider_threshold <= 1:
+            raise ValueError(f"glider_threshold is a cosine threshold in [0, 1], got {config.glider_threshold!r}.")
+        for name in ("glider_gamma", "glider_beta"):
+            _require_positive(name, getattr(config, name), allow_zero=True)
+
+    def scores(self, states: torch.Tensor, context: RoutingContext) -> torch.Tensor:
+        """``alpha * s_glob + s_loc / sqrt(N)`` for ``states [batch, (tokens,) d]``, fp32."""
+        queries = context.query_embeddings_for(states.shape[0])
+        if queries is None:
+            raise ValueError(
+                f"routing={self.name!r} needs smear_query_embeddings, a [batch, {self.expert_embeddings.shape[1]}] "
+                "embedding of each example's task description (peft_smear.embed_texts), as a model input."
+            )
+        experts = self.expert_embeddings.to(queries.device)
+        if queries.shape[-1] != experts.shape[-1]:
+            raise ValueError(
+                f"smear_query_embeddings have size {queries.shape[-1]} but the experts' embeddings "
+                f"{experts.shape[-1]}: embed the queries with the model that embedded the expert descriptions."
+            )
+        global_scores = F.cosine_similarity(queries.float()[:, None, :], experts[None], dim=-1)
+        alpha = self.gamma * (global_scores.amax(dim=-1) > self.threshold).float() + self.beta
+        global_scores = (alpha[:, None] * global_scores).to(states.device)
+        if states.dim() == 3:
+            global_scores = global_scores.unsqueeze(1)
+        return global_scores + self.local_scores(states) / math.sqrt(self.num_experts)
+
+    def forward(self, tokens: TokenStates, context: RoutingContext) -> RoutingDecision:
+        if self.gate_training_expert is not None:
+            return self.gate_training_decision(tokens.states)
+        return mixed(top_k_renormalised(self.scores(tokens.states, context).softmax(dim=-1), self.k))
+
+
+class GliderMergeRouter(GliderRouter):
+    """GLIDER's score per example, on the example's pooled input (as SMEAR's router reads it), its top
+    ``glider_top_k`` experts renormalised and their *parameters* merged: one merged expert per example, one LoRA's
+    cost, exportable for a fixed routing."""
+
+    name = "glider_merge"
+    reads = Reads.SUMMARY
+    per_token = False
+    exportable = True
+
+    def forward(self, routed: torch.Tensor | TokenStates, context: RoutingContext) -> RoutingDecision:
+        if self.gate_training_expert is not None:
+            return self.gate_training_decision(routed.states)
+        return merged(top_k_renormalised(self.scores(routed, context).softmax(dim=-1), self.k))
+
+
+def _require_top_k(name: str, k: object, num_experts: int) -> None:
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= num_experts:
+        raise ValueError(f"{name} must be an integer in [1, num_experts={num_experts}], got {k!r}.")
+
+
+def _require_positive(name: str, value: object, allow_zero: bool = False) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name} must be a number {'>=' if allow_zero else '>'} 0, got {value!r}.")
