@@ -37,7 +37,8 @@ from transformers import DataCollatorWithFlattening, PreTrainedTokenizerBase
 from trl import SFTConfig, SFTTrainer
 
 from peft_smear import SmearConfig, get_routing_weights
-from peft_smear.multitask.data import benchmark_task_info, load_benchmark
+from peft_smear.multitask.data import load_benchmark
+from peft_smear.multitask.features import benchmark_task_info
 from peft_smear.multitask.report import RoutingReport
 
 
