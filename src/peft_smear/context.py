@@ -107,6 +107,8 @@ class RoutingContext:
                 self.routing_mask = packing.unpack_tokens(self.routing_mask.bool(), False, "smear_routing_mask")
             if self.task_ids is not None:
                 self.task_ids = packing.per_sequence(self.task_ids, "smear_task_ids")
+            if self.query_embeddings is not None:
+                self.query_embeddings = packing.per_sequence(self.query_embeddings, "smear_query_embeddings")
         self.attention_mask, self.labels, self.input_ids, self.packing = attention_mask, labels, input_ids, packing
         self._prompt_masks, self._token_bytes, self._last_summary = {}, {}, None
 
