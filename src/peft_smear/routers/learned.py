@@ -112,11 +112,12 @@ class ProbabilityRouter(NormalizedInputRouter):
     def forward(self, summary: torch.Tensor, context: RoutingContext) -> RoutingDecision:
         normed = self.normalized_input(summary)
         dropout = self.expert_dropout if self.training else 0.0
-        if self.training and context.training_calls <= self.warmup_steps:
+        if self.warmup_steps and self.training and context.training_calls <= self.warmup_steps:
             probs = drop_experts(normed.new_zeros(normed.shape[0], self.num_experts), dropout).softmax(dim=-1)
             return self.decide(probs, normed, context)
         # Dividing the rows' LayerNorm gain divides the logits: the weight itself is normalised away.
-        probs = router_probabilities(normed, self.row_norm_weight / self.temperature, self.weight, dropout)
+        gain = self.row_norm_weight if self.temperature == 1 else self.row_norm_weight / self.temperature
+        probs = router_probabilities(normed, gain, self.weight, dropout)
         if self.training and self.balance_weight > 0:
             mean = probs.mean(dim=0)
             context.add_aux_loss("router_balance", self.balance_weight * (self.num_experts * mean.square().sum() - 1))
