@@ -19,6 +19,8 @@ Run it with::
 
 Options: ``--steps``, ``--examples-per-task``, ``--learning-rate``, ``--max-length`` (tokens per packed row),
 ``--cache-dir`` (benchmark data cache), ``--model-cache`` (see ``smollm2_instructions.py``), ``--output-dir``.
+On 2 CPU cores shared with other jobs (load 8), 30 steps of about 450 packed tokens took 5 minutes, the whole run
+6 minutes; the loss (mean of 5 steps) fell from 2.0 to 0.2-0.6, and packed prompts routed as alone to 7e-7.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from transformers import DataCollatorWithFlattening, PreTrainedTokenizerBase
 from trl import SFTConfig, SFTTrainer
 
 from peft_smear import SmearConfig, get_routing_weights
-from peft_smear.multitask.data import benchmark_task_info, load_benchmark
+from peft_smear.multitask.data import load_benchmark
+from peft_smear.multitask.features import benchmark_task_info
 from peft_smear.multitask.report import RoutingReport
 
 

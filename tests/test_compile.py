@@ -152,3 +152,25 @@ def test_recompiles_no_more_than_lora_across_batch_sizes_and_lengths():
     lora_count = compilations(lora, [(b, s) for b, s in shapes])
     smear_count = compilations(smear, shapes)
     assert smear_count <= lora_count, f"SMEAR compiled {smear_count} graphs, LoRA {lora_count}"
+
+
+@pytest.mark.parametrize(
+    ("routing", "options"), [("smear", {}), ("smear", {"router_warmup_steps": 2}), ("top_k", {}), ("st_gumbel", {})]
+)
+def test_training_steps_do_not_recompile(routing, options):
+    """Nothing that changes from one training call to the next (the training-call counter, the cached summary) is
+    read by the compiled forward: the graphs of the first step serve every later one."""
+    built = []
+
+    def counting_backend(graph_module: torch.fx.GraphModule, example_inputs: list) -> object:
+        built.append(graph_module)
+        return graph_module.forward
+
+    model = smear_model("prompt", routing=routing, **options).train()
+    compiled = torch.compile(model, backend=counting_backend)
+    inputs = inputs_for("prompt")
+    compiled(**inputs).loss.backward()
+    after_first = len(built)
+    for _ in range(3):
+        compiled(**inputs).loss.backward()
+    assert after_first >= 1 and len(built) == after_first

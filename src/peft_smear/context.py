@@ -66,8 +66,10 @@ class RoutingContext:
     """When the call's rows pack several sequences: their layout. Every per-token field above then holds the padded
     batch of its sequences (``[sequences, longest]``), and the layers unpack their inputs to match."""
 
-    training_calls: int = 0
-    """Calls of the model in training mode so far in this process: the clock of ST-Gumbel's temperature anneal."""
+    training_calls: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.long))
+    """Calls of the model in training mode so far in this process: the clock of ST-Gumbel's temperature anneal and of
+    the routers' warm-up. A tensor, counted in place: ``torch.compile`` would specialise on an integer and recompile
+    at every training step."""
 
     policy_steps: list[PolicyStep] = field(default_factory=list)
     """REINFORCE records of the current call, turned into losses once the task loss is known."""
@@ -87,7 +89,8 @@ class RoutingContext:
     def begin_model_call(self, training: bool) -> None:
         """Forget the previous call's auxiliary losses; count training calls."""
         self.policy_steps, self.aux_losses = [], {}
-        self.training_calls += int(training)
+        if training:
+            self.training_calls += 1
 
     def start_call(
         self,
@@ -107,6 +110,8 @@ class RoutingContext:
                 self.routing_mask = packing.unpack_tokens(self.routing_mask.bool(), False, "smear_routing_mask")
             if self.task_ids is not None:
                 self.task_ids = packing.per_sequence(self.task_ids, "smear_task_ids")
+            if self.query_embeddings is not None:
+                self.query_embeddings = packing.per_sequence(self.query_embeddings, "smear_query_embeddings")
         self.attention_mask, self.labels, self.input_ids, self.packing = attention_mask, labels, input_ids, packing
         self._prompt_masks, self._token_bytes, self._last_summary = {}, {}, None
 

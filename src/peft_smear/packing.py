@@ -56,9 +56,9 @@ class PackedLayout:
         self.mask = torch.arange(self.max_length, device=device) < self.lengths.unsqueeze(1)
         """``[S, longest]`` bool: the real tokens of the padded batch."""
         positions = torch.arange(self.max_length, device=device).masked_fill(~self.mask, 0)
-        self._from_packed = (first_token.unsqueeze(1) + positions).reshape(-1)  # padded slot -> packed token
-        self._to_packed = sequence_of_token * self.max_length + offset  # packed token -> padded slot
-        self._indices = {device: (self._from_packed, self._to_packed)}
+        self._unpack_index = (first_token.unsqueeze(1) + positions).reshape(-1)  # padded slot -> packed token
+        self._pack_index = sequence_of_token * self.max_length + offset  # packed token -> padded slot
+        self._indices = {device: (self._unpack_index, self._pack_index)}
         self._last: tuple[torch.Tensor, int, torch.Tensor] | None = None
 
     def covers(self, x: torch.Tensor) -> bool:
@@ -76,9 +76,9 @@ class PackedLayout:
         last = self._last
         if share and last is not None and last[0] is x and last[1] == x._version:
             return last[2]
-        from_packed, _ = self._on(x.device)
+        unpack_index, _ = self._on(x.device)
         tail = x.shape[2:]
-        unpacked = x.reshape(-1, *tail).index_select(0, from_packed).view(self.num_sequences, self.max_length, *tail)
+        unpacked = x.reshape(-1, *tail).index_select(0, unpack_index).view(self.num_sequences, self.max_length, *tail)
         if share:
             self._last = (x, x._version, unpacked)
         return unpacked
@@ -88,9 +88,9 @@ class PackedLayout:
         last = self._last
         if last is not None and last[2] is x and last[0]._version == last[1]:
             return last[0]
-        _, to_packed = self._on(x.device)
+        _, pack_index = self._on(x.device)
         tail = x.shape[2:]
-        return x.reshape(-1, *tail).index_select(0, to_packed).view(self.rows, self.row_length, *tail)
+        return x.reshape(-1, *tail).index_select(0, pack_index).view(self.rows, self.row_length, *tail)
 
     def unpack_tokens(self, values: torch.Tensor, fill: int | bool, name: str) -> torch.Tensor:
         """A per-token input of the call (``labels``, ``input_ids``, a routing mask; ``[rows, tokens]``, or fewer
@@ -100,8 +100,8 @@ class PackedLayout:
                 f"{name} has shape {tuple(values.shape)} but the packed input is [{self.rows}, {self.row_length}]."
             )
         values = F.pad(values, (0, self.row_length - values.shape[1]), value=fill)
-        from_packed, _ = self._on(values.device)
-        unpacked = values.reshape(-1).index_select(0, from_packed).view(self.num_sequences, self.max_length)
+        unpack_index, _ = self._on(values.device)
+        unpacked = values.reshape(-1).index_select(0, unpack_index).view(self.num_sequences, self.max_length)
         return unpacked.masked_fill(~self.mask.to(values.device), fill)
 
     def per_sequence(self, values: torch.Tensor, name: str) -> torch.Tensor:
@@ -118,7 +118,7 @@ class PackedLayout:
 
     def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._indices:
-            self._indices[device] = (self._from_packed.to(device), self._to_packed.to(device))
+            self._indices[device] = (self._unpack_index.to(device), self._pack_index.to(device))
         return self._indices[device]
 
 

@@ -9,7 +9,6 @@ still become sharp where that helps.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -112,11 +111,15 @@ class ProbabilityRouter(NormalizedInputRouter):
     def forward(self, summary: torch.Tensor, context: RoutingContext) -> RoutingDecision:
         normed = self.normalized_input(summary)
         dropout = self.expert_dropout if self.training else 0.0
-        if self.training and context.training_calls <= self.warmup_steps:
-            probs = drop_experts(normed.new_zeros(normed.shape[0], self.num_experts), dropout).softmax(dim=-1)
-            return self.decide(probs, normed, context)
         # Dividing the rows' LayerNorm gain divides the logits: the weight itself is normalised away.
-        probs = router_probabilities(normed, self.row_norm_weight / self.temperature, self.weight, dropout)
+        gain = self.row_norm_weight if self.temperature == 1 else self.row_norm_weight / self.temperature
+        probs = router_probabilities(normed, gain, self.weight, dropout)
+        if self.warmup_steps and self.training:
+            # Uniform (with expert dropout) while warming up, by arithmetic rather than a branch on the counter, so
+            # that a compiled model neither breaks its graph nor recompiles; the router's gradient is zero meanwhile.
+            uniform = drop_experts(torch.zeros_like(probs), dropout).softmax(dim=-1)
+            warming = (context.training_calls <= self.warmup_steps).to(probs.dtype)
+            probs = probs * (1 - warming) + uniform * warming
         if self.training and self.balance_weight > 0:
             mean = probs.mean(dim=0)
             context.add_aux_loss("router_balance", self.balance_weight * (self.num_experts * mean.square().sum() - 1))
@@ -180,8 +183,9 @@ class TopKRouter(ProbabilityRouter):
         return mixed(probs * torch.zeros_like(probs).scatter_(1, top, 1.0))
 
 
-def annealed_temperature(start: float, rate: float, floor: float, step: int) -> float:
-    return max(floor, start * math.exp(-rate * step))
+def annealed_temperature(start: float, rate: float, floor: float, step: torch.Tensor | int) -> torch.Tensor:
+    """``max(floor, start * exp(-rate * step))`` as a tensor, so that the step is data, not a compiled constant."""
+    return (start * torch.exp(-rate * torch.as_tensor(step, dtype=torch.float32))).clamp(min=floor)
 
 
 class STGumbelRouter(ProbabilityRouter):
