@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from .arguments import CommandError, positive_int
 from .export import refuse_occupied
-from .routers import ROUTING_METHODS
+from .routers import ROUTERS, ROUTING_METHODS
 
 
 def add_build_bank_command(commands: argparse._SubParsersAction) -> None:
@@ -94,7 +94,8 @@ def build_bank_command(args: argparse.Namespace) -> None:
         raise CommandError("--examples needs --description-model to write the descriptions.")
     if (descriptions or examples) and set(descriptions) | set(examples) != set(adapters):
         raise CommandError(f"describe every expert (given or generated): {sorted(adapters)}.")
-    if args.routing in ("glider", "glider_merge") and (args.embedding_model is None or not (descriptions or examples)):
+    described = descriptions or examples
+    if ROUTERS[args.routing].needs_task_descriptions and (args.embedding_model is None or not described):
         raise CommandError(f"--routing {args.routing} needs descriptions (or --examples) and --embedding-model.")
 
     task_type = args.task_type or PeftConfig.from_pretrained(str(next(iter(adapters.values())))).task_type

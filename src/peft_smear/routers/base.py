@@ -140,6 +140,10 @@ class Router(nn.Module):
     default_num_experts: ClassVar[int] = 8
     """``SmearConfig.num_experts`` when left unset."""
 
+    needs_task_descriptions: ClassVar[bool] = False
+    """Whether the method scores experts by embeddings of task descriptions (GLIDER's global router): a bank built
+    for it needs each expert's description and an embedding model."""
+
     description: ClassVar[str] = ""
     """One line on what the method does with the experts (the model card's)."""
 

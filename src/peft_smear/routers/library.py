@@ -158,6 +158,7 @@ class GliderRouter(GateRouter):
 
     name = "glider"
     description = "GLIDER: per token, PHATGOOSE's local scores plus a global score from the query's task description"
+    needs_task_descriptions = True
     reads = Reads.TOKENS
     per_token = True
     exportable = False
