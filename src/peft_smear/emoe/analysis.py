@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -27,28 +26,20 @@ def selection_report(model: nn.Module, batches_by_task: Mapping[str, Iterable[Ma
     model.eval()
     for gate in gates.values():
         gate.record = True
-    tasks, examples, means, entropies = [], [], [], []
+
+    def shares(batches: Iterable[Mapping[str, Any]]) -> Iterator[torch.Tensor]:
+        for batch in batches:
+            with torch.no_grad():
+                model(**batch)
+            yield torch.stack([_example_shares(gate, batch.get("attention_mask")) for gate in gates.values()])
+
     try:
-        for task, batches in batches_by_task.items():
-            totals, entropy_total, count = 0.0, 0.0, 0
-            for batch in batches:
-                with torch.no_grad():
-                    model(**batch)
-                shares = torch.stack([_example_shares(gate, batch.get("attention_mask")) for gate in gates.values()])
-                totals = totals + shares.sum(dim=1)  # [layers, experts]
-                entropy_total += -(shares * shares.clamp_min(1e-12).log()).sum(dim=-1).mean(dim=0).sum().item()
-                count += shares.shape[1]
-            if not count:
-                raise ValueError(f"Task {task!r} has no examples to report expert selection on.")
-            tasks.append(task)
-            examples.append(count)
-            means.append((totals / count).numpy())
-            entropies.append(entropy_total / count)
+        by_task = {task: shares(batches) for task, batches in batches_by_task.items()}
+        return RoutingReport.from_weights(by_task, list(gates))
     finally:
         for gate in gates.values():
             gate.record, gate.last_selection = False, None
         model.train(was_training)
-    return RoutingReport(tasks, list(gates), examples, np.stack(means), np.array(entropies))
 
 
 def _example_shares(gate: EmoeGate, attention_mask: torch.Tensor | None) -> torch.Tensor:

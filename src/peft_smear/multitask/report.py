@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,14 +32,25 @@ class RoutingReport:
         cls, peft_model: torch.nn.Module, batches_by_task: Mapping[str, Iterable[Mapping[str, Any]]]
     ) -> RoutingReport:
         """Run every task's batches through ``peft_model`` (eval mode, no gradients) and average its routing."""
-        tasks, routers, examples, means, entropies = [], None, [], [], []
-        for task, batches in batches_by_task.items():
-            totals, entropy_total, count = None, 0.0, 0
+        routers: list[str] = []
+
+        def weights(batches: Iterable[Mapping[str, Any]]) -> Iterator[torch.Tensor]:
             for batch in batches:
                 routing = get_routing_weights(peft_model, **batch)
-                if routers is None:
-                    routers = list(routing)
-                weights = torch.stack([routing[name].float().cpu() for name in routers])  # [routers, batch, experts]
+                routers[:] = routers or list(routing)
+                yield torch.stack([routing[name].float().cpu() for name in routers])
+
+        return cls.from_weights({task: weights(batches) for task, batches in batches_by_task.items()}, routers)
+
+    @classmethod
+    def from_weights(cls, weights_by_task: Mapping[str, Iterable[torch.Tensor]], routers: list[str]) -> RoutingReport:
+        """The report of per-example distributions: each task's ``[routers, batch, experts]`` tensors, one per batch,
+        averaged over the task's examples. ``routers`` names their first dimension (it may be filled while the
+        iterables run)."""
+        tasks, examples, means, entropies = [], [], [], []
+        for task, batches in weights_by_task.items():
+            totals, entropy_total, count = None, 0.0, 0
+            for weights in batches:
                 totals = weights.sum(dim=1) if totals is None else totals + weights.sum(dim=1)
                 entropy_total += -(weights * weights.clamp_min(1e-12).log()).sum(dim=-1).mean(dim=0).sum().item()
                 count += weights.shape[1]
@@ -49,7 +60,7 @@ class RoutingReport:
             examples.append(count)
             means.append((totals / count).numpy())
             entropies.append(entropy_total / count)
-        return cls(tasks, routers or [], examples, np.stack(means), np.array(entropies))
+        return cls(tasks, list(routers), examples, np.stack(means), np.array(entropies))
 
     @property
     def num_experts(self) -> int:
