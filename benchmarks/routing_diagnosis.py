@@ -29,7 +29,7 @@ from transformers import get_linear_schedule_with_warmup
 
 from peft_smear import SmearLinear, create_router_optimizer
 from peft_smear.multitask.training import build_model, default_model_dir, smear_config
-from peft_smear.routing_stats import COLLAPSE_THRESHOLD
+from peft_smear.routing_stats import collapsed_routers
 
 
 def expert_update_norms(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -52,10 +52,7 @@ def step_statistics(recorded: dict, names: dict, task_ids: torch.Tensor, num_tas
         per_task = torch.stack([weights[task_ids == t].mean(0) for t in range(num_tasks) if (task_ids == t).any()])
         pairs = [(i, j) for i in range(len(per_task)) for j in range(i + 1, len(per_task))]
         distance = sum(0.5 * (per_task[i] - per_task[j]).abs().sum() for i, j in pairs) / max(len(pairs), 1)
-        collapsed = bool(
-            (per_task.max(-1).values > COLLAPSE_THRESHOLD).all()
-            and (per_task.argmax(-1) == per_task[0].argmax()).all()
-        )
+        collapsed = bool(collapsed_routers(per_task[:, None, :])[0])  # [tasks, one router, experts]
         stats[names[layer]] = {
             "entropy": float(entropy),
             "load": weights.mean(0).tolist(),
