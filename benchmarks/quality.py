@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import multiprocessing
 import os
@@ -110,6 +111,8 @@ INVESTIGATIONS = {
         "SMEAR, experts initialised N(0, 0.01²) (reference code)", "smear", {"init_weights": "smear"}
     ),
     "smear_2x_experts": Method("SMEAR 2× (16 experts)", "smear", {"num_experts": 16}),
+    # The remedy the routing diagnosis favoured: the largest task distance and no collapsed router at 500 steps.
+    "smear_balanced": Method("SMEAR, load balancing 0.01", "smear", {"router_balance_weight": 0.01}),
 }
 ALL_METHODS = {**METHODS, **INVESTIGATIONS}
 
@@ -162,6 +165,20 @@ PRESETS = {
         note="Reduced for 2 CPU cores: 72 steps of batch 16 (1,152 training examples, not 8,000), 32 tokens per "
         "example (not 64), 120 validation and 120 test examples per task (not 250); the routing heatmaps use 32 "
         "test examples per task.",
+    ),
+    # Long enough for routing to matter (the router-collapse issue asks for at least 500 steps of batch 32): about 5
+    # minutes a run on one idle core. Two rates, not three, to fit seven methods in about 90 minutes of 2 cores.
+    "long": Preset(
+        steps=500,
+        batch_size=32,
+        max_length=32,
+        max_examples_per_task=2000,
+        eval_examples_per_task=200,
+        learning_rates=(1e-3, 3e-3),
+        seeds=3,
+        routing_examples=64,
+        note="500 steps of batch 32 (16,000 training examples drawn from up to 2,000 per task), 32 tokens per example "
+        "(not 64), 200 validation and 200 test examples per task; the routing heatmaps use 64 test examples per task.",
     ),
     "full": Preset(
         steps=250,
@@ -380,6 +397,29 @@ def choose_learning_rates(rows: Iterable[dict[str, Any]]) -> dict[str, float]:
     return {method: -key[1] for method, key in best.items()}
 
 
+class RunJournal:
+    """Finished runs, one JSON line each after a header naming the benchmark's settings, so that a benchmark cut
+    short (a session's time limit) resumes where it stopped; a journal of other settings is refused, never mixed in."""
+
+    def __init__(self, path: Path, settings: dict[str, Any], resume: bool) -> None:
+        self.path, self.finished = path, {}
+        header = json.dumps({"settings": settings}, sort_keys=True)
+        if resume and path.exists():
+            lines = path.read_text().splitlines()
+            if not lines or lines[0] != header:
+                raise SystemExit(f"{path} was written with other settings than this command's; not resuming from it.")
+            for line in lines[1:]:
+                row = json.loads(line)
+                run = Run(row["method"], row["learning_rate"], row["seed"], row["phase"])
+                self.finished[run] = row
+        else:
+            path.write_text(header + "\n")
+
+    def record(self, row: dict[str, Any]) -> None:
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(row) + "\n")
+
+
 def run_benchmark(
     setup: Setup,
     methods: Sequence[str],
@@ -388,11 +428,14 @@ def run_benchmark(
     jobs: int = 1,
     threads: int | None = None,
     log: Callable[[str], None] = print,
+    journal: RunJournal | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, float], dict[str, RoutingReport]]:
     """Sweep every method's rates with seed 0, then run its other seeds at the chosen rate, as soon as its own sweep
     is done (so ``jobs`` processes never wait for the slowest method's sweep); an ablation (``Method.rate_of``) runs
     all its seeds at its method's rate once that is chosen. Returns every run's row (in method, phase, rate, seed
-    order), the chosen rates, and each routed method's routing report from its seed-0 run at the chosen rate."""
+    order), the chosen rates, and each routed method's routing report from its seed-0 run at the chosen rate.
+    ``journal`` records each finished run and replays the runs an interrupted benchmark already finished (those have
+    no routing report)."""
     if jobs == 1:
         executor = _InlineExecutor(setup)
     else:  # spawn: never fork a process that has started torch's threads
@@ -405,7 +448,12 @@ def run_benchmark(
 
     def submit(method: str, rate: float, seed: int, phase: str) -> None:
         run = Run(method, rate, seed, phase)
-        pending[executor.submit(_run_in_worker, run)] = run
+        if journal is not None and run in journal.finished:
+            future: Future = Future()
+            future.set_result((journal.finished[run], None))
+        else:
+            future = executor.submit(_run_in_worker, run)
+        pending[future] = run
 
     with executor:
         for method in methods:
@@ -417,7 +465,10 @@ def run_benchmark(
             for future in done:
                 run = pending.pop(future)
                 results[run] = future.result()
-                log(_progress(results[run][0]))
+                replayed = journal is not None and run in journal.finished
+                if journal is not None and not replayed:
+                    journal.record(results[run][0])
+                log(_progress(results[run][0]) + (" (from the journal)" if replayed else ""))
                 swept = [row for other, (row, _) in results.items() if other.method == run.method]
                 if run.phase == "sweep" and len(swept) == len(learning_rates):
                     chosen[run.method] = choose_learning_rates(swept)[run.method]
@@ -582,10 +633,28 @@ def check_targets(summaries: dict[str, Summary]) -> list[tuple[str, str]]:
             checks.append((label, verdict(ok(smear.mean(), summaries[other].mean()), versus(other))))
         else:
             checks.append((label, f"not run ({other})"))
+    for variant in [m for m in summaries if ALL_METHODS[m].routing == "smear" and m != "smear_no_dropout"]:
+        checks += _margin_targets(variant, summaries)
     if "smear_no_dropout" in summaries:
         checks.append(
             ("Ablation: SMEAR with expert dropout 0.1 vs without (not a target)", versus("smear_no_dropout"))
         )
+    return checks
+
+
+def _margin_targets(variant: str, summaries: dict[str, Summary]) -> list[tuple[str, str]]:
+    """The router-collapse issue's targets for a SMEAR variant: ≥ Tag, > single expert and > LoRA 1× parameters, each
+    by more than the paired spread (the paired difference's mean exceeds its sample std over seeds)."""
+    label, checks = ALL_METHODS[variant].label, []
+    for other, relation in (("tag", "≥"), ("single", ">"), ("lora_1x_params", ">")):
+        target = f"{label} {relation} {ALL_METHODS[other].label} by more than the paired spread"
+        if other not in summaries:
+            checks.append((target, f"not run ({other})"))
+            continue
+        mean, std = paired_difference(summaries[variant], summaries[other])
+        ok = mean > std if relation == ">" else mean >= 0 and mean >= std
+        detail = f"{summaries[variant].mean():.2f} vs {summaries[other].mean():.2f}; paired {mean:+.2f} ± {std:.2f}"
+        checks.append((target, f"{'met' if ok else 'missed'} ({detail})"))
     return checks
 
 
@@ -705,6 +774,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-dir", type=Path, default=Path("outputs/quality"))
     parser.add_argument("--figures-dir", type=Path, default=Path("benchmarks/figures"))
     parser.add_argument("--append-results", type=Path, default=None, metavar="RESULTS_MD")
+    parser.add_argument(
+        "--resume", action="store_true", help="reuse the runs <output-dir>/runs.jsonl recorded (same settings only)"
+    )
     return parser.parse_args(argv)
 
 
@@ -729,8 +801,12 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
             args.device == "cpu",
             Path(scratch),
         )
+        settings = {"preset": asdict(preset), "learning_rates": learning_rates, "tasks": [t.name for t in setup.tasks]}
+        journal = RunJournal(args.output_dir / "runs.jsonl", settings, args.resume)
+        if journal.finished:
+            log(f"resuming: {len(journal.finished)} finished runs in {journal.path}")
         rows, _, reports = run_benchmark(
-            setup, args.methods, learning_rates, preset.seeds, args.jobs, args.threads, log
+            setup, args.methods, learning_rates, preset.seeds, args.jobs, args.threads, log, journal
         )
     seconds, load_after = time.perf_counter() - started, os.getloadavg()
     summaries = summarise(rows, setup.tasks)

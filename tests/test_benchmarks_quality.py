@@ -5,6 +5,7 @@ section are written. Only the plumbing is tested: these numbers mean nothing."""
 from __future__ import annotations
 
 import csv
+import json
 import math
 import re
 
@@ -35,20 +36,24 @@ def outputs(quality, tmp_path_factory):
     files = write_task_files(root)
     argv = ["--preset", "tiny", "--model", root / "encoder", "--methods", *METHODS, "--device", "cpu"]
     argv += [arg for name, path in files.items() for arg in ("--task-file", f"{name}={path}")]
-    argv += ["--output-dir", root / "out", "--figures-dir", root / "figures", "--append-results", root / "RESULTS.md"]
+    run_tiny(quality, [*argv, "--output-dir", root / "out", "--figures-dir", root / "figures"], root / "RESULTS.md")
+    with open(root / "out" / "runs.csv") as handle:
+        reader = csv.DictReader(handle)
+        return root, reader.fieldnames, list(reader), argv
+
+
+def run_tiny(quality, argv, results=None, log=lambda _: None) -> None:
+    argv = [*argv, "--append-results", results] if results is not None else argv
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model gains nothing from threads, and a shared machine loses a lot to them
     try:
-        assert quality.main([str(arg) for arg in argv], log=lambda _: None) == 0
+        assert quality.main([str(arg) for arg in argv], log=log) == 0
     finally:
         torch.set_num_threads(threads)
-    with open(root / "out" / "runs.csv") as handle:
-        reader = csv.DictReader(handle)
-        return root, reader.fieldnames, list(reader)
 
 
 def test_every_run_is_in_the_csv_with_finite_metrics(quality, outputs):
-    _, columns, rows = outputs
+    _, columns, rows, _ = outputs
     tasks = [quality.TaskInfo("topic", "classification", ("a", "b")), quality.TaskInfo("count", "regression")]
     assert columns == quality.csv_columns(tasks)
     seeds = quality.PRESETS["tiny"].seeds
@@ -71,7 +76,7 @@ def test_every_run_is_in_the_csv_with_finite_metrics(quality, outputs):
 
 
 def test_the_learning_rate_kept_is_the_validation_argmax(outputs):
-    _, _, rows = outputs
+    _, _, rows, _ = outputs
     for method in SWEPT:
         sweep = [row for row in rows if row["method"] == method and row["phase"] == "sweep"]
         assert sorted(float(row["learning_rate"]) for row in sweep) == RATES
@@ -84,7 +89,7 @@ def test_the_learning_rate_kept_is_the_validation_argmax(outputs):
 
 
 def test_the_ablation_trains_every_seed_at_smears_chosen_rate_without_a_sweep(quality, outputs):
-    _, _, rows = outputs
+    _, _, rows, _ = outputs
     smear_rate = {row["learning_rate"] for row in rows if row["method"] == "smear" and row["chosen"] == "True"}
     ablation = [row for row in rows if row["method"] == ABLATION]
     assert [row["seed"] for row in ablation] == [str(seed) for seed in range(quality.PRESETS["tiny"].seeds)]
@@ -93,7 +98,7 @@ def test_the_ablation_trains_every_seed_at_smears_chosen_rate_without_a_sweep(qu
 
 
 def test_table_targets_and_results_section(quality, outputs):
-    root, _, rows = outputs
+    root, _, rows, _ = outputs
     text = (root / "out" / "quality.md").read_text()
     table = [line for line in text.split("### Targets")[0].splitlines() if line.startswith("|")]
     header = [cell.strip() for cell in table[0].strip("|").split("|")]
@@ -136,6 +141,33 @@ def test_table_targets_and_results_section(quality, outputs):
     assert results.startswith("# Benchmark results") and "## Quality, preset `tiny`" in results
     assert "python benchmarks/quality.py --preset tiny" in results and "Load average" in results
     assert text in results
+
+
+def test_an_interrupted_benchmark_resumes_from_its_journal(quality, outputs, tmp_path):
+    root, _, rows, argv = outputs
+    journal = (root / "out" / "runs.jsonl").read_text().splitlines()
+    assert len(journal) == 1 + len(rows)  # the settings, then one line per finished run
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "runs.jsonl").write_text("\n".join(journal[:4]) + "\n")  # cut off after three runs
+    lines = []
+    resumed = [*argv, "--output-dir", tmp_path / "out", "--figures-dir", tmp_path / "figures", "--resume"]
+    run_tiny(quality, resumed, log=lines.append)
+    assert f"resuming: 3 finished runs in {tmp_path / 'out' / 'runs.jsonl'}" in lines
+    assert sum("(from the journal)" in line for line in lines) == 3
+    assert len((tmp_path / "out" / "runs.jsonl").read_text().splitlines()) == 1 + len(rows)
+    with open(tmp_path / "out" / "runs.csv") as handle:
+        rerun = {(r["method"], r["learning_rate"], r["seed"]): r for r in csv.DictReader(handle)}
+    assert len(rerun) == len(rows)
+    for line in journal[1:4]:
+        kept = json.loads(line)
+        row = rerun[(kept["method"], str(kept["learning_rate"]), str(kept["seed"]))]
+        assert (
+            float(row["test_average"]) == kept["test_average"] and float(row["train_seconds"]) == kept["train_seconds"]
+        )
+
+    (tmp_path / "out" / "runs.jsonl").write_text('{"settings": {"preset": "another"}}\n')
+    with pytest.raises(SystemExit, match="other settings"):
+        run_tiny(quality, resumed)
 
 
 def test_targets_compare_the_means(quality):
