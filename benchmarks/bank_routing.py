@@ -419,14 +419,21 @@ METHODS = {  # label -> (routing, descriptions: None, "written" or "generated")
 }
 
 
-def run(preset: Preset, seed: int, cache_dir: str | None, figures: Path | None, log: Callable[[str], None]) -> dict:
+def run(
+    preset: Preset,
+    seed: int,
+    cache_dir: str | None,
+    figures: Path | None,
+    workdir: Path,
+    log: Callable[[str], None],
+) -> dict:
+    """The whole comparison; the experts are saved under ``workdir``."""
     started = time.perf_counter()
 
     def progress(message: str) -> None:
         log(f"[{time.perf_counter() - started:5.0f} s] {message}")
 
     torch.manual_seed(seed)
-    workdir = Path(tempfile.mkdtemp(prefix="bank-routing-"))
     if preset.model == "tiny":
         models, tasks = load_tiny(preset, workdir, seed)
     else:
@@ -643,6 +650,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, help="torch threads")
     parser.add_argument("--figures", type=Path, default=None, help="write the routing heatmaps to this PNG")
     parser.add_argument("--append-results", type=Path, default=None, metavar="RESULTS_MD")
+    parser.add_argument("--experts-dir", type=Path, help="keep the trained task experts here (default: discarded)")
     return parser.parse_args(argv)
 
 
@@ -652,7 +660,10 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
         torch.set_num_threads(args.threads)
     preset = PRESETS[args.preset]
     load_before, started = os.getloadavg(), time.perf_counter()
-    outcome = run(preset, args.seed, args.cache_dir, args.figures, log)
+    with tempfile.TemporaryDirectory(prefix="bank-routing-") as scratch:
+        workdir = args.experts_dir or Path(scratch)
+        workdir.mkdir(parents=True, exist_ok=True)
+        outcome = run(preset, args.seed, args.cache_dir, args.figures, workdir, log)
     seconds, load_after = time.perf_counter() - started, os.getloadavg()
     body = report(outcome, preset)
     log(body)

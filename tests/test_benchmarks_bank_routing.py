@@ -24,7 +24,16 @@ def bank_routing():
 def tiny_run(bank_routing, tmp_path_factory):
     root = tmp_path_factory.mktemp("bank_routing")
     lines = []
-    argv = ["--preset", "tiny", "--threads", "1", "--figures", str(root / "heat.png")]
+    argv = [
+        "--preset",
+        "tiny",
+        "--threads",
+        "1",
+        "--figures",
+        str(root / "heat.png"),
+        "--experts-dir",
+        str(root / "x"),
+    ]
     assert bank_routing.main([*argv, "--append-results", str(root / "RESULTS.md")], log=lines.append) == 0
     return root, "\n".join(lines)
 
@@ -44,6 +53,8 @@ def test_the_tiny_preset_reports_every_method_in_both_settings(bank_routing, tin
         assert 0.0 <= retrieval <= 1.0
     assert re.search(r"^\| oracle expert \|.* 1\.00× \|$", held_in, re.M)
     assert (root / "heat.png").stat().st_size > 0
+    for task in bank_routing.PRESETS["tiny"].tasks:  # the trained experts are kept when asked
+        assert (root / "x" / task / "adapter_model.safetensors").is_file()
     section = (root / "RESULTS.md").read_text()
     assert "- Command: `python benchmarks/bank_routing.py --preset tiny --threads 1" in section
     assert section.count("- held-in: GLIDER") == 2 and section.count("- held-out: GLIDER") == 2
