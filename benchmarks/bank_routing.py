@@ -141,40 +141,63 @@ PRESETS = {
         "400 test examples per task.",
     ),
 }
-# Label words (one token each in SmolLM2's tokenizer), the instruction in the prompt, and two task descriptions by
-# different hands: the expert contributor's (kept with the bank) and the user's (the query's, for GLIDER).
+# Per task: the label word of each class, by the dataset's class name (never by position: rt_fresh's classes are
+# ["fresh", "rotten"], tweets_sent's ["negative", "positive"]), one token each in SmolLM2's tokenizer; the
+# instruction in the prompt; and two task descriptions by different hands, the expert contributor's (kept with the
+# bank) and the user's (the query's, for GLIDER).
 REAL_TASK_TEXT = {
     "trec6": (
-        ("abbreviation", "description", "entity", "person", "location", "number"),
+        {
+            "ABBR": "abbreviation",
+            "DESC": "description",
+            "ENTY": "entity",
+            "HUM": "person",
+            "LOC": "location",
+            "NUM": "number",
+        },
         "What kind of answer does this question ask for?",
         "Classify a question by the type of answer it expects, such as a person, a place or a number.",
         "Tell which category of answer a question is looking for.",
     ),
     "sms_spam": (
-        ("normal", "spam"),
+        {"ham": "normal", "spam": "spam"},
         "Is this text message spam?",
         "Detect whether an SMS text message is spam or a normal message.",
         "Decide if a phone text is unwanted advertising.",
     ),
     "bbc_news": (
-        ("business", "entertainment", "politics", "sports", "technology"),
+        {
+            "business": "business",
+            "entertainment": "entertainment",
+            "politics": "politics",
+            "sports": "sports",
+            "tech": "technology",
+        },
         "What is the topic of this news article?",
         "Assign a news article to its topic: business, entertainment, politics, sport or technology.",
         "Find the section of the newspaper a story belongs in.",
     ),
     "rt_fresh": (
-        ("negative", "positive"),
+        {"fresh": "positive", "rotten": "negative"},
         "Is this movie review positive or negative?",
         "Judge whether a short film review from a critic is favourable or unfavourable.",
         "Say if a critic liked the movie.",
     ),
     "tweets_sent": (
-        ("negative", "positive"),
+        {"negative": "negative", "positive": "positive"},
         "Is the sentiment of this tweet positive or negative?",
         "Classify the sentiment of a tweet as positive or negative.",
         "Tell whether a social media post expresses a good or bad feeling.",
     ),
 }
+
+
+def label_words(task: str, class_names: list[str]) -> list[str]:
+    """The label word of each class, in the dataset's class order; a class without a word is an error."""
+    by_class = REAL_TASK_TEXT[task][0]
+    if sorted(by_class) != sorted(class_names):
+        raise ValueError(f"{task}: the data's classes are {class_names}, the label words cover {sorted(by_class)}.")
+    return [by_class[name] for name in class_names]
 
 
 @dataclass
@@ -230,7 +253,8 @@ def load_real(preset: Preset, cache_dir: str | None, seed: int) -> tuple[Models,
     )
     tasks = []
     for name in preset.tasks:
-        words, instruction, written, written_query = REAL_TASK_TEXT[name]
+        _, instruction, written, written_query = REAL_TASK_TEXT[name]
+        words = label_words(name, data["train"].features["label_by_task"][name].names)
         label_ids = [tokenizer(" " + word, add_special_tokens=False).input_ids[0] for word in words]
 
         def prompts(split: str, task: str = name, instruction: str = instruction) -> list[tuple[str, list[int], int]]:

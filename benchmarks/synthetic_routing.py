@@ -75,6 +75,7 @@ METHODS = {
     "smear_no_dropout": Method("SMEAR without expert dropout", "smear", {"expert_dropout": 0.0}),
     "smear_slow_router": Method("SMEAR, router learning rate ×0.1", "smear", router_lr_ratio=0.1),
     "smear_fast_router": Method("SMEAR, router learning rate ×10", "smear", router_lr_ratio=10.0),
+    "smear_balanced": Method("SMEAR, load balancing 0.01", "smear", {"router_balance_weight": 0.01}),
 }
 DEFAULT_METHODS = ("smear", "top_k", "dselect_k", "tag")
 

@@ -126,3 +126,10 @@ def test_glider_targets_follow_the_issue(bank_routing):
     assert verdict("held-in", "generated").startswith("missed") and "-2.5%" in verdict("held-in", "generated")
     assert verdict("held-out", "written").startswith("met")  # a tie with the best is enough
     assert verdict("held-out", "generated").startswith("missed")
+
+
+def test_label_words_follow_the_datasets_class_names_not_their_positions(bank_routing):
+    assert bank_routing.label_words("rt_fresh", ["fresh", "rotten"]) == ["positive", "negative"]
+    assert bank_routing.label_words("rt_fresh", ["rotten", "fresh"]) == ["negative", "positive"]
+    with pytest.raises(ValueError, match=r"rt_fresh: the data's classes are \['fresh', 'stale'\]"):
+        bank_routing.label_words("rt_fresh", ["fresh", "stale"])
