@@ -34,7 +34,11 @@ def tiny_run(bank_routing, tmp_path_factory):
         "--experts-dir",
         str(root / "x"),
     ]
-    assert bank_routing.main([*argv, "--append-results", str(root / "RESULTS.md")], log=lines.append) == 0
+    threads = torch.get_num_threads()  # --threads sets the process's torch threads: give them back
+    try:
+        assert bank_routing.main([*argv, "--append-results", str(root / "RESULTS.md")], log=lines.append) == 0
+    finally:
+        torch.set_num_threads(threads)
     return root, "\n".join(lines)
 
 

@@ -173,6 +173,7 @@ LOAD_OFFLINE = textwrap.dedent(
     from transformers import AutoModelForCausalLM
 
     batch = torch.load(sys.argv[1])
+    torch.set_num_threads(int(sys.argv[3]))  # the test's own: bit-equal logits need the same matmul blocking
     base = AutoModelForCausalLM.from_pretrained("{base}")
     for model in (
         PeftModel.from_pretrained(base, "{adapter}"),
@@ -193,6 +194,7 @@ def test_a_pushed_adapter_loads_by_repo_id_from_the_hub_cache_offline(monkeypatc
     add_to_hub_cache(cache, ADAPTER_REPO, hub.uploaded)
 
     batch = random_batch(2, 5)
+    threads = str(torch.get_num_threads())
     with torch.no_grad():
         torch.save(model(**batch).logits, tmp_path / "expected.pt")
     torch.save(batch, tmp_path / "batch.pt")
@@ -206,7 +208,7 @@ def test_a_pushed_adapter_loads_by_repo_id_from_the_hub_cache_offline(monkeypatc
         "PYTHONPATH": os.pathsep.join([str(Path(peft_smear.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
     }
     result = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "batch.pt"), str(tmp_path / "expected.pt")],
+        [sys.executable, str(script), str(tmp_path / "batch.pt"), str(tmp_path / "expected.pt"), threads],
         env=env,
         capture_output=True,
         text=True,
