@@ -223,7 +223,6 @@ class Models:
     tokenizer: object
     encoder: torch.nn.Module
     encoder_tokenizer: object
-    pad_id: int
 
     def fresh_base(self) -> torch.nn.Module:
         return copy.deepcopy(self.base)
@@ -243,7 +242,6 @@ def load_real(preset: Preset, cache_dir: str | None, seed: int) -> tuple[Models,
         tokenizer,
         AutoModel.from_pretrained(minilm).eval(),
         AutoTokenizer.from_pretrained(minilm),
-        tokenizer.pad_token_id,
     )
     data = load_benchmark(
         list(preset.tasks),
@@ -295,7 +293,6 @@ def load_tiny(preset: Preset, workdir: Path, seed: int) -> tuple[Models, list[Ta
         tiny_tokenizer(),
         AutoModel.from_pretrained(workdir / "encoder").eval(),
         AutoTokenizer.from_pretrained(workdir / "encoder"),
-        0,
     )
     rules = ["the first is bigger", "the second is bigger", "the first is even", "the third is odd"]
     generator = torch.Generator().manual_seed(seed)
@@ -329,6 +326,14 @@ def load_tiny(preset: Preset, workdir: Path, seed: int) -> tuple[Models, list[Ta
     return models, tasks
 
 
+def right_padded(sequences: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+    width = max(map(len, sequences))
+    return {
+        "input_ids": torch.tensor([ids + [pad_id] * (width - len(ids)) for ids in sequences]),
+        "attention_mask": torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in sequences]),
+    }
+
+
 def training_batches(task_rows: list[tuple[list[int], int]], label_ids: list[int], size: int, pad_id: int, seed: int):
     """Shuffled, right-padded batches of prompt + label word; only the label word is a target, so routing that
     follows the prompt reads the prompt."""
@@ -337,13 +342,11 @@ def training_batches(task_rows: list[tuple[list[int], int]], label_ids: list[int
     batches = []
     for start in range(0, len(rows), size):
         chunk = [[*ids, label_ids[y]] for ids, y in rows[start : start + size]]
-        width = max(len(ids) for ids in chunk)
-        input_ids = torch.tensor([ids + [pad_id] * (width - len(ids)) for ids in chunk])
-        labels = torch.full_like(input_ids, -100)
+        batch = right_padded(chunk, pad_id)
+        batch["labels"] = torch.full_like(batch["input_ids"], -100)
         for i, ids in enumerate(chunk):
-            labels[i, len(ids) - 1] = ids[-1]
-        mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in chunk])
-        batches.append({"input_ids": input_ids, "attention_mask": mask, "labels": labels})
+            batch["labels"][i, len(ids) - 1] = ids[-1]
+        batches.append(batch)
     return batches
 
 
@@ -352,10 +355,7 @@ def evaluation_batches(task: Task, size: int, pad_id: int) -> list[tuple[dict[st
     batches = []
     for start in range(0, len(task.test), size):
         chunk = task.test[start : start + size]
-        width = max(len(ids) for ids, _ in chunk)
-        input_ids = torch.tensor([ids + [pad_id] * (width - len(ids)) for ids, _ in chunk])
-        mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in chunk])
-        batches.append(({"input_ids": input_ids, "attention_mask": mask}, torch.tensor([y for _, y in chunk])))
+        batches.append((right_padded([ids for ids, _ in chunk], pad_id), torch.tensor([y for _, y in chunk])))
     return batches
 
 
@@ -464,9 +464,10 @@ def run(
         models, tasks = load_real(preset, cache_dir, seed)
     names = [task.name for task in tasks]
     train_data = {
-        t.name: training_batches(t.train, t.label_ids, preset.batch_size, models.pad_id, seed) for t in tasks
+        t.name: training_batches(t.train, t.label_ids, preset.batch_size, models.tokenizer.pad_token_id, seed)
+        for t in tasks
     }
-    test_data = {t.name: evaluation_batches(t, 2 * preset.batch_size, models.pad_id) for t in tasks}
+    test_data = {t.name: evaluation_batches(t, 2 * preset.batch_size, models.tokenizer.pad_token_id) for t in tasks}
     lora = LoraConfig(r=preset.r, lora_alpha=2 * preset.r, target_modules=list(preset.targets), task_type="CAUSAL_LM")
     experts = {}
     for task in tasks:

@@ -611,9 +611,6 @@ def check_targets(summaries: dict[str, Summary]) -> list[tuple[str, str]]:
             f"paired difference over seeds {mean:+.2f} ± {std:.2f}"
         )
 
-    def verdict(ok: bool, detail: str) -> str:
-        return f"{'met' if ok else 'missed'} ({detail})"
-
     checks = []
     others = [m for m in summaries if m in METHODS and m not in ("smear", "ensemble", "smear_no_dropout")]
     if others:
@@ -642,6 +639,10 @@ def check_targets(summaries: dict[str, Summary]) -> list[tuple[str, str]]:
     return checks
 
 
+def verdict(ok: bool, detail: str) -> str:
+    return f"{'met' if ok else 'missed'} ({detail})"
+
+
 def _margin_targets(variant: str, summaries: dict[str, Summary]) -> list[tuple[str, str]]:
     """The router-collapse issue's targets for a SMEAR variant: ≥ Tag, > single expert and > LoRA 1× parameters, each
     by more than the paired spread (the paired difference's mean exceeds its sample std over seeds)."""
@@ -654,7 +655,7 @@ def _margin_targets(variant: str, summaries: dict[str, Summary]) -> list[tuple[s
         mean, std = paired_difference(summaries[variant], summaries[other])
         ok = mean > std if relation == ">" else mean >= 0 and mean >= std
         detail = f"{summaries[variant].mean():.2f} vs {summaries[other].mean():.2f}; paired {mean:+.2f} ± {std:.2f}"
-        checks.append((target, f"{'met' if ok else 'missed'} ({detail})"))
+        checks.append((target, verdict(ok, detail)))
     return checks
 
 

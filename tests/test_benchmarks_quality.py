@@ -193,6 +193,24 @@ def test_targets_compare_the_means(quality):
     assert checks["SMEAR's average ≥ every method except Ensemble"] == "missed (methods above SMEAR: Tag 81.50)"
 
 
+def test_margin_targets_need_the_paired_difference_to_exceed_its_spread(quality):
+    def summary(method, averages):
+        return quality.Summary(method, 1e-3, [0, 1, 2], {"average": averages}, 1, None, None, None)
+
+    summaries = {
+        "smear_balanced": summary("smear_balanced", [81.0, 82.0, 83.0]),
+        "tag": summary("tag", [80.0, 81.5, 82.0]),  # paired +1.0, +0.5, +1.0: mean 0.83 > std 0.29
+        "single": summary("single", [80.0, 82.5, 82.0]),  # paired +1.0, -0.5, +1.0: mean 0.5 < std 0.87
+    }
+    checks = dict(quality.check_targets({"smear": summary("smear", [80.0, 80.0, 80.0]), **summaries}))
+    label = "SMEAR, load balancing 0.01"
+    assert checks[f"{label} ≥ Tag by more than the paired spread"].startswith("met (82.00 vs 81.17; paired +0.83")
+    single = quality.ALL_METHODS["single"].label
+    assert checks[f"{label} > {single} by more than the paired spread"].startswith("missed")
+    params = quality.ALL_METHODS["lora_1x_params"].label
+    assert checks[f"{label} > {params} by more than the paired spread"] == "not run (lora_1x_params)"
+
+
 def test_ties_keep_the_smaller_learning_rate_and_nan_never_wins(quality):
     rows = [
         {"method": "smear", "phase": "sweep", "learning_rate": rate, "validation_average": value}
