@@ -398,8 +398,10 @@ def choose_learning_rates(rows: Iterable[dict[str, Any]]) -> dict[str, float]:
 
 
 class RunJournal:
-    """Finished runs, one JSON line each after a header naming the benchmark's settings, so that a benchmark cut
-    short (a session's time limit) resumes where it stopped; a journal of other settings is refused, never mixed in."""
+    """Finished runs, one JSON line each after a header naming the settings every run shares, so that a benchmark cut
+    short (a session's time limit) resumes where it stopped; a journal of other settings is refused, never mixed in.
+    The rate grid is not among those settings (a run is its method, rate and seed), so a sweep can be widened to new
+    rates and reuse the runs it already has."""
 
     def __init__(self, path: Path, settings: dict[str, Any], resume: bool) -> None:
         self.path, self.finished = path, {}
@@ -734,8 +736,15 @@ def results_section(
     load: tuple[tuple, tuple],
     seconds: float,
     cpu_seconds: float,
+    replayed: int,
 ) -> str:
     load_text = load_description(load, "slowed the run")
+    reused = (
+        f" {replayed} of the runs were replayed from the journal of an earlier command with the same settings "
+        "(`--resume`): their time is in the CPU-minutes, not in the wall time, and they drew no routing heatmap."
+        if replayed
+        else ""
+    )
     return "\n".join(
         [
             f"## Quality, preset `{preset_name}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
@@ -744,7 +753,8 @@ def results_section(
             f"- Machine: {machine}",
             f"- Load average (1, 5, 15 min) before / after the run: {load_text}.",
             f"- Wall time: {seconds / 60:.1f} min; the runs took {cpu_seconds / 60:.0f} CPU-minutes in all (about "
-            f"{cpu_seconds / 120:.0f} min of 2 idle cores at this machine's speed). {PRESETS[preset_name].note}",
+            f"{cpu_seconds / 120:.0f} min of 2 idle cores at this machine's speed).{reused} "
+            f"{PRESETS[preset_name].note}",
             "",
             body,
         ]
@@ -802,7 +812,8 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
             args.device == "cpu",
             Path(scratch),
         )
-        settings = {"preset": asdict(preset), "learning_rates": learning_rates, "tasks": [t.name for t in setup.tasks]}
+        shared = {key: value for key, value in asdict(preset).items() if key != "learning_rates"}
+        settings = {"preset": shared, "tasks": [t.name for t in setup.tasks]}
         journal = RunJournal(args.output_dir / "runs.jsonl", settings, args.resume)
         if journal.finished:
             log(f"resuming: {len(journal.finished)} finished runs in {journal.path}")
@@ -825,7 +836,12 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
         )
         machine = f"{machine_description(args.device)}; {args.jobs} run(s) side by side, each with those threads"
         cpu_seconds = sum(row["cpu_seconds"] for row in rows)
-        section = results_section(body, args.preset, command, machine, (load_before, load_after), seconds, cpu_seconds)
+        replayed = sum(
+            Run(row["method"], row["learning_rate"], row["seed"], row["phase"]) in journal.finished for row in rows
+        )
+        section = results_section(
+            body, args.preset, command, machine, (load_before, load_after), seconds, cpu_seconds, replayed
+        )
         append_results(args.append_results, section)
         paths["results"] = args.append_results
     log("wrote " + ", ".join(str(path) for path in [*paths.values(), *figures.values()]))

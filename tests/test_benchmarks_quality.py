@@ -170,6 +170,28 @@ def test_an_interrupted_benchmark_resumes_from_its_journal(quality, outputs, tmp
         run_tiny(quality, resumed)
 
 
+def test_a_widened_rate_grid_reuses_the_journal_and_says_so(quality, outputs, tmp_path):
+    root, _, rows, argv = outputs
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "runs.jsonl").write_text((root / "out" / "runs.jsonl").read_text())
+    widened = [arg for arg in argv if arg not in METHODS[1:]]  # SMEAR alone
+    widened += ["--learning-rates", *map(str, [*RATES, 3e-2]), "--output-dir", tmp_path / "out"]
+    lines = []
+    run_tiny(
+        quality, [*widened, "--figures-dir", tmp_path / "figures", "--resume"], tmp_path / "RESULTS.md", lines.append
+    )
+    smear = [row for row in rows if row["method"] == "smear"]
+    new = [line for line in lines if line.startswith("smear ") and "(from the journal)" not in line]
+    assert sum("(from the journal)" in line for line in lines) >= len(RATES)  # the old sweep is reused
+    assert any(" lr 3e-02 seed 0" in line for line in new)  # the new rate is trained
+    with open(tmp_path / "out" / "runs.csv") as handle:
+        rerun = list(csv.DictReader(handle))
+    replayed = len(rerun) - len(new)
+    assert replayed >= len(RATES) and len(rerun) >= len(smear) + 1
+    results = (tmp_path / "RESULTS.md").read_text()
+    assert f" {replayed} of the runs were replayed from the journal" in results
+
+
 def test_targets_compare_the_means(quality):
     def summary(method, averages):
         metrics = {"average": averages}
