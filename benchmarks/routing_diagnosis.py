@@ -109,24 +109,24 @@ def train(args: argparse.Namespace, log) -> dict:
 
 
 def analyse(result: dict) -> dict:
-    """When each router first collapsed, the share collapsed at the end, and whether collapsed routers ended on the
-    expert with the largest early update."""
+    """When and onto which expert each router first collapsed, which routers were collapsed at the end, and which
+    collapses (transient ones included) landed on the expert whose update was largest early on."""
     first = {}
     for entry in result["history"]:
         for router, stats in entry["routers"].items():
             if stats["collapsed"] and router not in first:
-                first[router] = entry["step"]
+                first[router] = {"step": entry["step"], "expert": stats["top_expert"]}
     final = result["history"][-1]["routers"]
-    collapsed = [router for router, stats in final.items() if stats["collapsed"]]
     largest = {
         router: max(range(len(norms)), key=norms.__getitem__)
         for router, norms in (result["early_norms"] or {}).items()
     }
-    same = [router for router in collapsed if largest.get(router) == final[router]["top_expert"]]
     return {
-        "first_collapse": dict(sorted(first.items(), key=lambda item: item[1])),
-        "collapsed_at_end": collapsed,
-        "collapsed_on_largest_early_update": same,
+        "first_collapse": dict(sorted(first.items(), key=lambda item: item[1]["step"])),
+        "collapsed_at_end": [router for router, stats in final.items() if stats["collapsed"]],
+        "collapsed_on_largest_early_update": [
+            router for router, collapse in first.items() if largest.get(router) == collapse["expert"]
+        ],
     }
 
 
@@ -202,8 +202,9 @@ def section(args, result: dict, analysis: dict, load: tuple, seconds: float, arg
     )
     final = result["history"][-1]["routers"]
     mean = lambda key: sum(s[key] for s in final.values()) / len(final)  # noqa: E731
-    first = list(analysis["first_collapse"].items())[:5]
-    collapsed = analysis["collapsed_at_end"]
+    first = analysis["first_collapse"]
+    shown = ", ".join(f"{router}: {c['step']}, {c['expert']}" for router, c in first.items()) or "none"
+    collapsed, experts = analysis["collapsed_at_end"], len(next(iter(final.values()))["load"])
     return "\n".join(
         [
             f"## Routing diagnosis `{args.label}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
@@ -216,9 +217,10 @@ def section(args, result: dict, analysis: dict, load: tuple, seconds: float, arg
             "",
             f"- At the end: routing entropy {mean('entropy'):.3f} (share of log N), task distance "
             f"{mean('task_distance'):.3f}, collapsed routers {len(collapsed)} of {len(final)}.",
-            f"- First collapses (router: step): {', '.join(f'{r}: {s}' for r, s in first) or 'none'}.",
-            f"- Collapsed routers whose expert had the largest update norm at step {args.early_step}: "
-            f"{len(analysis['collapsed_on_largest_early_update'])} of {len(collapsed)}.",
+            f"- Routers that collapsed at a logged step, at least for that step (router: step, expert): {shown}.",
+            f"- Of those, collapsed onto the expert with the largest update norm at step {args.early_step}: "
+            f"{len(analysis['collapsed_on_largest_early_update'])} of {len(first)} (chance alone: "
+            f"{len(first) / experts:.1f}).",
             "",
         ]
     )

@@ -27,14 +27,15 @@ def test_step_statistics_of_a_collapsed_and_a_task_specific_router():
     assert math.isclose(stats["specific"]["entropy"], 0.0, abs_tol=1e-6)
 
 
-def test_analysis_finds_the_first_collapse_and_the_expert_with_the_largest_early_update():
-    def entry(step, collapsed):
-        return {"step": step, "routers": {"r": {"collapsed": collapsed, "top_expert": 2}, "s": {"collapsed": False}}}
+def test_analysis_finds_each_collapse_and_whether_it_landed_on_the_largest_early_update():
+    def entry(step, r_collapsed, s_collapsed):
+        routers = {"r": {"collapsed": r_collapsed, "top_expert": 2}, "s": {"collapsed": s_collapsed, "top_expert": 1}}
+        return {"step": step, "routers": routers}
 
-    result = {
-        "history": [entry(10, False), entry(20, True), entry(30, True)],
+    result = {  # r collapses onto its largest early update and stays; s collapses elsewhere for one step
+        "history": [entry(10, False, False), entry(20, True, False), entry(30, True, True), entry(40, True, False)],
         "early_norms": {"r": [0.1, 0.2, 0.9], "s": [1.0, 0.0, 0.0]},
     }
     analysis = diagnosis.analyse(result)
-    assert analysis["first_collapse"] == {"r": 20}
+    assert analysis["first_collapse"] == {"r": {"step": 20, "expert": 2}, "s": {"step": 30, "expert": 1}}
     assert analysis["collapsed_at_end"] == ["r"] and analysis["collapsed_on_largest_early_update"] == ["r"]
