@@ -400,8 +400,8 @@ def choose_learning_rates(rows: Iterable[dict[str, Any]]) -> dict[str, float]:
 class RunJournal:
     """Finished runs, one JSON line each after a header naming the settings every run shares, so that a benchmark cut
     short (a session's time limit) resumes where it stopped; a journal of other settings is refused, never mixed in.
-    The rate grid is not among those settings (a run is its method, rate and seed), so a sweep can be widened to new
-    rates and reuse the runs it already has."""
+    The rate grid and the number of seeds are not among those settings (a run is its method, rate and seed), so a
+    benchmark can be widened to new rates or more seeds and reuse the runs it already has."""
 
     def __init__(self, path: Path, settings: dict[str, Any], resume: bool) -> None:
         self.path, self.finished = path, {}
@@ -812,7 +812,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
             args.device == "cpu",
             Path(scratch),
         )
-        shared = {key: value for key, value in asdict(preset).items() if key != "learning_rates"}
+        shared = {key: value for key, value in asdict(preset).items() if key not in ("learning_rates", "seeds")}
         settings = {"preset": shared, "tasks": [t.name for t in setup.tasks]}
         journal = RunJournal(args.output_dir / "runs.jsonl", settings, args.resume)
         if journal.finished:

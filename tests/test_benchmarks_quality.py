@@ -170,12 +170,13 @@ def test_an_interrupted_benchmark_resumes_from_its_journal(quality, outputs, tmp
         run_tiny(quality, resumed)
 
 
-def test_a_widened_rate_grid_reuses_the_journal_and_says_so(quality, outputs, tmp_path):
+def test_a_widened_rate_grid_and_more_seeds_reuse_the_journal_and_say_so(quality, outputs, tmp_path):
     root, _, rows, argv = outputs
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "runs.jsonl").write_text((root / "out" / "runs.jsonl").read_text())
     widened = [arg for arg in argv if arg not in METHODS[1:]]  # SMEAR alone
-    widened += ["--learning-rates", *map(str, [*RATES, 3e-2]), "--output-dir", tmp_path / "out"]
+    seeds = quality.PRESETS["tiny"].seeds + 1
+    widened += ["--learning-rates", *map(str, [*RATES, 3e-2]), "--seeds", seeds, "--output-dir", tmp_path / "out"]
     lines = []
     run_tiny(
         quality, [*widened, "--figures-dir", tmp_path / "figures", "--resume"], tmp_path / "RESULTS.md", lines.append
@@ -184,6 +185,7 @@ def test_a_widened_rate_grid_reuses_the_journal_and_says_so(quality, outputs, tm
     new = [line for line in lines if line.startswith("smear ") and "(from the journal)" not in line]
     assert sum("(from the journal)" in line for line in lines) >= len(RATES)  # the old sweep is reused
     assert any(" lr 3e-02 seed 0" in line for line in new)  # the new rate is trained
+    assert any(f" seed {seeds - 1}:" in line for line in new)  # and the new seed
     with open(tmp_path / "out" / "runs.csv") as handle:
         rerun = list(csv.DictReader(handle))
     replayed = len(rerun) - len(new)
