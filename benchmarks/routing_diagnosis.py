@@ -170,7 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--router-lr-ratio", type=float, default=1.0)
     parser.add_argument("--router-temperature", type=float)
     parser.add_argument("--router-warmup-steps", type=int)
-    parser.add_argument("--router-balance-weight", type=float)
+    parser.add_argument(
+        "--router-balance-weight",
+        type=float,
+        default=0.0,
+        help="0: the paper's router (the library's SMEAR default: 0.01)",
+    )
     parser.add_argument("--expert-dropout", type=float)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=10)

@@ -64,18 +64,19 @@ class Method:
     router_lr_ratio: float = 1.0
 
 
+PAPER_ROUTER = {"router_balance_weight": 0.0}  # SMEAR as the paper ran it; "smear_balanced" is the library's default
 METHODS = {
-    "smear": Method("SMEAR", "smear"),
+    "smear": Method("SMEAR (the paper's router)", "smear", PAPER_ROUTER),
     "top_k": Method("Top-k (k=1)", "top_k"),
     "dselect_k": Method("DSelect-k (k=1)", "dselect_k"),
     "tag": Method("Tag (expert = task's group)", "tag"),
     "ensemble": Method("Ensemble", "ensemble"),
     "single": Method("Single expert", "single"),
     # SMEAR variants, to see what its routing depends on.
-    "smear_no_dropout": Method("SMEAR without expert dropout", "smear", {"expert_dropout": 0.0}),
-    "smear_slow_router": Method("SMEAR, router learning rate ×0.1", "smear", router_lr_ratio=0.1),
-    "smear_fast_router": Method("SMEAR, router learning rate ×10", "smear", router_lr_ratio=10.0),
-    "smear_balanced": Method("SMEAR, load balancing 0.01", "smear", {"router_balance_weight": 0.01}),
+    "smear_no_dropout": Method("SMEAR without expert dropout", "smear", {**PAPER_ROUTER, "expert_dropout": 0.0}),
+    "smear_slow_router": Method("SMEAR, router learning rate ×0.1", "smear", PAPER_ROUTER, router_lr_ratio=0.1),
+    "smear_fast_router": Method("SMEAR, router learning rate ×10", "smear", PAPER_ROUTER, router_lr_ratio=10.0),
+    "smear_balanced": Method("SMEAR, load balancing 0.01 (the default)", "smear", {"router_balance_weight": 0.01}),
 }
 DEFAULT_METHODS = ("smear", "top_k", "dselect_k", "tag")
 

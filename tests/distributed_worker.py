@@ -49,10 +49,14 @@ LEARNING_RATE = 1e-2
 def build_model(routing: str = "smear", **options: object) -> PeftModel:
     """A tiny Llama with a SMEAR adapter; the same weights in every process. ``init_weights="smear"`` makes B nonzero
     so every expert gets a gradient from the first step; no expert dropout, so ranks and the single-process reference
-    draw no random numbers that could differ."""
+    draw no random numbers that could differ; SMEAR without its load-balancing loss, which each process computes on
+    its own batch (as Switch Transformer's does), so that one process on the global batch could not reproduce it."""
     base = tiny_llama(seed=0, initializer_range=0.2)
     torch.manual_seed(1)
-    settings = {"num_experts": 4, "r": 4, "init_weights": "smear", "expert_dropout": 0.0, **options}
+    settings = {"num_experts": 4, "r": 4, "init_weights": "smear", "expert_dropout": 0.0}
+    if routing == "smear":
+        settings["router_balance_weight"] = 0.0
+    settings.update(options)
     return get_peft_model(base, peft_smear.SmearConfig(routing=routing, task_type="CAUSAL_LM", **settings))
 
 

@@ -227,7 +227,7 @@ def test_margin_targets_need_the_paired_difference_to_exceed_its_spread(quality)
         "single": summary("single", [80.0, 82.5, 82.0]),  # paired +1.0, -0.5, +1.0: mean 0.5 < std 0.87
     }
     checks = dict(quality.check_targets({"smear": summary("smear", [80.0, 80.0, 80.0]), **summaries}))
-    label = "SMEAR, load balancing 0.01"
+    label = quality.ALL_METHODS["smear_balanced"].label
     assert checks[f"{label} ≥ Tag by more than the paired spread"].startswith("met (82.00 vs 81.17; paired +0.83")
     single = quality.ALL_METHODS["single"].label
     assert checks[f"{label} > {single} by more than the paired spread"].startswith("missed")

@@ -75,7 +75,7 @@ def test_the_suite_runs_and_tag_routing_is_the_groups(synthetic):
     assert (tag["similarity_within"], tag["similarity_across"]) == (1.0, 0.0)
     assert (tag["jaccard_within"], tag["jaccard_across"]) == (1.0, 0.0)
     table = synthetic.markdown_table(rows).splitlines()
-    assert len(table) == 4 and table[2].startswith("| SMEAR |") and "Tag" in table[3]
+    assert len(table) == 4 and table[2].startswith("| SMEAR (the paper's router) |") and "Tag" in table[3]
 
 
 def test_the_command_appends_its_table_with_command_and_machine(synthetic, tmp_path):

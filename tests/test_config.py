@@ -56,6 +56,17 @@ def test_defaults_follow_the_paper():
     assert (config.num_experts, config.expert_dropout, config.router_init_std) == (8, 0.1, 1e-2)
 
 
+def test_smear_balances_its_routers_by_default_and_the_paper_router_is_one_setting_away(tmp_path):
+    # The one default that departs from the paper: it won the router-collapse comparison (benchmarks/RESULTS.md).
+    assert SmearConfig().router_balance_weight == 0.01
+    assert SmearConfig(router_balance_weight=0.0).router_balance_weight == 0.0
+    for routing in ("ensemble", "top_k", "st_gumbel", "reinforce"):  # the paper's baselines keep the paper's router
+        assert SmearConfig(routing=routing).router_balance_weight == 0.0
+    assert SmearConfig(routing="tag", num_tasks=2).router_balance_weight is None  # no probability router to balance
+    SmearConfig(router_balance_weight=0.0).save_pretrained(tmp_path)  # an adapter saved before the default changed
+    assert SmearConfig.from_pretrained(tmp_path).router_balance_weight == 0.0
+
+
 def test_default_target_modules_follow_the_architecture():
     llama = get_peft_model(tiny_llama(), SmearConfig(num_experts=2, r=2))
     assert sorted(llama.peft_config["default"].target_modules) == ["q_proj", "v_proj"]

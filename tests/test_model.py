@@ -268,7 +268,8 @@ def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant):
     labels[:, :2] = -100
 
     def gradients(checkpointing: bool) -> dict[str, torch.Tensor]:
-        model = smear_llama(expert_dropout=0.3)
+        # Non-reentrant: with SMEAR's default load-balancing loss; reentrant refuses it (tested below), so without.
+        model = smear_llama(expert_dropout=0.3, **({"router_balance_weight": 0.0} if use_reentrant else {}))
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
             model.enable_input_require_grads()
@@ -281,3 +282,21 @@ def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant):
     assert plain.keys() == checkpointed.keys() and plain
     for name, grad in plain.items():
         torch.testing.assert_close(checkpointed[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("options", "loss"),
+    [({}, "router_balance"), ({"routing": "dselect_k"}, "dselect_k_entropy"), ({"routing": "reinforce"}, "reinforce")],
+)
+def test_reentrant_checkpointing_refuses_auxiliary_losses_it_would_leave_without_gradient(options, loss):
+    model = smear_llama(**options)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.enable_input_require_grads()
+    model.train()
+    batch = random_batch(2, 6)
+    labels = batch["input_ids"].clone()
+    labels[:, :2] = -100  # a two-token prompt to route on
+    with pytest.raises(RuntimeError, match=rf"auxiliary losses \({loss}\) were computed with autograd disabled"):
+        model(**batch, labels=labels)
+    with torch.no_grad():  # an evaluation-style call in training mode has nothing to train: no error
+        model(**batch, labels=labels)

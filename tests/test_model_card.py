@@ -58,6 +58,8 @@ def test_a_new_card_describes_the_adapter_and_its_load_snippet_runs(tmp_path):
     assert rows["expert"] == "`lora`: LoRA, rank r=2, alpha 8"
     assert rows["routing"].startswith("`smear`: ")
     assert rows["router input"].startswith("`auto`: `prompt`, ")
+    against = "load-balancing weight 0.01, temperature 1, uniform warm-up 0 training calls"  # the library's defaults
+    assert rows["against router collapse"] == against
     assert rows["target modules"] == "`o_proj`, `q_proj` (4 layers)"
     assert (
         rows["trainable parameters"]
@@ -119,6 +121,10 @@ def test_other_peft_methods_keep_pefts_card(tmp_path):
         ),
         ({"expert_type": "ia3"}, {"expert": "`ia3`: (IA)³ scaling vector (input features of `down_proj`)"}),
         ({"routing": "tag", "num_tasks": 4}, {"router input": "no learned router"}),
+        (
+            {"routing": "ensemble", "router_temperature": 2.0, "router_warmup_steps": 5},
+            {"against router collapse": "load-balancing weight 0, temperature 2, uniform warm-up 5 training calls"},
+        ),
     ],
 )
 def test_the_card_describes_other_kinds_and_methods(tmp_path, options, expected):
@@ -131,6 +137,7 @@ def test_the_card_describes_other_kinds_and_methods(tmp_path, options, expected)
     if options.get("routing", "smear") != "smear":
         assert "instead of SMEAR's merging" in text
     assert ("smear_task_ids" in text) == (options.get("routing") == "tag")
+    assert ("against router collapse" in rows) == (options.get("routing", "smear") in ("smear", "ensemble", "top_k"))
 
 
 def test_a_routing_report_adds_the_per_task_table_and_the_heatmap(tmp_path):

@@ -20,7 +20,10 @@ from peft_smear.routing_stats import COLLAPSE_THRESHOLD, collapsed_routers
 
 
 def llama(**options):
+    """SMEAR without its load-balancing loss unless asked: the explicit figures below have no auxiliary losses."""
     config = {"num_experts": 4, "r": 2, "task_type": "CAUSAL_LM", "routing_prefix_length": 2, **options}
+    if config.get("routing", "smear") == "smear":
+        config.setdefault("router_balance_weight", 0.0)
     return get_peft_model(tiny_llama(), peft_smear.SmearConfig(**config))
 
 
@@ -272,7 +275,8 @@ def trainer_for(model, output_dir, **overrides) -> Trainer:
 
 def test_trainer_logs_the_statistics_of_the_steps_since_the_last_log(tmp_path):
     torch.manual_seed(0)
-    model = get_peft_model(tiny_llama(), peft_smear.SmearConfig(num_experts=4, r=2, task_type="CAUSAL_LM"))
+    config = peft_smear.SmearConfig(num_experts=4, r=2, task_type="CAUSAL_LM", router_balance_weight=0.0)
+    model = get_peft_model(tiny_llama(), config)  # no auxiliary loss: the explicit figures have none
     trainer = trainer_for(model, tmp_path, eval_strategy="steps", eval_steps=4)
     SmearRoutingCallback.attach(trainer, per_router=True)
     calls = capture_calls(model)

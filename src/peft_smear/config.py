@@ -87,7 +87,8 @@ class SmearConfig(PeftConfig):
             router does not learn meanwhile. 0: the paper's.
         router_balance_weight: For the same methods: weight of a load-balancing loss on each router's mean routing
             over the batch, ``N * sum_n mean_p_n^2 - 1`` (0 for an even load, ``N - 1`` for one expert), summed over
-            routers and added to the loss as ``router_balance``. 0: none, as in the paper.
+            routers and added to the loss as ``router_balance``. Unset: 0.01 for ``"smear"`` (it beat the paper's
+            router on the collapse benchmark, ``benchmarks/RESULTS.md``), 0 for the others; 0 is the paper's.
         arrow_top_k: Experts per token for ``"arrow"`` (3, PEFT's default).
         arrow_temperature: Temperature of Arrow's softmax over the selected experts' scores (1.0).
         phatgoose_top_k: Experts per token for ``"phatgoose"`` (2, the paper's).
@@ -205,8 +206,9 @@ class SmearConfig(PeftConfig):
     router_warmup_steps: int = field(
         default=0, metadata={"help": "Probability routers: route uniformly for the first k training calls."}
     )
-    router_balance_weight: float = field(
-        default=0.0, metadata={"help": "Probability routers: weight of a load-balancing loss on the mean routing."}
+    router_balance_weight: float | None = field(
+        default=None,
+        metadata={"help": "Probability routers: weight of a load-balancing loss on the mean routing (smear: 0.01)."},
     )
     arrow_top_k: int = field(default=3, metadata={"help": "arrow: experts per token."})
     arrow_temperature: float = field(default=1.0, metadata={"help": "arrow: softmax temperature."})
@@ -256,6 +258,8 @@ class SmearConfig(PeftConfig):
             self.num_experts = router.default_num_experts
         if self.expert_dropout is None:
             self.expert_dropout = router.default_expert_dropout
+        if self.router_balance_weight is None and "router_balance_weight" in router.options:
+            self.router_balance_weight = router.default_balance_weight
         self._validate()
         self._validate_expert_type()
         self._validate_routing()

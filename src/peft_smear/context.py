@@ -77,6 +77,10 @@ class RoutingContext:
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
     """Auxiliary losses the layers added during the current call (already weighted), by name."""
 
+    losses_without_autograd: set[str] = field(default_factory=set)
+    """Names of this call's auxiliary losses (and ``"reinforce"``) that a layer computed with autograd disabled, as
+    reentrant gradient checkpointing runs its layers: they could not train anything (see :meth:`add_aux_loss`)."""
+
     statistics: RoutingStatistics | None = None
     """When set, every layer reports each routing decision to it (see :mod:`peft_smear.routing_stats`)."""
 
@@ -88,7 +92,7 @@ class RoutingContext:
 
     def begin_model_call(self, training: bool) -> None:
         """Forget the previous call's auxiliary losses; count training calls."""
-        self.policy_steps, self.aux_losses = [], {}
+        self.policy_steps, self.aux_losses, self.losses_without_autograd = [], {}, set()
         if training:
             self.training_calls += 1
 
@@ -154,6 +158,10 @@ class RoutingContext:
             self.statistics.observe(*key, decision.weights)
 
     def add_aux_loss(self, name: str, value: torch.Tensor) -> None:
+        """Add a layer's auxiliary loss to this call's; one computed with autograd off is remembered, so that a call
+        that itself runs with autograd (whose loss would silently lack that term's gradient) can refuse it."""
+        if not torch.is_grad_enabled():
+            self.losses_without_autograd.add(name)
         self.aux_losses[name] = self.aux_losses[name] + value if name in self.aux_losses else value
 
     def routing_token_bytes(self, kind: str, mask: torch.Tensor | None) -> list[bytes]:

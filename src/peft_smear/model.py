@@ -103,6 +103,15 @@ class SmearModel(BaseTuner):
         if self._second_pass:
             return output
         context, labels = self.routing_context, self._call_labels
+        if model.training and torch.is_grad_enabled() and context.losses_without_autograd:
+            names = ", ".join(sorted(context.losses_without_autograd))
+            raise RuntimeError(
+                f"The routers' auxiliary losses ({names}) were computed with autograd disabled inside a training call "
+                "that has autograd on, which is what reentrant gradient checkpointing does: they would not train the "
+                "routers. Use non-reentrant checkpointing, gradient_checkpointing_kwargs={'use_reentrant': False} "
+                "(transformers' default; PEFT's prepare_model_for_kbit_training takes the same argument), or turn "
+                "the losses off (router_balance_weight=0.0 for SMEAR's load balancing)."
+            )
         losses = dict(context.aux_losses)
         shift_tokens = self._generates_text and not self._is_encoder_decoder
         if context.policy_steps:

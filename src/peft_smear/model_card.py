@@ -192,6 +192,15 @@ def _section(
         ),
         ("trainable parameters", _parameter_counts(peft_model, name)),
     ]
+    if "router_balance_weight" in ROUTERS[routing].options:
+        rows.insert(
+            5,
+            (
+                "against router collapse",
+                f"load-balancing weight {config.router_balance_weight:g}, temperature {config.router_temperature:g}, "
+                f"uniform warm-up {config.router_warmup_steps} training calls",
+            ),
+        )
     if config.modules_to_save:
         rows.append(("trained in full", _listing(config.modules_to_save)))
     if config.task_type:
