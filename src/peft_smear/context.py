@@ -158,11 +158,20 @@ class RoutingContext:
             self.statistics.observe(*key, decision.weights)
 
     def add_aux_loss(self, name: str, value: torch.Tensor) -> None:
-        """Add a layer's auxiliary loss to this call's; one computed with autograd off is remembered, so that a call
-        that itself runs with autograd (whose loss would silently lack that term's gradient) can refuse it."""
+        """Add a layer's auxiliary loss to this call's (see :meth:`_note_autograd`)."""
+        self._note_autograd(name)
+        self.aux_losses[name] = self.aux_losses[name] + value if name in self.aux_losses else value
+
+    def add_policy_step(self, step: PolicyStep) -> None:
+        """Record a REINFORCE decision, turned into losses once the task loss is known (see :meth:`_note_autograd`)."""
+        self._note_autograd("reinforce")
+        self.policy_steps.append(step)
+
+    def _note_autograd(self, name: str) -> None:
+        """Remember a loss computed with autograd off, so that a call that itself runs with autograd (whose loss
+        would silently lack that term's gradient, as under reentrant checkpointing) can refuse it."""
         if not torch.is_grad_enabled():
             self.losses_without_autograd.add(name)
-        self.aux_losses[name] = self.aux_losses[name] + value if name in self.aux_losses else value
 
     def routing_token_bytes(self, kind: str, mask: torch.Tensor | None) -> list[bytes]:
         """Each example's routing token ids (``input_ids`` where ``mask`` is set) as bytes, computed once per call

@@ -186,21 +186,23 @@ def _section(
             else "no learned router",
         ),
         ("expert dropout", f"{config.expert_dropout:g}"),
+        *(
+            [
+                (
+                    "against router collapse",
+                    f"load-balancing weight {config.router_balance_weight:g}, temperature "
+                    f"{config.router_temperature:g}, uniform warm-up {config.router_warmup_steps} training calls",
+                )
+            ]
+            if "router_balance_weight" in ROUTERS[routing].options
+            else []
+        ),
         (
             "target modules",
             f"{_listing(sorted({layer.module_name.rsplit('.', 1)[-1] for layer in layers}))} ({len(layers)} layers)",
         ),
         ("trainable parameters", _parameter_counts(peft_model, name)),
     ]
-    if "router_balance_weight" in ROUTERS[routing].options:
-        rows.insert(
-            5,
-            (
-                "against router collapse",
-                f"load-balancing weight {config.router_balance_weight:g}, temperature {config.router_temperature:g}, "
-                f"uniform warm-up {config.router_warmup_steps} training calls",
-            ),
-        )
     if config.modules_to_save:
         rows.append(("trained in full", _listing(config.modules_to_save)))
     if config.task_type:

@@ -257,9 +257,7 @@ class ReinforceRouter(ProbabilityRouter):
         index = torch.multinomial(probs.detach(), 1).squeeze(1)
         log_prob = probs.gather(1, index[:, None]).squeeze(1).clamp_min(1e-20).log()
         policy, entropy, value = self.loss_weights
-        if not torch.is_grad_enabled():
-            context.losses_without_autograd.add("reinforce")
-        context.policy_steps.append(PolicyStep(log_prob, probs, self.baseline(normed), policy, entropy, value))
+        context.add_policy_step(PolicyStep(log_prob, probs, self.baseline(normed), policy, entropy, value))
         return one_expert(index, probs.shape[-1])
 
 
