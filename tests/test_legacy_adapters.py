@@ -1,0 +1,35 @@
+"""Adapters saved by an earlier release still load and give identical outputs (``tests/fixtures/legacy_adapters``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_llama
+from peft import PeftModel
+from safetensors.torch import load_file
+
+import peft_smear  # noqa: F401  (registers SMEAR)
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "legacy_adapters"
+CASES = sorted(path.name for path in FIXTURES.iterdir() if path.is_dir())
+
+
+def test_every_routing_method_and_expert_kind_has_a_legacy_fixture() -> None:
+    methods = {name for name in CASES if not name.endswith("_kind")}
+    assert set(peft_smear.ROUTING_METHODS) <= methods
+    assert {"adapter_kind", "ia3_kind"} <= set(CASES)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_legacy_adapter_loads_and_gives_the_logits_it_gave_when_saved(case: str) -> None:
+    base = tiny_llama()
+    base.load_state_dict(load_file(FIXTURES / "base_llama.safetensors"))
+    model = PeftModel.from_pretrained(base, FIXTURES / case).eval()
+    expected = load_file(FIXTURES / case / "expected.safetensors")
+    logits = expected.pop("logits")
+    with torch.no_grad():
+        output = model(**expected).logits
+    torch.testing.assert_close(output, logits, rtol=1e-5, atol=1e-6)
