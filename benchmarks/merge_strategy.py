@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from common import append_results, load_description, machine_description
 
-from peft_smear.experts.lora import add_lora_mixture, add_per_example_experts, merge_lora_experts
+from peft_smear.core.experts.lora import add_lora_mixture, add_per_example_experts, merge_lora_experts
 
 
 STRATEGIES = ("lora", "merge_then_bmm", "dense_concatenated", "ensemble")

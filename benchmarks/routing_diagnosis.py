@@ -1,6 +1,6 @@
 """How SMEAR's routers evolve while training on the six-task benchmark: per router and logged step, the routing
 entropy, the expert load, the distance between the tasks' mean routing, and when (if ever) the router collapses
-(the definition of ``peft_smear.routing_stats``: every task sends more than 0.9 of its mean routing to one and the
+(the definition of ``peft_smear.core.routing_stats``: every task sends more than 0.9 of its mean routing to one and the
 same expert); and whether a collapsed router's expert is the one whose update grew fastest early on.
 
     python benchmarks/routing_diagnosis.py --steps 500 --batch-size 32 --append-results benchmarks/RESULTS.md
@@ -28,8 +28,8 @@ from quality import PRESETS, load_setup
 from transformers import get_linear_schedule_with_warmup
 
 from peft_smear import SmearLinear, create_router_optimizer
+from peft_smear.core.routing_stats import collapsed_routers
 from peft_smear.multitask.training import build_model, default_model_dir, smear_config
-from peft_smear.routing_stats import collapsed_routers
 
 
 def expert_update_norms(model: torch.nn.Module) -> dict[str, torch.Tensor]:

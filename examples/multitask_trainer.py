@@ -39,8 +39,7 @@ from datasets import Dataset
 from peft import get_peft_model
 from transformers import AutoTokenizer, EvalPrediction, Trainer, TrainingArguments, set_seed
 
-from peft_smear import SmearConfig, SmearRoutingCallback
-from peft_smear.config import ROUTING_METHODS
+from peft_smear import ROUTERS, SmearConfig, SmearRoutingCallback
 from peft_smear.multitask.data import load_benchmark
 from peft_smear.multitask.features import benchmark_task_info
 from peft_smear.multitask.model import MultiTaskCollator, MultiTaskModel, block_linear_names, metric_name, task_metrics
@@ -64,7 +63,7 @@ def minilm_dir() -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40, help="training steps (default: 40)")
-    parser.add_argument("--routing", choices=ROUTING_METHODS, default="smear", help="routing method (default: smear)")
+    parser.add_argument("--routing", choices=tuple(ROUTERS), default="smear", help="routing method (default: smear)")
     parser.add_argument("--cache-dir", help="benchmark data cache (default: $PEFT_SMEAR_CACHE or ~/.cache/peft_smear)")
     parser.add_argument("--output-dir", default="outputs/multitask-trainer", help="where the adapter is saved")
     args = parser.parse_args()

@@ -63,8 +63,7 @@ from transformers import (
     get_linear_schedule_with_warmup,
 )
 
-from peft_smear import SmearConfig
-from peft_smear.config import ROUTING_METHODS
+from peft_smear import ROUTERS, SmearConfig
 
 
 TOY_RULES = {"up": 1, "down": -1, "skip": 3}  # task word -> step of its count
@@ -85,7 +84,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--mixed-precision", choices=["no", "fp16", "bf16"], help="default: the launcher's (accelerate config)"
     )
-    parser.add_argument("--routing", choices=ROUTING_METHODS, default="smear")
+    parser.add_argument("--routing", choices=tuple(ROUTERS), default="smear")
     parser.add_argument("--num-experts", type=int, default=4)
     parser.add_argument("--r", type=int, default=8)
     parser.add_argument("--checkpoint-every", type=int, default=10, help="save_state every N steps (0: never)")

@@ -34,7 +34,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import peft_smear
 from conftest import VOCAB, tiny_llama
-from peft_smear.routers import ROUTING_METHODS
+from peft_smear import ROUTERS
 
 
 STEPS = 4
@@ -166,7 +166,7 @@ def run_ddp(output: Path) -> None:
     write_result(output / "ddp", rank, params, losses, logits, model, accelerator.get_state_dict(ddp_model))
 
     max_differences = {}
-    for method in ROUTING_METHODS:
+    for method in ROUTERS:
         options = {
             "latent_skills": {"num_tasks": 2},
             "single": {"num_experts": 1},

@@ -16,7 +16,7 @@ from torch import nn
 
 import peft_smear
 from conftest import tiny_llama
-from peft_smear.base_layers import check_base_layer
+from peft_smear.core.base_layers import check_base_layer
 
 
 def stand_in_layer(module: str, name: str, base: type = nn.Module) -> nn.Module:

@@ -8,7 +8,7 @@ import torch
 
 from conftest import tiny_bert, tiny_llama, tiny_tokenizer
 from peft_smear import describe_tasks, embed_texts
-from peft_smear.descriptions import description_prompt
+from peft_smear.bank.descriptions import description_prompt
 
 
 EXAMPLES = {

@@ -29,7 +29,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 import distributed_worker as worker
 import peft_smear
 from conftest import random_batch, tiny_llama
-from peft_smear.routers import ROUTING_METHODS
+from peft_smear import ROUTERS
 
 
 # One process with batch 4 and two with batch 2 each compute the same mean loss and gradient, up to the order of
@@ -135,7 +135,7 @@ def test_every_routing_method_trains_under_ddp_without_find_unused_parameters(ou
     gradient. Every method, including the discrete ones that apply a single gathered expert and the ones with
     expert dropout, trained with an inactive second adapter beside it, and both ranks ended with the same adapter."""
     differences = json.loads((output / "routing_methods.json").read_text())
-    assert differences.keys() == set(ROUTING_METHODS)
+    assert differences.keys() == set(ROUTERS)
     assert {method: outcome for method, outcome in differences.items() if outcome != 0.0} == {}
 
 

@@ -35,11 +35,10 @@ from conftest import (
     tiny_tokenizer,
     training_args,
 )
-from peft_smear import SmearConfig, SmearLinear, cli, export_merged_adapter
-from peft_smear.experts import BottleneckAdapterExperts, IA3Experts
-from peft_smear.experts.lora import add_per_example_experts
-from peft_smear.routers import ROUTERS, ROUTING_METHODS
-from peft_smear.routers.base import merged, mixed, one_expert
+from peft_smear import ROUTERS, SmearConfig, SmearLinear, cli, export_merged_adapter
+from peft_smear.core.experts import BottleneckAdapterExperts, IA3Experts
+from peft_smear.core.experts.lora import add_per_example_experts
+from peft_smear.core.routers.base import merged, mixed, one_expert
 
 
 KINDS = {
@@ -171,7 +170,7 @@ def test_single_experts_add_up_to_mixtures_and_scaled_outputs(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("routing", ROUTING_METHODS)
+@pytest.mark.parametrize("routing", tuple(ROUTERS))
 def test_every_routing_method_trains_with_every_kind(kind, routing):
     supported = ROUTERS[routing].expert_types
     if supported is not None and KINDS[kind]["expert_type"] not in supported:

@@ -1,5 +1,5 @@
-"""The package's shape: importing the PEFT method loads no application dependency, its namespace is the PEFT method,
-and no module imports itself back through others."""
+"""The package's shape: its layers import only downwards, importing the PEFT method loads no application dependency,
+its namespace is the PEFT method, and no module imports itself back through others."""
 
 from __future__ import annotations
 
@@ -33,20 +33,24 @@ def test_the_command_line_loads_the_training_stack_only_to_train():
 
 
 def test_the_top_level_namespace_is_the_peft_method():
-    assert "MultiTaskModel" not in peft_smear.__all__ and "RoutingReport" not in peft_smear.__all__
+    assert "MultiTaskModel" not in peft_smear.__all__
     for name in ("SmearConfig", "SmearModel", "get_routing_weights", "export_merged_adapter", "ROUTERS"):
         assert name in peft_smear.__all__ and hasattr(peft_smear, name)
 
 
-def runtime_imports(path: Path) -> set[str]:
-    """The package modules ``path`` imports when it runs: relative and absolute ``peft_smear`` imports, outside
-    ``if TYPE_CHECKING:`` blocks (those never execute)."""
-    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+
+
+def package_imports(source: str, module: str, is_package: bool, runtime_only: bool = True) -> set[str]:
+    """The package modules that ``module`` (whose code is ``source``) imports: relative and absolute ``peft_smear``
+    imports, anywhere in the file (functions included); with ``runtime_only``, not those in ``if TYPE_CHECKING:``
+    blocks (they never execute)."""
+    package = module if is_package else module.rpartition(".")[0]
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+        if runtime_only and isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
             return
         if isinstance(node, ast.ImportFrom):
             base = package.rsplit(".", node.level - 1)[0] if node.level else ""
@@ -59,21 +63,92 @@ def runtime_imports(path: Path) -> set[str]:
         for child in ast.iter_child_nodes(node):
             visit(child)
 
-    visit(ast.parse(path.read_text()))
+    visit(ast.parse(source))
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    modules = {
-        ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): path
-        for path in PACKAGE.rglob("*.py")
+MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def import_graph(runtime_only: bool = True) -> dict[str, set[str]]:
+    return {
+        name: package_imports(path.read_text(), name, path.name == "__init__.py", runtime_only) & set(MODULES) - {name}
+        for name, path in MODULES.items()
     }
-    return {name: runtime_imports(path) & set(modules) - {name} for name, path in modules.items()}
+
+
+# The layers, bottom to top, and what each may import: the PEFT method (core), the bank of existing adapters and
+# EMoE each on the core alone, the `peft-smear train` application on all of those, and on top the command line and
+# the package's own namespace (``peft_smear/__init__.py``), which only gathers public names.
+LAYER_OF_PREFIX = {
+    "peft_smear.core": "core",
+    "peft_smear.version": "core",
+    "peft_smear.bank": "bank",
+    "peft_smear.emoe": "emoe",
+    "peft_smear.multitask": "application",
+    "peft_smear.cli": "command line",
+}
+MAY_IMPORT = {
+    "core": {"core"},
+    "bank": {"core", "bank"},
+    "emoe": {"core", "emoe"},
+    "application": {"core", "bank", "emoe", "application"},
+    "command line": {"core", "bank", "emoe", "application", "command line"},
+    "namespace": {"core", "bank", "emoe", "application", "command line", "namespace"},
+}
+
+
+def layer(module: str) -> str:
+    if module == "peft_smear":
+        return "namespace"
+    prefix = next((p for p in LAYER_OF_PREFIX if module == p or module.startswith(p + ".")), None)
+    if prefix is None:
+        raise AssertionError(f"{module} belongs to no layer: put it in one of {sorted(LAYER_OF_PREFIX)}")
+    return LAYER_OF_PREFIX[prefix]
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that points up or sideways: ``module (layer) -> target (layer)``."""
+    return [
+        f"{module} ({layer(module)}) -> {target} ({layer(target)})"
+        for module, targets in sorted(graph.items())
+        for target in sorted(targets)
+        if layer(target) not in MAY_IMPORT[layer(module)]
+    ]
+
+
+def test_every_module_belongs_to_a_layer_and_imports_only_what_its_layer_may():
+    graph = import_graph(runtime_only=False)  # type-only imports count: they are dependencies of the source too
+    assert {layer(module) for module in graph} == set(MAY_IMPORT), "every layer exists"
+    assert layer_violations(graph) == []
+
+
+def test_the_layer_rule_catches_an_import_that_points_up():
+    """The rule itself, on sources written for it: a core module that imports the bank, the application (even inside a
+    function) or the package namespace (even for typing only) is flagged; the bank importing the core is not."""
+    planted = {
+        "peft_smear.core.planted": "from ..bank import build_expert_bank\n",
+        "peft_smear.core.lazy": "def f():\n    from ..multitask import training\n",
+        "peft_smear.core.typed": "if TYPE_CHECKING:\n    from .. import SmearConfig\n",
+        "peft_smear.bank.fine": "from ..core.config import SmearConfig\n",
+    }
+    known = set(MODULES) | set(planted)
+    graph = {
+        name: package_imports(source, name, is_package=False, runtime_only=False) & known
+        for name, source in planted.items()
+    }
+    assert sorted({violation.split(" ")[0] for violation in layer_violations(graph)}) == [
+        "peft_smear.core.lazy",
+        "peft_smear.core.planted",
+        "peft_smear.core.typed",
+    ]
 
 
 def test_no_import_cycle_in_the_package():
     graph = import_graph()
-    assert "peft_smear.config" in graph and graph["peft_smear.layer"], "the walk must see the package's imports"
+    assert "peft_smear.core.config" in graph and graph["peft_smear.core.layer"], (
+        "the walk must see the package's imports"
+    )
     state: dict[str, str] = {}
 
     def visit(module: str, path: list[str]) -> None:
@@ -93,10 +168,14 @@ def test_no_import_cycle_in_the_package():
 def test_config_depends_only_on_the_registries_and_registration():
     """``config.py`` is a leaf of the PEFT method: it reads the routing methods' and expert kinds' traits from their
     tables, and nothing that runs a model (layer, tuner, routing context) is reachable from it."""
-    graph, reachable, todo = import_graph(), set(), ["peft_smear.config"]
+    graph, reachable, todo = import_graph(), set(), ["peft_smear.core.config"]
     while todo:
         for target in graph[todo.pop()] - reachable:
             reachable.add(target)
             todo.append(target)
-    assert not reachable & {"peft_smear.layer", "peft_smear.model", "peft_smear.context", "peft_smear.export"}
-    assert not any(name.startswith("peft_smear.multitask") for name in reachable)
+    assert not reachable & {
+        "peft_smear.core.layer",
+        "peft_smear.core.model",
+        "peft_smear.core.context",
+        "peft_smear.core.export",
+    }

@@ -150,7 +150,7 @@ def test_expert_dropout_only_in_training():
 
 
 def test_drop_experts_keeps_an_example_that_lost_every_expert():
-    from peft_smear.routers.learned import drop_experts
+    from peft_smear.core.routers.learned import drop_experts
 
     dropped = drop_experts(torch.zeros(2000, 2), 0.9).softmax(-1)
     assert torch.isfinite(dropped).all()
@@ -161,7 +161,7 @@ def test_drop_experts_keeps_an_example_that_lost_every_expert():
 def test_expert_dropout_on_a_sharp_router_keeps_gradients_finite():
     """The dominant expert dropped from a saturated router: the kept experts' probabilities all underflow, which
     renormalising probabilities turned into NaN gradients."""
-    from peft_smear.routers.learned import router_probabilities
+    from peft_smear.core.routers.learned import router_probabilities
 
     torch.manual_seed(0)
     normed = torch.randn(64, 4)
@@ -273,8 +273,8 @@ def test_layers_reading_the_same_tensor_pool_it_once(monkeypatch):
     with torch.no_grad():
         layer_inputs = _captured_inputs(model, batch)
     pooled = []
-    original = peft_smear.layer.masked_mean
-    monkeypatch.setattr(peft_smear.layer, "masked_mean", lambda *a: pooled.append(a) or original(*a))
+    original = peft_smear.core.layer.masked_mean
+    monkeypatch.setattr(peft_smear.core.layer, "masked_mean", lambda *a: pooled.append(a) or original(*a))
     with torch.no_grad():
         model(**batch)
     distinct = len({id(x) for x in layer_inputs})
@@ -294,7 +294,7 @@ def test_shared_pooling_gives_the_gradients_of_pooling_in_every_layer(monkeypatc
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     shared = gradients()
-    monkeypatch.setattr(peft_smear.context.RoutingContext, "shared_summary", lambda self, x, key, pool: pool())
+    monkeypatch.setattr(peft_smear.core.context.RoutingContext, "shared_summary", lambda self, x, key, pool: pool())
     separate = gradients()
     assert shared.keys() == separate.keys() and any("router" in name for name in shared)
     for name in shared:

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_llama
 from peft import PeftModel
 from safetensors.torch import load_file
 
-import peft_smear  # noqa: F401  (registers SMEAR)
+import peft_smear
+from conftest import tiny_llama
 
 
 FIXTURES = Path(__file__).parent / "fixtures" / "legacy_adapters"
@@ -19,7 +19,7 @@ CASES = sorted(path.name for path in FIXTURES.iterdir() if path.is_dir())
 
 def test_every_routing_method_and_expert_kind_has_a_legacy_fixture() -> None:
     methods = {name for name in CASES if not name.endswith("_kind")}
-    assert set(peft_smear.ROUTING_METHODS) <= methods
+    assert set(peft_smear.ROUTERS) <= methods
     assert {"adapter_kind", "ia3_kind"} <= set(CASES)
 
 

@@ -48,12 +48,12 @@ def test_import_registers_the_smear_peft_type():
 @pytest.mark.parametrize("version", ["0.20.1", "0.22.0", "1.0.0"])
 def test_unsupported_peft_version_is_refused_with_the_range(version):
     with pytest.raises(ImportError, match=rf"supports peft>=0\.21,<0\.22, but peft {version} is installed"):
-        peft_smear.registration.check_peft_version(version)
+        peft_smear.core.registration.check_peft_version(version)
 
 
 def test_supported_peft_versions_pass():
     for version in ["0.21.0", "0.21.2", "0.21.3.dev0"]:
-        peft_smear.registration.check_peft_version(version)
+        peft_smear.core.registration.check_peft_version(version)
 
 
 def test_import_fails_loudly_under_an_unsupported_peft():

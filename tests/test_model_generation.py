@@ -74,16 +74,16 @@ def test_routing_and_merging_happen_once_per_generate_from_the_prompt(monkeypatc
     inputs = left_padded(prompts(2, [5, 3]))
     on_prompt = peft_smear.get_routing_weights(model, **inputs)
     computed = []
-    original = peft_smear.routers.learned.router_probabilities
+    original = peft_smear.core.routers.learned.router_probabilities
 
     def counting(*args, **kwargs):
         computed.append(original(*args, **kwargs))
         return computed[-1]
 
-    monkeypatch.setattr(peft_smear.routers.learned, "router_probabilities", counting)
+    monkeypatch.setattr(peft_smear.core.routers.learned, "router_probabilities", counting)
     merges = []
-    merge = peft_smear.experts.lora.merge_lora_experts
-    monkeypatch.setattr(peft_smear.experts.lora, "merge_lora_experts", lambda *a: merges.append(a) or merge(*a))
+    merge = peft_smear.core.experts.lora.merge_lora_experts
+    monkeypatch.setattr(peft_smear.core.experts.lora, "merge_lora_experts", lambda *a: merges.append(a) or merge(*a))
     recorded = {}
     model.base_model.routing_context.recorded = recorded
     generate(model, inputs, max_new_tokens=8)

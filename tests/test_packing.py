@@ -11,7 +11,7 @@ from transformers import DataCollatorWithFlattening
 
 from conftest import VOCAB, tiny_gpt2, tiny_llama
 from peft_smear import SmearConfig, SmearLinear, get_routing_weights
-from peft_smear.packing import PackedLayout, packed_layout
+from peft_smear.core.packing import PackedLayout, packed_layout
 
 
 KINDS = {

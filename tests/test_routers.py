@@ -18,10 +18,10 @@ from transformers.utils import ModelOutput
 
 import peft_smear
 from conftest import VOCAB, random_batch, tiny_bert, tiny_llama, tiny_t5
-from peft_smear import SmearConfig, SmearLinear
-from peft_smear.losses import per_example_task_loss, reinforce_losses
-from peft_smear.routers import ROUTING_METHODS, PolicyStep
-from peft_smear.routers.learned import annealed_temperature
+from peft_smear import ROUTERS, SmearConfig, SmearLinear
+from peft_smear.core.losses import per_example_task_loss, reinforce_losses
+from peft_smear.core.routers import PolicyStep
+from peft_smear.core.routers.learned import annealed_temperature
 
 
 NUM_TASKS = 3
@@ -77,7 +77,7 @@ def train(model, batches, steps: int, lr: float = 1e-2) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("routing", ROUTING_METHODS)
+@pytest.mark.parametrize("routing", tuple(ROUTERS))
 def test_every_method_trains_a_tiny_bert(routing):
     model = bert_with(routing)
     experts_before = {n: p.detach().clone() for n, p in model.named_parameters() if "smear_lora_" in n}
@@ -409,7 +409,7 @@ def test_reinforce_rewards_a_custom_heads_example_losses(monkeypatch):
         rewards.append(step_rewards)
         return reinforce_losses(steps, step_rewards)
 
-    monkeypatch.setattr(peft_smear.model, "reinforce_losses", recording)
+    monkeypatch.setattr(peft_smear.core.model, "reinforce_losses", recording)
     labels = torch.tensor([0.5, -1.0, 2.0])
     torch.manual_seed(0)
     outputs = model(**random_batch(3, 6, seed=1), labels=labels)
@@ -419,7 +419,7 @@ def test_reinforce_rewards_a_custom_heads_example_losses(monkeypatch):
     torch.testing.assert_close(reward, -outputs.example_losses.detach())
 
 
-@pytest.mark.parametrize("routing", ROUTING_METHODS)
+@pytest.mark.parametrize("routing", tuple(ROUTERS))
 def test_every_method_saves_and_reloads_exactly(routing, tmp_path):
     model = bert_with(routing)
     train(model, classification_data(n_batches=1), steps=2)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from peft_smear.routers.dselect_k_gate import (
+from peft_smear.core.routers.dselect_k_gate import (
     dselect_k_entropy,
     dselect_k_gate,
     dselect_k_num_bits,

@@ -3,36 +3,34 @@
 Importing this package registers the PEFT type ``"SMEAR"``, after which ``get_peft_model``,
 ``PeftModel.from_pretrained``, ``PeftConfig.from_pretrained`` and ``AutoPeftModel*`` handle SMEAR adapters, and
 ``save_pretrained`` / ``push_to_hub`` of a SMEAR model write SMEAR's model card.
+
+The package is layered: :mod:`peft_smear.core` is the PEFT method; :mod:`peft_smear.bank` (a bank of existing
+adapters) and :mod:`peft_smear.emoe` build on it alone; :mod:`peft_smear.multitask` (the ``peft-smear train``
+application) and :mod:`peft_smear.cli` sit on top. This module only gathers the public names.
 """
 
-from .bank import build_expert_bank
-from .callbacks import SmearRoutingCallback
-from .collator import SmearDataCollator
-from .config import SmearConfig
-from .descriptions import describe_tasks, embed_texts
-from .export import export_merged_adapter
-from .gates import train_phatgoose_gates
-from .hub import push_to_hub
-from .layer import SmearLinear
-from .model import SmearModel, get_routing_weights
-from .model_card import create_or_update_model_card, write_model_card
-from .optimizer import create_router_optimizer
-from .registration import (  # the PEFT version is checked when registration is first imported (by config)
-    SUPPORTED_PEFT_RANGE,
-    SmearPeftType,
-    register,
-    route_peft_model_method,
-)
-from .routers import ROUTERS, ROUTING_METHODS, Router
-from .routing_stats import RoutingStatistics
+from .bank import build_expert_bank, describe_tasks, embed_texts, train_phatgoose_gates
+from .core.callbacks import SmearRoutingCallback
+from .core.collator import SmearDataCollator
+from .core.config import SmearConfig
+from .core.export import export_merged_adapter
+from .core.hub import push_to_hub
+from .core.layer import SmearLinear
+from .core.model import SmearModel, get_routing_weights
+from .core.model_card import create_or_update_model_card, write_model_card
+from .core.optimizer import create_router_optimizer
+from .core.registration import SUPPORTED_PEFT_RANGE, SmearPeftType, install
+from .core.routers import ROUTERS, Router, register_router
+from .core.routing_report import RoutingReport
+from .core.routing_stats import RoutingStatistics
 from .version import __version__
 
 
 __all__ = [
     "ROUTERS",
-    "ROUTING_METHODS",
     "SUPPORTED_PEFT_RANGE",
     "Router",
+    "RoutingReport",
     "RoutingStatistics",
     "SmearConfig",
     "SmearDataCollator",
@@ -47,10 +45,9 @@ __all__ = [
     "embed_texts",
     "export_merged_adapter",
     "get_routing_weights",
+    "register_router",
     "train_phatgoose_gates",
     "write_model_card",
 ]
 
-register(SmearConfig, SmearModel, SmearModel.prefix)
-route_peft_model_method("create_or_update_model_card", create_or_update_model_card)
-route_peft_model_method("push_to_hub", push_to_hub)
+install(SmearConfig, SmearModel, create_or_update_model_card, push_to_hub)

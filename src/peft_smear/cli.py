@@ -27,14 +27,14 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from .arguments import CommandError, listing, positive_int
-from .bank_command import add_build_bank_command
-from .config import SmearConfig
-from .experts import EXPERT_KINDS
-from .export import export_merged_adapter, refuse_occupied
-from .layer import SmearLinear
+from .bank.command import add_build_bank_command
+from .core.arguments import CommandError, listing, positive_int
+from .core.config import SmearConfig
+from .core.experts import EXPERT_KINDS
+from .core.export import export_merged_adapter, refuse_occupied
+from .core.layer import SmearLinear
+from .core.registration import SmearPeftType
 from .multitask.commands import add_export_tasks_command, add_train_command
-from .registration import SmearPeftType
 
 
 AUTO_MODEL_CLASSES = {

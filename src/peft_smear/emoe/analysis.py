@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..multitask.report import RoutingReport
+from ..core.routing_report import RoutingReport
 from .gate import EmoeGate
 
 

@@ -7,8 +7,8 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from ..arguments import positive_float, positive_int
-from ..routers import ROUTING_METHODS
+from ..core.arguments import positive_float, positive_int
+from ..core.routers import ROUTERS
 from .tasks import BENCHMARK_TASKS
 
 
@@ -40,7 +40,7 @@ def add_train_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
         metavar="NAME=PATH",
         help="your own task from a CSV/JSON/JSONL file with text and label columns (repeatable)",
     )
-    parser.add_argument("--routing", choices=ROUTING_METHODS, default="smear", help="routing method (default: smear)")
+    parser.add_argument("--routing", choices=tuple(ROUTERS), default="smear", help="routing method (default: smear)")
     parser.add_argument("--num-experts", type=positive_int, help="experts per layer (default: 8; 1 for single)")
     parser.add_argument("--r", type=positive_int, default=8, help="rank of each LoRA expert (default: 8)")
     parser.add_argument("--steps", type=positive_int, default=250, help="training steps (default: 250)")

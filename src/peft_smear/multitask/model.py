@@ -24,8 +24,8 @@ from torch import nn
 from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import ModelOutput
 
-from ..base_layers import SUPPORTED_BASE_LAYERS
-from ..pooling import masked_mean
+from ..core.base_layers import SUPPORTED_BASE_LAYERS
+from ..core.pooling import masked_mean
 from .tasks import TaskInfo
 
 

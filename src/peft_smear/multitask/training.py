@@ -23,12 +23,13 @@ from peft import PeftConfig, PeftModel, get_peft_model
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, Trainer, TrainingArguments, set_seed
 from transformers.trainer_callback import PrinterCallback
 
-from ..arguments import name_path_pairs
-from ..config import SmearConfig
-from ..export import check_exportable, export_merged_adapter, refuse_occupied
-from ..model_card import write_model_card
-from ..optimizer import create_router_optimizer
-from ..routers import ROUTERS, Reads
+from ..core.arguments import name_path_pairs
+from ..core.config import SmearConfig
+from ..core.export import check_exportable, export_merged_adapter, refuse_occupied
+from ..core.model_card import write_model_card
+from ..core.optimizer import create_router_optimizer
+from ..core.routers import ROUTERS, Reads
+from ..core.routing_report import RoutingReport
 from .data import load_benchmark
 from .features import benchmark_task_info
 from .model import (
@@ -39,7 +40,6 @@ from .model import (
     require_model_dir,
     task_metrics,
 )
-from .report import RoutingReport
 from .tasks import TaskInfo
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .layer import SmearLinear
+from ..core.layer import SmearLinear
 from .routers import GateRouter
 
 

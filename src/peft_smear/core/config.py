@@ -7,7 +7,7 @@ from typing import Literal
 
 from .experts import EXPERT_KINDS, EXPERT_TYPES
 from .registration import PeftConfig, SmearPeftType
-from .routers import ROUTERS, ROUTING_METHODS
+from .routers import ROUTERS
 
 
 INIT_WEIGHTS_SCHEMES = ("gaussian", "smear")
@@ -184,7 +184,7 @@ class SmearConfig(PeftConfig):
     modules_to_save: list[str] | None = field(
         default=None, metadata={"help": "Modules trained in full and saved with the adapter."}
     )
-    routing: str = field(default="smear", metadata={"help": f"Routing method, one of {ROUTING_METHODS}."})
+    routing: str = field(default="smear", metadata={"help": f"Routing method, one of {tuple(ROUTERS)}."})
     top_k: int = field(default=1, metadata={"help": "top_k: experts per example."})
     gumbel_temperature: float = field(default=10.0, metadata={"help": "st_gumbel: initial temperature."})
     gumbel_anneal_rate: float = field(default=1e-6, metadata={"help": "st_gumbel: exponential anneal rate."})
@@ -251,8 +251,8 @@ class SmearConfig(PeftConfig):
             if isinstance(self.ia3_feedforward_modules, list)
             else self.ia3_feedforward_modules
         )
-        if self.routing not in ROUTING_METHODS:
-            raise ValueError(f"routing must be one of {ROUTING_METHODS}, got {self.routing!r}.")
+        if self.routing not in ROUTERS:
+            raise ValueError(f"routing must be one of {tuple(ROUTERS)}, got {self.routing!r}.")
         router = ROUTERS[self.routing]
         if self.num_experts is None:
             self.num_experts = router.default_num_experts

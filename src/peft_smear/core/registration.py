@@ -61,6 +61,7 @@ __all__ = [
     "adapter_state_dict_keys",
     "adapter_state_dict_prefixes",
     "check_peft_version",
+    "install",
     "register",
     "route_peft_model_method",
     "select_adapter_entries",
@@ -131,3 +132,11 @@ def route_peft_model_method(name: str, smear_method: Callable) -> None:
 
     method.__smear_peft_method__ = peft_method
     setattr(PeftModel, name, method)
+
+
+def install(config_cls: type, tuner_cls: type, model_card: Callable, push_to_hub: Callable) -> None:
+    """Everything ``import peft_smear`` changes in PEFT, in one place: the ``"SMEAR"`` type in PEFT's registries,
+    and SMEAR's model card and ``push_to_hub`` for models whose active adapter is SMEAR (others keep PEFT's)."""
+    register(config_cls, tuner_cls, tuner_cls.prefix)
+    route_peft_model_method("create_or_update_model_card", model_card)
+    route_peft_model_method("push_to_hub", push_to_hub)

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from .arguments import CommandError, positive_int
-from .export import refuse_occupied
-from .routers import ROUTERS, ROUTING_METHODS
+from ..core.arguments import CommandError, positive_int
+from ..core.export import refuse_occupied
+from ..core.routers import ROUTERS
 
 
 def add_build_bank_command(commands: argparse._SubParsersAction) -> None:
@@ -41,7 +41,7 @@ def add_build_bank_command(commands: argparse._SubParsersAction) -> None:
         "--adapter", required=True, action="append", metavar="NAME=DIR", help="an expert (repeat, in order)"
     )
     parser.add_argument("--output", required=True, type=Path, metavar="DIR", help="where to write the bank")
-    parser.add_argument("--routing", default="smear", choices=ROUTING_METHODS, help="routing method (default: smear)")
+    parser.add_argument("--routing", default="smear", choices=tuple(ROUTERS), help="routing method (default: smear)")
     parser.add_argument("--task-type", default=None, help="the adapters' task type, if they do not record one")
     parser.add_argument(
         "--general-adapter", action="append", default=[], metavar="NAME=DIR", help="GenKnowSub's general adapters"

@@ -20,9 +20,9 @@ from peft.utils import load_peft_weights
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from .config import SmearConfig
-from .layer import SmearLinear, in_out_features
-from .routers import ROUTERS
+from ..core.config import SmearConfig
+from ..core.layer import SmearLinear, in_out_features
+from ..core.routers import ROUTERS
 
 
 AdapterSource = str | os.PathLike | PeftModel

@@ -23,12 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Reads, Router, RoutingDecision, TokenStates, merged, mixed, top_k_renormalised
+from ..core.routers.base import Reads, Router, RoutingDecision, TokenStates, merged, mixed, top_k_renormalised
 
 
 if TYPE_CHECKING:
-    from ..config import SmearConfig
-    from ..context import RoutingContext
+    from ..core.config import SmearConfig
+    from ..core.context import RoutingContext
 
 
 def lora_prototypes(lora_A: torch.Tensor, lora_B: torch.Tensor) -> torch.Tensor:

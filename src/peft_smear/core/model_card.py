@@ -18,11 +18,11 @@ import peft
 from huggingface_hub import ModelCard
 from torch import nn
 
+from ..version import __version__
 from .experts import EXPERT_KINDS
 from .experts.adapter import DEFAULT_REDUCTION_FACTOR
 from .layer import SmearLinear
 from .routers import ROUTERS, Reads
-from .version import __version__
 
 
 PAPER_URL = "https://arxiv.org/abs/2306.03745"
@@ -292,7 +292,7 @@ def _load_snippet(config: Any, adapter_id: str, base_model: str | None) -> str:
 
 def _routing_report(report: dict[str, Any], heatmap: bool) -> list[str]:
     """The card's view of a ``routing.json`` written by :class:`peft_smear.multitask.report.RoutingReport`."""
-    from .multitask.report import RoutingReport  # the application wrote the file, so it is installed
+    from .routing_report import RoutingReport
 
     tasks, routers = report["tasks"], report["routers"]
     routing = RoutingReport(
