@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_llama
 from peft import PeftModel
 from safetensors.torch import load_file
 
-import peft_smear  # noqa: F401  (registers SMEAR)
+import peft_smear
+from conftest import tiny_llama
 
 
 FIXTURES = Path(__file__).parent / "fixtures" / "legacy_adapters"
