@@ -93,7 +93,8 @@ def measure(width: int, seq_len: int, num_experts: int, r: int, batch: int, repe
 
 def results_section(rows: list[dict], command: str, width: int, wall_seconds: float, load: tuple) -> str:
     lines = [
-        f"## Applying merged experts: merge-then-bmm vs one dense matmul, {time.strftime('%Y-%m-%d %H:%M UTC')}",
+        "## Applying merged experts: merge-then-bmm vs one dense matmul, "
+        + time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "",
         f"- Command: `{command}`",
         f"- Machine: {machine_description('cpu')}",

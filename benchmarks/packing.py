@@ -103,7 +103,7 @@ def results_section(figures: dict[str, float], lengths: list[int], args, command
     tokens, padded_tokens = sum(lengths), len(lengths) * max(lengths)
     return "\n".join(
         [
-            f"## Packed (padding-free) training steps, {time.strftime('%Y-%m-%d %H:%M UTC')}",
+            f"## Packed (padding-free) training steps, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
             "",
             f"- Command: `{command}`",
             f"- Machine: {machine_description('cpu')}",
