@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from common import append_results, load_description, machine_description
+from common import add_results_option, load_description, machine_description, write_results
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, get_linear_schedule_with_warmup
 
@@ -674,7 +674,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cache-dir", help="data cache (default: $PEFT_SMEAR_CACHE or ~/.cache/peft_smear)")
     parser.add_argument("--threads", type=int, help="torch threads")
     parser.add_argument("--figures", type=Path, default=None, help="write the routing heatmaps to this PNG")
-    parser.add_argument("--append-results", type=Path, default=None, metavar="RESULTS_MD")
+    add_results_option(parser)
     parser.add_argument("--experts-dir", type=Path, help="keep the trained task experts here (default: discarded)")
     return parser.parse_args(argv)
 
@@ -708,7 +708,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
                 body,
             ]
         )
-        append_results(args.append_results, section)
+        write_results(args.append_results, section)
     return 0
 
 

@@ -1,14 +1,17 @@
 """What every benchmark script shares: the machine it ran on, the load beside it, and the RESULTS.md writer.
 
-Each script appends a section to ``benchmarks/RESULTS.md`` with the exact command, the machine and package versions,
-and the load averages before and after the run, so that no figure there is ever typed by hand.
+Each script writes its section of ``benchmarks/RESULTS.md`` with the exact command, the machine and package versions,
+and the load averages before and after the run, so that no figure there is ever typed by hand. A run replaces the
+section its script wrote last time, so the file holds each benchmark's current results; git keeps the earlier ones.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import platform
+import re
 from pathlib import Path
 
 import peft
@@ -48,12 +51,43 @@ def machine_description(device: str) -> str:
 
 RESULTS_HEADER = """# Benchmark results
 
-Measurements of peft-smear against PEFT LoRA, PEFT Poly and other routing methods. Each section is appended by a
-script in `benchmarks/` together with the machine, the package versions and the exact command that produced it;
-the numbers are never edited by hand.
+Measurements of peft-smear against PEFT LoRA, PEFT Poly and other routing methods: the current section of each
+benchmark, written by its script in `benchmarks/` together with the machine, the package versions and the exact
+command that produced it, and replaced by that script's next run. The numbers are never edited by hand; earlier runs
+are in the git history (`git log -p benchmarks/RESULTS.md`).
 """
 
 
-def append_results(path: Path, section: str) -> None:
+def add_results_option(parser: argparse.ArgumentParser) -> None:
+    """``--append-results``: the name kept from when sections were appended, so that the commands in RESULTS.md run."""
+    parser.add_argument(
+        "--append-results",
+        type=Path,
+        default=None,
+        metavar="RESULTS_MD",
+        help="write the section into this markdown file, replacing the previous section of the same title",
+    )
+
+
+def section_title(section: str) -> str:
+    """A section's ``## `` heading without the date it ends with: what a later run of the same benchmark shares."""
+    heading = section.split("\n", 1)[0].removeprefix("## ").rstrip()
+    return re.sub(r",? *[0-9]{4}-[0-9]{2}-[0-9]{2}.*$", "", heading)
+
+
+def write_results(path: Path, section: str) -> None:
+    """Put ``section`` in place of the section of ``path`` with the same title, or after the last section if none has
+    it, so that the file holds each benchmark's latest results; every other byte of the file is kept."""
+    if not section.startswith("## "):
+        raise ValueError("a results section starts with a '## ' heading")
     text = path.read_text() if path.exists() else RESULTS_HEADER
-    path.write_text(text.rstrip("\n") + "\n\n" + section)
+    header, *sections = re.split(r"^(?=## )", text, flags=re.MULTILINE)
+    title = section_title(section)
+    same = next((i for i, old in enumerate(sections) if section_title(old) == title), None)
+    if same is None:
+        text = text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
+    else:
+        old = sections[same]
+        sections[same] = section.rstrip("\n") + old[len(old.rstrip("\n")) :]  # the blank lines before the next one
+        text = header + "".join(sections)
+    path.write_text(text)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 import torch._dynamo as dynamo
-from common import append_results, load_description, machine_description
+from common import add_results_option, load_description, machine_description, write_results
 from speed import PRESETS, TARGET_SHAPE, Shape, build_base_model, inference, make_inputs, timed, train_step, wrap
 
 
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
-    parser.add_argument("--append-results", type=Path, help="append the section to this markdown file")
+    add_results_option(parser)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         load = (load_before, os.getloadavg())
         section = results_section(figures, command, args.preset, load, time.perf_counter() - started, args.repeats)
-        append_results(args.append_results, section)
+        write_results(args.append_results, section)
     return 0
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import append_results, load_description, machine_description
+from common import add_results_option, load_description, machine_description, write_results
 from transformers import AutoModel
 
 from peft_smear.emoe import balanced_kmeans, find_feed_forwards, random_partition, within_cluster_sum_of_squares
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--num-experts", type=int, default=64)
     parser.add_argument("--n-init", type=int, nargs="+", default=[1, 3, 10])
-    parser.add_argument("--append-results", type=Path)
+    add_results_option(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     load_before = os.getloadavg()
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                 "",
             ]
         )
-        append_results(args.append_results, section)
+        write_results(args.append_results, section)
     return 0
 
 

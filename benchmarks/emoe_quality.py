@@ -31,7 +31,7 @@ from typing import Any
 
 import quality
 import torch
-from common import append_results, load_description, machine_description
+from common import add_results_option, load_description, machine_description, write_results
 from quality import PRESETS, Run, Setup, Summary, load_setup, paired_difference, summarise
 
 from peft_smear.emoe import gate_parameters, moefy, remove_emoe, selection_report
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
     parser.add_argument("--threads", type=int)
     parser.add_argument("--output-dir", type=Path, default=Path("outputs/emoe_quality"))
     parser.add_argument("--figures-dir", type=Path, default=Path("benchmarks/figures"))
-    parser.add_argument("--append-results", type=Path, metavar="RESULTS_MD")
+    add_results_option(parser)
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
                 "",
             ]
         )
-        append_results(args.append_results, section)
+        write_results(args.append_results, section)
     return 0
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import append_results, load_description, machine_description
+from common import add_results_option, load_description, machine_description, write_results
 from transformers import AutoModel, AutoTokenizer
 
 from peft_smear.emoe import emoe_gates, moefy, remove_emoe
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--examples-per-task", type=int, default=32)
     parser.add_argument("--max-length", type=int, default=32)
     parser.add_argument("--figure", type=Path, default=Path("benchmarks/figures/emoe_activation_sparsity.png"))
-    parser.add_argument("--append-results", type=Path)
+    add_results_option(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     load_before = os.getloadavg()
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                 "",
             ]
         )
-        append_results(args.append_results, section)
+        write_results(args.append_results, section)
     return 0
 
 

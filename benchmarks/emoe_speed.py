@@ -18,10 +18,9 @@ import shlex
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
-from common import append_results, load_description, machine_description
+from common import add_results_option, load_description, machine_description, write_results
 from peft import LoraConfig, get_peft_model
 from speed import PRESETS as SPEED_PRESETS
 from speed import TARGET_MODULES, build_base_model, inference, train_step
@@ -157,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--append-results", type=Path)
+    add_results_option(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     load_before, started = os.getloadavg(), time.perf_counter()
@@ -206,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                 "",
             ]
         )
-        append_results(args.append_results, section)
+        write_results(args.append_results, section)
     return 0
 
 

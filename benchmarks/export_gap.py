@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import append_results, machine_description
+from common import add_results_option, machine_description, write_results
 from peft import PeftModel
 from transformers import AutoTokenizer
 
@@ -162,7 +162,7 @@ def main() -> None:
     parser.add_argument("--run", required=True, type=Path, help="a `peft-smear train` output directory")
     parser.add_argument("--split", default="test", choices=["validation", "test"])
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--append-results", type=Path, help="append the table to this markdown file")
+    add_results_option(parser)
     args = parser.parse_args()
     results = compare(args.run, args.split, args.batch_size)
     table = markdown(results)
@@ -177,7 +177,7 @@ def main() -> None:
             f"routing={run_config.get('routing')!r}, num_experts={run_config['num_experts']}, r={run_config['r']}, "
             f"{trained['steps']} steps; compared on its {args.split} split.\n\n{table}\n"
         )
-        append_results(args.append_results, section)
+        write_results(args.append_results, section)
 
 
 if __name__ == "__main__":

@@ -16,10 +16,9 @@ import shlex
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from common import append_results, load_description, machine_description
+from common import add_results_option, load_description, machine_description, write_results
 from peft import get_peft_model
 from speed import PRESETS as SPEED_PRESETS
 from speed import TARGET_MODULES, Shape, build_base_model, make_inputs, synchronize, train_step
@@ -148,7 +147,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=None, help="Default: the preset's.")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads.")
-    parser.add_argument("--append-results", type=Path, default=None, metavar="RESULTS_MD")
+    add_results_option(parser)
     return parser.parse_args(argv)
 
 
@@ -167,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         repeats = args.repeats or PRESETS[args.preset].repeats
         section = results_section(times, args.preset, args.device, command, (load_before, load_after), repeats)
-        append_results(args.append_results, section)
-        print(f"appended to {args.append_results}")
+        write_results(args.append_results, section)
+        print(f"wrote {args.append_results}")
     return 0
 
 

@@ -20,10 +20,9 @@ import sys
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 
 import torch
-from common import append_results, load_description, machine_description
+from common import add_results_option, load_description, machine_description, write_results
 
 from peft_smear.core.experts.lora import add_lora_mixture, add_per_example_experts, merge_lora_experts
 
@@ -94,7 +93,8 @@ def measure(width: int, seq_len: int, num_experts: int, r: int, batch: int, repe
 
 def results_section(rows: list[dict], command: str, width: int, wall_seconds: float, load: tuple) -> str:
     lines = [
-        f"## Applying merged experts: merge-then-bmm vs one dense matmul, {time.strftime('%Y-%m-%d %H:%M UTC')}",
+        "## Applying merged experts: merge-then-bmm vs one dense matmul, "
+        + time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "",
         f"- Command: `{command}`",
         f"- Machine: {machine_description('cpu')}",
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--append-results", type=Path, default=None, metavar="RESULTS_MD")
+    add_results_option(parser)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     section = results_section(rows, command.strip(), args.width, wall_seconds, load)
     print(section)
     if args.append_results:
-        append_results(args.append_results, section)
+        write_results(args.append_results, section)
 
 
 if __name__ == "__main__":

@@ -17,10 +17,9 @@ import os
 import shlex
 import sys
 import time
-from pathlib import Path
 
 import torch
-from common import append_results, load_description, machine_description
+from common import add_results_option, load_description, machine_description, write_results
 from peft import LoraConfig, get_peft_model
 from speed import PRESETS, TARGET_MODULES
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -104,7 +103,7 @@ def results_section(figures: dict[str, float], lengths: list[int], args, command
     tokens, padded_tokens = sum(lengths), len(lengths) * max(lengths)
     return "\n".join(
         [
-            f"## Packed (padding-free) training steps, {time.strftime('%Y-%m-%d %H:%M UTC')}",
+            f"## Packed (padding-free) training steps, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
             "",
             f"- Command: `{command}`",
             f"- Machine: {machine_description('cpu')}",
@@ -140,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--append-results", type=Path, default=None, metavar="RESULTS_MD")
+    add_results_option(parser)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -152,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(section)
     if args.append_results:
-        append_results(args.append_results, section)
+        write_results(args.append_results, section)
 
 
 if __name__ == "__main__":

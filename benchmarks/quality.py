@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 import transformers
-from common import append_results, load_description, machine_description
+from common import add_results_option, load_description, machine_description, write_results
 from datasets import DatasetDict
 from peft import LoraConfig, PeftConfig, PeftModel
 from transformers import AutoTokenizer
@@ -789,7 +789,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, help="torch threads per run; 1 on a shared CPU")
     parser.add_argument("--output-dir", type=Path, default=Path("outputs/quality"))
     parser.add_argument("--figures-dir", type=Path, default=Path("benchmarks/figures"))
-    parser.add_argument("--append-results", type=Path, default=None, metavar="RESULTS_MD")
+    add_results_option(parser)
     parser.add_argument(
         "--resume", action="store_true", help="reuse the runs <output-dir>/runs.jsonl recorded (same settings only)"
     )
@@ -847,7 +847,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
         section = results_section(
             body, args.preset, command, machine, (load_before, load_after), seconds, cpu_seconds, replayed
         )
-        append_results(args.append_results, section)
+        write_results(args.append_results, section)
         paths["results"] = args.append_results
     log("wrote " + ", ".join(str(path) for path in [*paths.values(), *figures.values()]))
     return 0

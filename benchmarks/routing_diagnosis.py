@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import append_results, load_description, machine_description
+from common import add_results_option, load_description, machine_description, write_results
 from quality import PRESETS, load_setup
 from transformers import get_linear_schedule_with_warmup
 
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir")
     parser.add_argument("--threads", type=int)
     parser.add_argument("--figures-dir", type=Path, default=Path("benchmarks/figures/diagnosis"))
-    parser.add_argument("--append-results", type=Path)
+    add_results_option(parser)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = section(args, result, analysis, (load_before, os.getloadavg()), time.perf_counter() - started, argv)
     print(summary)
     if args.append_results:
-        append_results(args.append_results, summary)
+        write_results(args.append_results, summary)
     return 0
 
 

@@ -36,7 +36,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from common import append_results, load_description, machine_description
+from common import add_results_option, load_description, machine_description, write_results
 from peft import LoraConfig, PeftModel, PolyConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -598,7 +598,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--threads", type=int, default=None, help="torch CPU threads; on a shared machine 1 avoids thread contention."
     )
     parser.add_argument("--output-dir", type=Path, default=Path("outputs/speed"))
-    parser.add_argument("--append-results", type=Path, default=None, metavar="RESULTS_MD")
+    add_results_option(parser)
     parser.add_argument("--memory-probe", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -629,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
         section = results_section(
             rows, args.preset, args.device, args.memory, command, (load_before, load_after), seconds
         )
-        append_results(args.append_results, section)
+        write_results(args.append_results, section)
         paths["results"] = args.append_results
     print("wrote " + ", ".join(str(path) for path in paths.values()))
     return 0

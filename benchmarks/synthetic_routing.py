@@ -39,13 +39,12 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import peft
 import torch
 import torch.nn.functional as F
-from common import append_results, load_description, machine_description
+from common import add_results_option, load_description, machine_description, write_results
 from peft import get_peft_model
 from torch import nn
 from transformers.utils import ModelOutput
@@ -381,7 +380,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--steps", type=int, default=Settings.steps)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--append-results", type=Path, default=None, metavar="RESULTS_MD")
+    add_results_option(parser)
     return parser.parse_args(argv)
 
 
@@ -407,7 +406,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
         )
         command = shlex.join(["python", "benchmarks/synthetic_routing.py", *(sys.argv[1:] if argv is None else argv)])
         section = results_section(table, command, description, seconds, (load_before, load_after))
-        append_results(args.append_results, section)
+        write_results(args.append_results, section)
     return 0
 
 

@@ -55,7 +55,7 @@ def test_outputs_have_the_documented_columns(speed, rows, tmp_path):
 def test_results_section_reports_command_machine_and_targets(speed, rows, tmp_path):
     section = speed.results_section(rows, "tiny", "cpu", "inprocess", "python benchmarks/speed.py", ((1,) * 3,) * 2, 1)
     results = tmp_path / "RESULTS.md"
-    common.append_results(results, section)
+    common.write_results(results, section)
     text = results.read_text()
     assert text.startswith("# Benchmark results") and "never edited by hand" in text
     assert "`python benchmarks/speed.py`" in text and f"torch {torch.__version__}" in text
