@@ -307,7 +307,7 @@ def reference_smear_forward(layer, config, x, token_mask, encoder_summary=None, 
         xb = x[b].double()
         yb = base_output(layer, xb)
         routed = yb if config.expert_type == "adapter" else xb  # an adapter's router reads the adapter's input
-        if layer.router_source[adapter] == "encoder":
+        if layer.router_input[adapter] == "encoder":
             summary = encoder_summary[b].double()
         else:
             real = [t for t in range(routed.shape[0]) if token_mask is None or token_mask[b, t] != 0]

@@ -19,11 +19,11 @@ from peft_smear import SmearConfig, SmearPeftType
         ("r", 2.5, "r must be an integer >= 1, got 2.5"),
         ("num_experts", 0, "num_experts must be an integer >= 1, got 0"),
         ("num_experts", True, "num_experts must be an integer >= 1, got True"),
-        ("lora_alpha", 0, "lora_alpha must be a number > 0, got 0"),
-        ("lora_alpha", "16", "lora_alpha must be a number > 0, got '16'"),
+        ("lora_alpha", 0, "lora_alpha must be a finite number > 0, got 0"),
+        ("lora_alpha", "16", "lora_alpha must be a finite number > 0, got '16'"),
         ("expert_dropout", 1.0, "expert_dropout must be a probability in [0, 1), got 1.0"),
         ("expert_dropout", -0.1, "expert_dropout must be a probability in [0, 1), got -0.1"),
-        ("router_init_std", 0.0, "router_init_std must be a number > 0, got 0.0"),
+        ("router_init_std", 0.0, "router_init_std must be a finite number > 0, got 0.0"),
         ("init_weights", "kaiming", "init_weights must be one of True, False, 'gaussian', 'smear'; got 'kaiming'"),
         ("init_weights", 1, "init_weights must be one of True, False, 'gaussian', 'smear'; got 1"),
         ("layers_to_transform", [0, -1], "layers_to_transform must be layer indices >= 0, got [0, -1]"),
@@ -58,13 +58,14 @@ def test_defaults_follow_the_paper():
 
 def test_smear_balances_its_routers_by_default_and_the_paper_router_is_one_setting_away(tmp_path):
     # The one default that departs from the paper: it won the router-collapse comparison (benchmarks/RESULTS.md).
-    assert SmearConfig().router_balance_weight == 0.01
-    assert SmearConfig(router_balance_weight=0.0).router_balance_weight == 0.0
+    assert SmearConfig().routing_options["router_balance_weight"] == 0.01
+    assert SmearConfig(router_balance_weight=0.0).routing_options["router_balance_weight"] == 0.0
     for routing in ("ensemble", "top_k", "st_gumbel", "reinforce"):  # the paper's baselines keep the paper's router
-        assert SmearConfig(routing=routing).router_balance_weight == 0.0
-    assert SmearConfig(routing="tag", num_tasks=2).router_balance_weight is None  # no probability router to balance
+        assert SmearConfig(routing=routing).routing_options["router_balance_weight"] == 0.0
+    # no probability router to balance
+    assert "router_balance_weight" not in SmearConfig(routing="tag", num_tasks=2).routing_options
     SmearConfig(router_balance_weight=0.0).save_pretrained(tmp_path)  # an adapter saved before the default changed
-    assert SmearConfig.from_pretrained(tmp_path).router_balance_weight == 0.0
+    assert SmearConfig.from_pretrained(tmp_path).routing_options["router_balance_weight"] == 0.0
 
 
 def test_default_target_modules_follow_the_architecture():
@@ -120,7 +121,7 @@ def test_init_weights_schemes(scheme):
         ({"routing": "moe"}, "routing must be one of ('smear', 'ensemble'"),
         ({"routing": "smear", "top_k": 2}, "top_k=2 only applies to routing='top_k', but routing='smear'"),
         ({"routing": "hash", "gumbel_temperature": 1.0}, "gumbel_temperature=1.0 only applies to routing='st_gumbel'"),
-        ({"routing": "top_k", "top_k": 9}, "top_k=9 exceeds num_experts=8"),
+        ({"routing": "top_k", "top_k": 9}, "top_k must be an integer in [1, num_experts=8], got 9"),
         ({"routing": "tag", "expert_dropout": 0.1}, "expert_dropout=0.1 needs a probability router; routing='tag'"),
         ({"routing": "single", "num_experts": 4}, "routing='single' uses one expert, but num_experts=4"),
         ({"routing": "latent_skills"}, "routing='latent_skills' learns a task-by-expert matrix: set num_tasks"),
@@ -130,8 +131,11 @@ def test_init_weights_schemes(scheme):
         ),
         ({"routing": "tag", "tag_experts": [0, 1], "num_tasks": 3}, "tag_experts maps 2 task ids but num_tasks=3"),
         ({"routing": "dselect_k", "num_experts": 1}, "routing='dselect_k' needs num_experts >= 2, got 1"),
-        ({"routing": "dselect_k", "dselect_k_gamma": 0}, "dselect_k_gamma must be a number > 0, got 0"),
-        ({"routing": "reinforce", "reinforce_policy_weight": -1}, "reinforce_policy_weight must be a number >= 0"),
+        ({"routing": "dselect_k", "dselect_k_gamma": 0}, "dselect_k_gamma must be a finite number > 0, got 0"),
+        (
+            {"routing": "reinforce", "reinforce_policy_weight": -1},
+            "reinforce_policy_weight must be a finite number >= 0",
+        ),
     ],
 )
 def test_routing_options_are_validated(settings, message):
@@ -144,16 +148,18 @@ def test_routing_defaults_follow_the_paper():
     assert SmearConfig(routing="top_k").expert_dropout == 0.1
     assert SmearConfig(routing="st_gumbel").expert_dropout == 0.0
     assert SmearConfig(routing="reinforce").expert_dropout == 0.0
-    gumbel = SmearConfig(routing="st_gumbel")
-    assert (gumbel.gumbel_temperature, gumbel.gumbel_anneal_rate) == (10.0, 1e-6)
-    reinforce = SmearConfig(routing="reinforce")
-    weights = (reinforce.reinforce_policy_weight, reinforce.reinforce_entropy_weight, reinforce.reinforce_value_weight)
-    assert weights == (1e-2, 5e-4, 1e-2)
-    assert SmearConfig(routing="dselect_k").dselect_k_entropy_weight == 0.1
+    gumbel = SmearConfig(routing="st_gumbel").routing_options
+    assert (gumbel["gumbel_temperature"], gumbel["gumbel_anneal_rate"]) == (10.0, 1e-6)
+    reinforce = SmearConfig(routing="reinforce").routing_options
+    weights = [reinforce[f"reinforce_{name}_weight"] for name in ("policy", "entropy", "value")]
+    assert weights == [1e-2, 5e-4, 1e-2]
+    assert SmearConfig(routing="dselect_k").routing_options["dselect_k_entropy_weight"] == 0.1
 
 
 def test_a_saved_routing_config_loads_back_unchanged(tmp_path):
     config = SmearConfig(routing="tag", tag_experts=[2, 2, 0], num_tasks=3, num_experts=4)
     config.save_pretrained(tmp_path)
     loaded = SmearConfig.from_pretrained(tmp_path)
-    assert (loaded.routing, loaded.tag_experts, loaded.num_tasks, loaded.num_experts) == ("tag", [2, 2, 0], 3, 4)
+    options = loaded.routing_options
+    assert (loaded.routing, loaded.num_experts) == ("tag", 4)
+    assert (options["tag_experts"], options["num_tasks"]) == ([2, 2, 0], 3)

@@ -530,7 +530,7 @@ def test_t5_example_places_an_adapter_after_every_sub_layer(capsys):
     }
     layer = layers[encoder[0]]
     assert layer.expert_kind["default"].width == config.d_model // 32
-    assert {layer.router_source["default"] for name, layer in layers.items() if name in decoder} == {"encoder"}
+    assert {layer.router_input["default"] for name, layer in layers.items() if name in decoder} == {"encoder"}
     assert any("layer_norm" in n for n, p in model.named_parameters() if p.requires_grad)  # the paper trains them
     example.main(steps=3)
     assert "routing blocks: 2 per encoder layer, 3 per decoder layer" in capsys.readouterr().out

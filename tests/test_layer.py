@@ -49,7 +49,7 @@ def test_every_layer_equals_the_reference_smear_forward(kind, source, dtype):
     that a wrong distribution would show."""
     base = SOURCES[source]().to(dtype)
     model = get_peft_model(base, peft_smear.SmearConfig(num_experts=3, init_weights=False, **KINDS[kind])).eval()
-    assert {layer.router_source["default"] for layer in model.modules() if isinstance(layer, SmearLinear)} >= {source}
+    assert {layer.router_input["default"] for layer in model.modules() if isinstance(layer, SmearLinear)} >= {source}
     with torch.no_grad():
         for router in (m for m in model.modules() if isinstance(m, peft_smear.Router)):
             router.row_norm_weight.fill_(3.0)
@@ -80,7 +80,7 @@ def test_every_layer_equals_the_reference_smear_forward(kind, source, dtype):
     assert len(captured) == len(model.base_model.targeted_module_names)
     for layer, x, out in captured:
         # T5's decoder layers see the decoder tokens, which their router never reads (it reads the encoder).
-        mask = token_mask if layer.router_source["default"] != "encoder" else None
+        mask = token_mask if layer.router_input["default"] != "encoder" else None
         input_scaled = kind == "ia3" and names[layer].endswith(IA3_INPUT_SCALED)
         expected = reference_smear_forward(layer, config, x, mask, encoder_summary, input_scaled)
         tolerance = TOLERANCES[dtype] * max(1.0, expected.abs().max().item())
@@ -141,12 +141,12 @@ def test_expert_dropout_only_in_training():
     x = torch.randn(64, 5, layer.in_features)
     model.base_model.routing_context.start_call(attention_mask=None, labels=None)
     layer.train()
-    dropped = layer.routing_weights("default", x)
+    dropped = layer.route("default", x).weights
     torch.testing.assert_close(dropped.sum(-1), torch.ones(64))
     zero_fraction = (dropped == 0).float().mean().item()
     assert 0.35 < zero_fraction < 0.65
     layer.eval()
-    assert (layer.routing_weights("default", x) > 0).all()
+    assert (layer.route("default", x).weights > 0).all()
 
 
 def test_drop_experts_keeps_an_example_that_lost_every_expert():
@@ -264,41 +264,6 @@ def _captured_inputs(model, inputs):
         for hook in hooks:
             hook.remove()
     return seen
-
-
-def test_layers_reading_the_same_tensor_pool_it_once(monkeypatch):
-    """q/k/v (and gate/up) get the very same input tensor; its summary is pooled once for all of them."""
-    model = smear(tiny_llama())
-    batch = random_batch(2, 6, lengths=[6, 4])
-    with torch.no_grad():
-        layer_inputs = _captured_inputs(model, batch)
-    pooled = []
-    original = peft_smear.core.layer.masked_mean
-    monkeypatch.setattr(peft_smear.core.layer, "masked_mean", lambda *a: pooled.append(a) or original(*a))
-    with torch.no_grad():
-        model(**batch)
-    distinct = len({id(x) for x in layer_inputs})
-    assert len(layer_inputs) == len(model.base_model.targeted_module_names) > distinct
-    assert len(pooled) == distinct
-
-
-def test_shared_pooling_gives_the_gradients_of_pooling_in_every_layer(monkeypatch):
-    def gradients():
-        torch.manual_seed(0)
-        model = smear(tiny_llama())
-        model.train()
-        batch = random_batch(2, 6, lengths=[6, 4])
-        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-        labels[:, :2] = -100
-        model(**batch, labels=labels).loss.backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    shared = gradients()
-    monkeypatch.setattr(peft_smear.core.context.RoutingContext, "shared_summary", lambda self, x, key, pool: pool())
-    separate = gradients()
-    assert shared.keys() == separate.keys() and any("router" in name for name in shared)
-    for name in shared:
-        torch.testing.assert_close(shared[name], separate[name], atol=1e-7, rtol=1e-6)
 
 
 class _TwoReaders(torch.nn.Module):

@@ -113,7 +113,7 @@ def test_unpack_puts_each_sequence_in_a_row_of_its_own_and_pack_inverts_it():
     x = torch.randn(2, 8, 5)
     expected = [x[row, a : a + n] for row, lengths in enumerate(lengths_per_row) for a, n in _spans(lengths)]
     assert (layout.num_sequences, layout.max_length) == (5, 5)
-    unpacked = layout.unpack(x, share=False)
+    unpacked = layout.unpack(x)
     for index, sequence in enumerate(expected):
         assert torch.equal(unpacked[index, : len(sequence)], sequence)
         assert layout.mask[index].sum() == len(sequence) and layout.mask[index, : len(sequence)].all()
@@ -127,15 +127,6 @@ def test_unpack_puts_each_sequence_in_a_row_of_its_own_and_pack_inverts_it():
 def _spans(lengths: list[int]) -> list[tuple[int, int]]:
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     return list(zip(starts, lengths, strict=True))
-
-
-def test_unpacking_the_same_input_twice_shares_one_copy():
-    layout = PackedLayout(starts_of([[2, 3]]))
-    x = torch.randn(1, 5, 4)
-    unpacked = layout.unpack(x)
-    assert layout.unpack(x) is unpacked and layout.pack(unpacked) is x
-    x.add_(1)  # changed in place: a fresh copy
-    assert layout.unpack(x) is not unpacked
 
 
 def test_every_boundary_source_gives_the_same_layout():

@@ -18,7 +18,7 @@ def smear(model, **overrides):
 
 
 def sources(model) -> set[str]:
-    return {m.router_source["default"] for m in model.modules() if isinstance(m, SmearLinear)}
+    return {m.router_input["default"] for m in model.modules() if isinstance(m, SmearLinear)}
 
 
 def prompt_and_response(prompt_len: int, total: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,7 +43,7 @@ def test_auto_source_follows_the_architecture():
     assert sources(smear(classifier)) == {"self"}
     t5 = smear(tiny_t5())
     by_stack = {
-        (name.split(".")[0], m.router_source["default"])
+        (name.split(".")[0], m.router_input["default"])
         for name, m in t5.base_model.model.named_modules()
         if isinstance(m, SmearLinear)
     }
@@ -220,7 +220,9 @@ def seen_task_ids(model) -> list[torch.Tensor | None]:
     """Attach a hook to the first SMEAR layer that records the task ids it can see at each call."""
     layer = next(m for m in model.modules() if isinstance(m, SmearLinear))
     seen = []
-    layer.register_forward_hook(lambda m, args, out: seen.append(m.routing_context.task_ids_for(args[0].shape[0])))
+    layer.register_forward_hook(
+        lambda m, args, out: seen.append(m.routing_context.call_input("smear_task_ids", args[0].shape[0]))
+    )
     return seen
 
 

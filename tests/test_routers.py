@@ -19,9 +19,8 @@ from transformers.utils import ModelOutput
 import peft_smear
 from conftest import VOCAB, random_batch, tiny_bert, tiny_llama, tiny_t5
 from peft_smear import ROUTERS, SmearConfig, SmearLinear
-from peft_smear.core.losses import per_example_task_loss, reinforce_losses
-from peft_smear.core.routers import PolicyStep
-from peft_smear.core.routers.learned import annealed_temperature
+from peft_smear.core.losses import per_example_task_loss
+from peft_smear.core.routers.learned import PolicyStep, annealed_temperature, reinforce_losses
 
 
 NUM_TASKS = 3
@@ -105,7 +104,7 @@ def test_ensemble_equals_explicit_output_mixture():
     context.start_call(None, None)
     with torch.no_grad():
         out = layer(x)
-        probs = layer.routing_weights("default", x)
+        probs = layer.route("default", x).weights
         A, B = layer.smear_lora_A["default"], layer.smear_lora_B["default"]
         expected = []
         for b in range(3):
@@ -151,7 +150,7 @@ def test_top_k_scales_the_chosen_expert_by_its_probability():
         router = bert_with("smear").eval()  # same weights, the router's own distribution
         router.load_state_dict(one.state_dict())
         router.base_model.routing_context.start_call(None, None)
-        probs = layer_of(router).routing_weights("default", x)
+        probs = layer_of(router).route("default", x).weights
     best = probs.argmax(dim=-1)
     torch.testing.assert_close(decision.weights, F.one_hot(best, 4).float())
     for b in range(4):
@@ -161,7 +160,7 @@ def test_top_k_scales_the_chosen_expert_by_its_probability():
     two = bert_with("top_k", top_k=2).eval()
     two.base_model.routing_context.start_call(None, None)
     with torch.no_grad():
-        weights = layer_of(two).routing_weights("default", x)
+        weights = layer_of(two).route("default", x).weights
     assert ((weights > 0).sum(dim=-1) == 2).all()
     kept = probs.topk(2, dim=-1)
     torch.testing.assert_close(weights.gather(1, kept.indices), kept.values)
@@ -183,9 +182,9 @@ def test_adamix_averages_all_experts_at_inference_and_picks_one_in_training():
     x = torch.randn(6, 5, layer.in_features)
     model.base_model.routing_context.start_call(None, None)
     model.eval()
-    torch.testing.assert_close(layer.routing_weights("default", x), torch.full((6, 4), 0.25))
+    torch.testing.assert_close(layer.route("default", x).weights, torch.full((6, 4), 0.25))
     model.train()
-    weights = layer.routing_weights("default", x)
+    weights = layer.route("default", x).weights
     assert ((weights == 0) | (weights == 1)).all() and (weights.sum(dim=-1) == 1).all()
 
 
@@ -267,7 +266,7 @@ def test_hash_routing_is_stable_across_processes_and_ignores_padding():
 def test_hash_routing_needs_input_ids():
     model = bert_with("hash")
     embeds = torch.randn(2, 6, 32)
-    with pytest.raises(ValueError, match="hashes each example's token ids"):
+    with pytest.raises(ValueError, match="reads each example's token ids"):
         model(inputs_embeds=embeds)
 
 
@@ -350,7 +349,7 @@ def test_per_example_task_loss_matches_a_loop(head):
 
 
 def test_per_example_task_loss_rejects_unknown_heads():
-    with pytest.raises(ValueError, match="routing='reinforce' rewards each example"):
+    with pytest.raises(ValueError, match=r"logits \(2, 3, 4, 5\) and labels \(2, 3\); the supported heads are"):
         per_example_task_loss(torch.randn(2, 3, 4, 5), torch.zeros(2, 3), shift_tokens=False)
 
 
@@ -409,7 +408,7 @@ def test_reinforce_rewards_a_custom_heads_example_losses(monkeypatch):
         rewards.append(step_rewards)
         return reinforce_losses(steps, step_rewards)
 
-    monkeypatch.setattr(peft_smear.core.model, "reinforce_losses", recording)
+    monkeypatch.setattr(peft_smear.core.routers.learned, "reinforce_losses", recording)
     labels = torch.tensor([0.5, -1.0, 2.0])
     torch.manual_seed(0)
     outputs = model(**random_batch(3, 6, seed=1), labels=labels)
@@ -532,10 +531,10 @@ def test_router_balance_loss_is_the_mean_routing_penalty_summed_over_routers():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"router_temperature": 0}, "router_temperature must be a number > 0, got 0"),
+        ({"router_temperature": 0}, "router_temperature must be a finite number > 0, got 0"),
         ({"router_warmup_steps": -1}, "router_warmup_steps must be an integer >= 0, got -1"),
         ({"router_warmup_steps": 1.5}, "router_warmup_steps must be an integer >= 0, got 1.5"),
-        ({"router_balance_weight": -0.1}, "router_balance_weight must be a number >= 0, got -0.1"),
+        ({"router_balance_weight": -0.1}, "router_balance_weight must be a finite number >= 0, got -0.1"),
         ({"routing": "tag", "router_temperature": 2.0}, "router_temperature=2.0 only applies to routing="),
     ],
 )

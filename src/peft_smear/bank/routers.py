@@ -17,18 +17,19 @@ the experts' parameters.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.routers.base import Reads, Router, RoutingDecision, TokenStates, merged, mixed, top_k_renormalised
+from ..core.checks import integer, number, require_integer, require_number
+from ..core.routers.base import CallInput, Option, Router, RoutingDecision, merged, mixed, top_k_renormalised
 
 
 if TYPE_CHECKING:
     from ..core.config import SmearConfig
-    from ..core.context import RoutingContext
+    from ..core.context import RouterInputs
 
 
 def lora_prototypes(lora_A: torch.Tensor, lora_B: torch.Tensor) -> torch.Tensor:
@@ -57,21 +58,28 @@ class ArrowRouter(Router):
     description = (
         "Arrow: per token, the experts whose prototype (top singular vector) best matches the token, outputs mixed"
     )
-    reads = Reads.TOKENS
     per_token = True
     exportable = False
     expert_types = ("lora",)
-    options = ("arrow_top_k", "arrow_temperature")
+    options = (
+        Option("arrow_top_k", 3, "experts per token (3, PEFT's default)", integer(1)),
+        Option("arrow_temperature", 1.0, "temperature of the softmax over the selected experts' scores", number()),
+    )
 
     def __init__(self, features: int, config: SmearConfig, module_name: str) -> None:
         super().__init__(features, config, module_name)
-        self.k, self.temperature = config.arrow_top_k, config.arrow_temperature
+        self.k, self.temperature = config.routing_options["arrow_top_k"], config.routing_options["arrow_temperature"]
         self._prototypes: tuple[tuple, torch.Tensor] | None = None
 
     @classmethod
     def validate(cls, config: SmearConfig) -> None:
-        _require_top_k("arrow_top_k", config.arrow_top_k, config.num_experts)
-        _require_positive("arrow_temperature", config.arrow_temperature)
+        require_integer(
+            "arrow_top_k",
+            config.routing_options["arrow_top_k"],
+            minimum=1,
+            maximum=config.num_experts,
+            maximum_name="num_experts",
+        )
 
     def prototypes(self, lora_A: torch.Tensor, lora_B: torch.Tensor) -> torch.Tensor:
         """``[N, in]`` fp32, cached until either bank tensor is replaced or changed in place."""
@@ -81,9 +89,9 @@ class ArrowRouter(Router):
                 self._prototypes = (key, lora_prototypes(lora_A, lora_B))
         return self._prototypes[1]
 
-    def forward(self, tokens: TokenStates, context: RoutingContext) -> RoutingDecision:
-        prototypes = self.prototypes(tokens.experts["smear_lora_A"], tokens.experts["smear_lora_B"])
-        scores = (tokens.states.float() @ prototypes.T).abs()
+    def forward(self, inputs: RouterInputs) -> RoutingDecision:
+        prototypes = self.prototypes(inputs.experts["smear_lora_A"], inputs.experts["smear_lora_B"])
+        scores = (inputs.tokens().float() @ prototypes.T).abs()
         top = scores.topk(self.k, dim=-1)
         kept = torch.full_like(scores, float("-inf")).scatter_(-1, top.indices, top.values)
         return mixed((kept / self.temperature).softmax(dim=-1))
@@ -102,16 +110,15 @@ class GateRouter(Router):
 
     def start_gate_training(self, expert: int) -> None:
         """Route every token to ``expert`` alone, scaled by ``sigmoid(gate[expert] . x)``, until
-        :meth:`stop_gate_training`. Per-example routers read every token meanwhile."""
+        :meth:`stop_gate_training`. Per-example routers decide per token meanwhile."""
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert must be in [0, {self.num_experts}), got {expert}.")
         self.gate_training_expert = expert
-        self.reads, self.per_token = Reads.TOKENS, True  # instance attributes shadow the class's traits
+        self.per_token = True  # an instance attribute shadows the class's trait
 
     def stop_gate_training(self) -> None:
         self.gate_training_expert = None
-        for trait in ("reads", "per_token"):
-            self.__dict__.pop(trait, None)
+        self.__dict__.pop("per_token", None)
 
     def gate_training_decision(self, states: torch.Tensor) -> RoutingDecision:
         expert = self.gate_training_expert
@@ -129,23 +136,42 @@ class PhatgooseRouter(GateRouter):
 
     name = "phatgoose"
     description = "PHATGOOSE: per token, the experts whose trained gates best match the token, outputs mixed"
-    reads = Reads.TOKENS
     per_token = True
     exportable = False
-    options = ("phatgoose_top_k",)
+    options = (Option("phatgoose_top_k", 2, "experts per token (2, the paper's)", integer(1)),)
 
     def __init__(self, features: int, config: SmearConfig, module_name: str) -> None:
         super().__init__(features, config, module_name)
-        self.k = config.phatgoose_top_k
+        self.k = config.routing_options["phatgoose_top_k"]
 
     @classmethod
     def validate(cls, config: SmearConfig) -> None:
-        _require_top_k("phatgoose_top_k", config.phatgoose_top_k, config.num_experts)
+        require_integer(
+            "phatgoose_top_k", config.routing_options["phatgoose_top_k"], minimum=1, maximum=config.num_experts
+        )
 
-    def forward(self, tokens: TokenStates, context: RoutingContext) -> RoutingDecision:
+    def forward(self, inputs: RouterInputs) -> RoutingDecision:
         if self.gate_training_expert is not None:
-            return self.gate_training_decision(tokens.states)
-        return mixed(top_k_renormalised(self.local_scores(tokens.states).softmax(dim=-1), self.k))
+            return self.gate_training_decision(inputs.tokens())
+        return mixed(top_k_renormalised(self.local_scores(inputs.tokens()).softmax(dim=-1), self.k))
+
+
+def query_embeddings(value: Any) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.dim() != 2 or not value.is_floating_point():
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(
+            f"smear_query_embeddings must be a float tensor [batch, embedding size], got {shape}"
+            + (f" {value.dtype}." if isinstance(value, torch.Tensor) else ".")
+        )
+    return value
+
+
+QUERY_EMBEDDINGS = CallInput(
+    "smear_query_embeddings",
+    "an embedding of each example's task description, [batch, embedding size] (peft_smear.embed_texts): GLIDER's "
+    "global routing input",
+    query_embeddings,
+)
 
 
 class GliderRouter(GateRouter):
@@ -159,34 +185,56 @@ class GliderRouter(GateRouter):
     name = "glider"
     description = "GLIDER: per token, PHATGOOSE's local scores plus a global score from the query's task description"
     needs_task_descriptions = True
-    reads = Reads.TOKENS
     per_token = True
     exportable = False
-    options = ("glider_top_k", "glider_threshold", "glider_gamma", "glider_beta")
+    call_inputs = (QUERY_EMBEDDINGS,)
+    options = (
+        Option(
+            "glider_top_k",
+            2,
+            "experts per token (glider) or per example (glider_merge), 2 as in the paper",
+            integer(1),
+        ),
+        Option(
+            "glider_threshold",
+            0.8,
+            "cosine threshold p: the global score is scaled by gamma above it",
+            lambda name, value: _require_cosine(name, value),
+        ),
+        Option("glider_gamma", 100.0, "the global score's scale gamma above the threshold", number(inclusive=True)),
+        Option("glider_beta", 3.0, "the global score's scale beta, always added", number(inclusive=True)),
+    )
 
     def __init__(self, features: int, config: SmearConfig, module_name: str) -> None:
         super().__init__(features, config, module_name)
-        self.k = config.glider_top_k
-        self.threshold, self.gamma, self.beta = config.glider_threshold, config.glider_gamma, config.glider_beta
+        options = config.routing_options
+        self.k = options["glider_top_k"]
+        self.threshold, self.gamma, self.beta = (
+            options["glider_threshold"],
+            options["glider_gamma"],
+            options["glider_beta"],
+        )
         # From the config, not the weights file: the descriptions' embeddings are bank metadata, saved once.
         self.register_buffer("expert_embeddings", torch.tensor(config.expert_embeddings), persistent=False)
 
     @classmethod
     def validate(cls, config: SmearConfig) -> None:
-        _require_top_k("glider_top_k", config.glider_top_k, config.num_experts)
+        require_integer(
+            "glider_top_k",
+            config.routing_options["glider_top_k"],
+            minimum=1,
+            maximum=config.num_experts,
+            maximum_name="num_experts",
+        )
         if config.expert_embeddings is None:
             raise ValueError(
                 f"routing={cls.name!r} compares each example's task-description embedding with each expert's: set "
-                "expert_embeddings (peft_smear.build_expert_bank(..., descriptions=..., embedder=...) does)."
+                "expert_embeddings (peft_smear.build_expert_bank(..., descriptions=..., embeddings=...) does)."
             )
-        if not 0 <= config.glider_threshold <= 1:
-            raise ValueError(f"glider_threshold is a cosine threshold in [0, 1], got {config.glider_threshold!r}.")
-        for name in ("glider_gamma", "glider_beta"):
-            _require_positive(name, getattr(config, name), allow_zero=True)
 
-    def scores(self, states: torch.Tensor, context: RoutingContext) -> torch.Tensor:
+    def scores(self, states: torch.Tensor, inputs: RouterInputs) -> torch.Tensor:
         """``alpha * s_glob + s_loc / sqrt(N)`` for ``states [batch, (tokens,) d]``, fp32."""
-        queries = context.query_embeddings_for(states.shape[0])
+        queries = inputs.call_input(QUERY_EMBEDDINGS.name)
         if queries is None:
             raise ValueError(
                 f"routing={self.name!r} needs smear_query_embeddings, a [batch, {self.expert_embeddings.shape[1]}] "
@@ -205,10 +253,10 @@ class GliderRouter(GateRouter):
             global_scores = global_scores.unsqueeze(1)
         return global_scores + self.local_scores(states) / math.sqrt(self.num_experts)
 
-    def forward(self, tokens: TokenStates, context: RoutingContext) -> RoutingDecision:
+    def forward(self, inputs: RouterInputs) -> RoutingDecision:
         if self.gate_training_expert is not None:
-            return self.gate_training_decision(tokens.states)
-        return mixed(top_k_renormalised(self.scores(tokens.states, context).softmax(dim=-1), self.k))
+            return self.gate_training_decision(inputs.tokens())
+        return mixed(top_k_renormalised(self.scores(inputs.tokens(), inputs).softmax(dim=-1), self.k))
 
 
 class GliderMergeRouter(GliderRouter):
@@ -218,21 +266,16 @@ class GliderMergeRouter(GliderRouter):
 
     name = "glider_merge"
     description = "GLIDER's global and local scores, per example, merge the experts' parameters into one expert"
-    reads = Reads.SUMMARY
     per_token = False
     exportable = True
 
-    def forward(self, routed: torch.Tensor | TokenStates, context: RoutingContext) -> RoutingDecision:
+    def forward(self, inputs: RouterInputs) -> RoutingDecision:
         if self.gate_training_expert is not None:
-            return self.gate_training_decision(routed.states)
-        return merged(top_k_renormalised(self.scores(routed, context).softmax(dim=-1), self.k))
+            return self.gate_training_decision(inputs.tokens())
+        return merged(top_k_renormalised(self.scores(inputs.summary(), inputs).softmax(dim=-1), self.k))
 
 
-def _require_top_k(name: str, k: object, num_experts: int) -> None:
-    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= num_experts:
-        raise ValueError(f"{name} must be an integer in [1, num_experts={num_experts}], got {k!r}.")
-
-
-def _require_positive(name: str, value: object, allow_zero: bool = False) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name} must be a number {'>=' if allow_zero else '>'} 0, got {value!r}.")
+def _require_cosine(name: str, value: object) -> None:
+    require_number(name, value, inclusive=True)
+    if value > 1:
+        raise ValueError(f"{name} is a cosine threshold in [0, 1], got {value!r}.")

@@ -2,26 +2,28 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Literal
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Literal
 
+from .checks import listing, require_bool, require_integer, require_number, require_probability
 from .experts import EXPERT_KINDS, EXPERT_TYPES
+from .pooling import ROUTER_INPUTS
 from .registration import PeftConfig, SmearPeftType
-from .routers import ROUTERS
+from .routers import ROUTERS, Router
 
 
 INIT_WEIGHTS_SCHEMES = ("gaussian", "smear")
-ROUTER_INPUTS = ("auto", "self", "prompt", "encoder")
 
 
-@dataclass
+@dataclass(init=False)
 class SmearConfig(PeftConfig):
     """Configuration of a SMEAR adapter: per wrapped module, a bank of ``num_experts`` experts (LoRA by default) and a
     router that merges them into one expert per example (Muqeeth et al., *Soft Merging of Experts with Adaptive
     Routing*).
 
     ``expert_type`` picks what an expert is and ``routing`` swaps SMEAR for one of the routing methods the paper
-    compares it with, each with one switch; each kind's and each method's options are validated only for it.
+    compares it with, each with one switch; each kind's and each method's options are validated only for it, when the
+    config is built.
 
     Args:
         expert_type: What each expert is:
@@ -35,76 +37,24 @@ class SmearConfig(PeftConfig):
               ``ia3_feedforward_modules`` (Zadouri et al.'s mixture of vectors when merged). With
               ``target_modules`` unset, PEFT IA3's targets and feed-forward modules.
         r: Rank of each LoRA expert.
-        num_experts: Experts per wrapped module: 8 (the paper's choice) by default, 1 with ``routing="single"``.
-        routing: How experts are chosen and combined per example:
-
-            * ``"smear"``: the router's distribution merges the experts' parameters into one expert (default);
-            * ``"ensemble"``: every expert runs and their outputs are averaged by the router (N times the cost);
-            * ``"top_k"``: the ``top_k`` most probable experts run, each output scaled by its probability;
-            * ``"st_gumbel"``: one expert from a Gumbel-softmax sample, straight-through gradient; argmax at
-              inference;
-            * ``"reinforce"``: one sampled expert, trained by a policy gradient on minus the example's task loss
-              with a learned baseline; argmax at inference. The loss is recomputed from the logits and labels of
-              standard heads; models with custom heads can return ``example_losses`` (``[batch]``) in their output,
-              which is then used instead;
-            * ``"dselect_k"``: the DSelect-k gate (Hazimeh et al., 2021) selects ``dselect_k_selectors`` experts;
-            * ``"tag"``: the expert of the example's task id (``smear_task_ids``), optionally through
-              ``tag_experts``;
-            * ``"hash"``: a fixed pseudo-random expert per example and module, from a hash of its routing tokens;
-            * ``"adamix"``: a random expert per example plus a consistency loss between two passes in training;
-              the average of all experts at inference;
-            * ``"latent_skills"``: a learned task-by-expert matrix (Polytropon) merges the experts per task id;
-            * ``"single"``: one expert for everything (with ``num_experts=1``; ``r=N*r`` gives the parameter-matched
-              baseline);
-            * routers over a bank of existing LoRA adapters (:func:`peft_smear.build_expert_bank`), deciding per
-              token: ``"arrow"`` (zero-shot, prototypes from the experts), ``"phatgoose"`` (sigmoid gates trained on
-              each expert's data, :func:`peft_smear.train_phatgoose_gates`), ``"glider"`` (PHATGOOSE's local scores
-              plus a global score from task-description embeddings); and per example ``"glider_merge"``, GLIDER's
-              score merging the experts' parameters as SMEAR does.
-        top_k: Experts per example for ``routing="top_k"`` (1, as in the paper).
-        gumbel_temperature: Initial Gumbel-softmax temperature for ``"st_gumbel"`` (the paper's 10).
-        gumbel_anneal_rate: The temperature after ``t`` training calls is
-            ``max(gumbel_min_temperature, gumbel_temperature * exp(-gumbel_anneal_rate * t))`` (paper: 1e-6 for
-            T5, 1e-4 for ResNet). ``t`` counts calls of the model in training mode in this process.
-        gumbel_min_temperature: The floor of the annealed temperature.
-        reinforce_policy_weight: ``"reinforce"``'s policy-gradient weight alpha (1e-2).
-        reinforce_entropy_weight: Weight beta of the entropy bonus on the routing distribution (5e-4).
-        reinforce_value_weight: Weight gamma of the baseline's Huber loss (1e-2).
-        reinforce_baseline_hidden_size: Width of the one-hidden-layer baseline network.
-        dselect_k_selectors: Number of DSelect-k selectors k (1 in the paper, for the cost of one expert).
-        dselect_k_gamma: Width of DSelect-k's smooth-step (its gamma).
-        dselect_k_entropy_weight: Weight of the entropy regulariser that drives selections to one-hot (0.1).
-        num_tasks: Number of task ids, for ``"latent_skills"`` (required) and ``"tag"`` (optional check).
-        tag_experts: For ``"tag"``: the expert of each task id (``tag_experts[task_id]``), so several tasks can
-            share an expert. Default: expert = task id.
-        adamix_consistency_weight: Weight of Adamix's symmetric-KL consistency loss between its two passes.
-        latent_skills_temperature: Temperature of the relaxed-Bernoulli samples of ``"latent_skills"``.
-        router_temperature: For the methods with SMEAR's probability router (``"smear"``, ``"ensemble"``,
-            ``"top_k"``, ``"st_gumbel"``, ``"reinforce"``): the logits are divided by it before the softmax; above 1
-            routing is softer (slower to collapse onto one expert). 1: the paper's router.
-        router_warmup_steps: For the same methods: route every example uniformly (with expert dropout) for the first
-            ``k`` training calls of the process, so that the experts differentiate before the router commits; the
-            router does not learn meanwhile. 0: the paper's.
-        router_balance_weight: For the same methods: weight of a load-balancing loss on each router's mean routing
-            over the batch, ``N * sum_n mean_p_n^2 - 1`` (0 for an even load, ``N - 1`` for one expert), summed over
-            routers and added to the loss as ``router_balance``. Unset: 0.01 for ``"smear"`` (it beat the paper's
-            router on the collapse benchmark, ``benchmarks/RESULTS.md``), 0 for the others; 0 is the paper's.
-        arrow_top_k: Experts per token for ``"arrow"`` (3, PEFT's default).
-        arrow_temperature: Temperature of Arrow's softmax over the selected experts' scores (1.0).
-        phatgoose_top_k: Experts per token for ``"phatgoose"`` (2, the paper's).
-        glider_top_k: Experts per token (``"glider"``) or per example (``"glider_merge"``), 2 as in the paper.
-        glider_threshold: GLIDER's cosine threshold ``p``: the global score is scaled by
-            ``gamma * [max cos > p] + beta`` (0.8).
-        glider_gamma: GLIDER's ``gamma`` (100).
-        glider_beta: GLIDER's ``beta`` (3).
+        num_experts: Experts per wrapped module: the routing method's default (8, the paper's choice; 1 for the
+            single-expert baseline).
+        routing: How experts are chosen and combined per example, by the name of a routing method:
+            ``"smear"`` (the default: the router's distribution merges the experts' parameters into one expert per
+            example), or one of the baselines and bank routers in :data:`peft_smear.ROUTERS` (``docs/routing.md``
+            describes each). Each method declares its own options (:attr:`peft_smear.Router.options`, with their
+            defaults and checks); pass them as keywords of their own, e.g. ``SmearConfig(router_temperature=2.0)``.
+            They are kept, with the method's defaults filled in, in ``routing_options``.
+        routing_options: The routing method's options by name, complete once the config is built (what
+            ``adapter_config.json`` stores). Setting an option of another method is an error.
         freeze_experts: Keep every expert frozen, also when the adapter is activated or loaded trainable: only the
             routers (and ``modules_to_save``) train. What a bank of existing adapters wants (the default of
             :func:`peft_smear.build_expert_bank`).
         expert_names: A bank's expert names (:func:`peft_smear.build_expert_bank` sets them), one per expert.
         expert_descriptions: A bank's task description of each expert, kept with the adapter.
         expert_embeddings: An embedding of each expert's task description (``num_experts`` rows of one size):
-            the global router of ``"glider"`` and ``"glider_merge"``, which compare it with each example's
-            ``smear_query_embeddings``.
+            what routers that score experts by task descriptions compare with each
+            example's embedding.
         adapter_width: Bottleneck width of each ``"adapter"`` expert. Set this or ``adapter_reduction_factor``.
         adapter_reduction_factor: Width as the module's ``out_features // adapter_reduction_factor`` (16 when
             neither is set; the paper's T5 experiments used 32).
@@ -120,16 +70,17 @@ class SmearConfig(PeftConfig):
             (``lora_alpha / sqrt(r)`` with ``use_rslora``), exactly as a PEFT LoRA of the same rank.
         use_rslora: Rank-stabilised scaling, as in PEFT LoRA.
         expert_dropout: During training, drop each expert of each example with this probability and renormalise the
-            routing weights (the paper's expert dropout). Default 0.1 for ``"smear"``, ``"ensemble"`` and
-            ``"top_k"``, 0 otherwise; only methods with a probability router accept it. Never applied in eval mode.
+            routing weights (the paper's expert dropout). Its default is the routing method's (0.1 where the paper
+            found it helps); only methods with a probability router accept it. Never applied in eval mode.
         router_init_std: Std of the normal initialisation of the router weight rows.
         router_input: What each router pools to route an example. ``"self"``: the layer's own input over the
             example's real tokens (encoder-only models, encoder layers of encoder-decoders, classification heads on
             decoder models); ``"encoder"``: the encoder's final hidden states (decoder layers of encoder-decoders,
             as in the paper; the encoder layers still route on themselves); ``"prompt"``: the layer's input over the
             prompt tokens only (causal LMs, so the response never reaches the router; see
-            :func:`peft_smear.pooling.prompt_mask` for how the prompt is found). ``"auto"`` picks ``"encoder"`` for
-            encoder-decoder models, ``"prompt"`` for models that generate text, ``"self"`` otherwise.
+            :func:`peft_smear.core.pooling.prompt_mask` for how the prompt is found). ``"auto"`` picks
+            ``"encoder"`` for encoder-decoder models, ``"prompt"`` for models that generate text, ``"self"``
+            otherwise.
         routing_prefix_length: With prompt routing, route every example on its first ``routing_prefix_length``
             real tokens instead of its prompt, in training and at inference alike. Needed for plain language-model
             training, where labels mark no prompt.
@@ -151,7 +102,7 @@ class SmearConfig(PeftConfig):
     expert_type: str = field(default="lora", metadata={"help": f"What each expert is, one of {EXPERT_TYPES}."})
     r: int = field(default=8, metadata={"help": "Rank of each LoRA expert."})
     num_experts: int | None = field(
-        default=None, metadata={"help": "Number of experts per wrapped module (8; 1 with routing='single')."}
+        default=None, metadata={"help": "Number of experts per wrapped module (the routing method's default, 8)."}
     )
     lora_alpha: float = field(default=8, metadata={"help": "LoRA scaling numerator (scaling = lora_alpha / r)."})
     use_rslora: bool = field(default=False, metadata={"help": "Use lora_alpha / sqrt(r) as scaling."})
@@ -184,39 +135,12 @@ class SmearConfig(PeftConfig):
     modules_to_save: list[str] | None = field(
         default=None, metadata={"help": "Modules trained in full and saved with the adapter."}
     )
-    routing: str = field(default="smear", metadata={"help": f"Routing method, one of {tuple(ROUTERS)}."})
-    top_k: int = field(default=1, metadata={"help": "top_k: experts per example."})
-    gumbel_temperature: float = field(default=10.0, metadata={"help": "st_gumbel: initial temperature."})
-    gumbel_anneal_rate: float = field(default=1e-6, metadata={"help": "st_gumbel: exponential anneal rate."})
-    gumbel_min_temperature: float = field(default=0.5, metadata={"help": "st_gumbel: temperature floor."})
-    reinforce_policy_weight: float = field(default=1e-2, metadata={"help": "reinforce: policy-gradient weight."})
-    reinforce_entropy_weight: float = field(default=5e-4, metadata={"help": "reinforce: entropy bonus weight."})
-    reinforce_value_weight: float = field(default=1e-2, metadata={"help": "reinforce: baseline loss weight."})
-    reinforce_baseline_hidden_size: int = field(default=64, metadata={"help": "reinforce: baseline width."})
-    dselect_k_selectors: int = field(default=1, metadata={"help": "dselect_k: number of selectors k."})
-    dselect_k_gamma: float = field(default=1.0, metadata={"help": "dselect_k: smooth-step width gamma."})
-    dselect_k_entropy_weight: float = field(default=0.1, metadata={"help": "dselect_k: entropy weight."})
-    num_tasks: int | None = field(default=None, metadata={"help": "Number of task ids (latent_skills, tag)."})
-    tag_experts: list[int] | None = field(default=None, metadata={"help": "tag: expert of each task id."})
-    adamix_consistency_weight: float = field(default=1.0, metadata={"help": "adamix: consistency loss weight."})
-    latent_skills_temperature: float = field(default=1.0, metadata={"help": "latent_skills: sample temperature."})
-    router_temperature: float = field(
-        default=1.0, metadata={"help": "Probability routers: divide the router's logits by this (1: the paper's)."}
+    routing: str = field(
+        default="smear", metadata={"help": "Routing method: 'smear' or one of peft_smear.ROUTERS (the baselines)."}
     )
-    router_warmup_steps: int = field(
-        default=0, metadata={"help": "Probability routers: route uniformly for the first k training calls."}
+    routing_options: dict[str, Any] | None = field(
+        default=None, metadata={"help": "The routing method's own options, completed with its defaults."}
     )
-    router_balance_weight: float | None = field(
-        default=None,
-        metadata={"help": "Probability routers: weight of a load-balancing loss on the mean routing (smear: 0.01)."},
-    )
-    arrow_top_k: int = field(default=3, metadata={"help": "arrow: experts per token."})
-    arrow_temperature: float = field(default=1.0, metadata={"help": "arrow: softmax temperature."})
-    phatgoose_top_k: int = field(default=2, metadata={"help": "phatgoose: experts per token."})
-    glider_top_k: int = field(default=2, metadata={"help": "glider, glider_merge: experts per token / example."})
-    glider_threshold: float = field(default=0.8, metadata={"help": "glider: cosine threshold p of the global score."})
-    glider_gamma: float = field(default=100.0, metadata={"help": "glider: global scale gamma above the threshold."})
-    glider_beta: float = field(default=3.0, metadata={"help": "glider: global scale beta, always added."})
     freeze_experts: bool = field(
         default=False, metadata={"help": "Keep the experts frozen (a bank of trained adapters); routers still train."}
     )
@@ -225,7 +149,7 @@ class SmearConfig(PeftConfig):
         default=None, metadata={"help": "A bank's task description of each expert."}
     )
     expert_embeddings: list[list[float]] | None = field(
-        default=None, metadata={"help": "An embedding of each expert's task description (GLIDER's global router)."}
+        default=None, metadata={"help": "An embedding of each expert's task description (for routers that read it)."}
     )
     adapter_width: int | None = field(default=None, metadata={"help": "adapter: bottleneck width."})
     adapter_reduction_factor: int | None = field(
@@ -236,6 +160,28 @@ class SmearConfig(PeftConfig):
     ia3_feedforward_modules: list[str] | str | None = field(
         default=None, metadata={"help": "ia3: target modules whose input features are scaled."}
     )
+
+    def __init__(self, **settings: Any) -> None:
+        """Every field by keyword; any other keyword is an option of the routing method, kept in
+        ``routing_options``. Adapters saved before the methods declared their options stored every method's options
+        as top-level keys, which arrive here the same way."""
+        own = {f.name: f for f in fields(self) if f.init}
+        method_options = {name: settings.pop(name) for name in list(settings) if name not in own}
+        for name, spec in own.items():
+            if name in settings:
+                value = settings[name]
+            elif spec.default is not MISSING:
+                value = spec.default
+            else:
+                value = spec.default_factory()
+            setattr(self, name, value)
+        given = dict(self.routing_options or {})
+        for name, value in method_options.items():
+            if name in given and given[name] != value:
+                raise ValueError(f"{name} is given twice: {value!r}, and {given[name]!r} in routing_options.")
+            given[name] = value
+        self.routing_options = given
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -258,23 +204,22 @@ class SmearConfig(PeftConfig):
             self.num_experts = router.default_num_experts
         if self.expert_dropout is None:
             self.expert_dropout = router.default_expert_dropout
-        if self.router_balance_weight is None and "router_balance_weight" in router.options:
-            self.router_balance_weight = router.default_balance_weight
         self._validate()
         self._validate_expert_type()
-        self._validate_routing()
+        self._validate_routing(router)
 
     def _validate(self) -> None:
-        _require_int("r", self.r, minimum=1)
-        _require_int("num_experts", self.num_experts, minimum=1)
-        _require_number("lora_alpha", self.lora_alpha)
-        if not isinstance(self.expert_dropout, (int, float)) or not 0 <= self.expert_dropout < 1:
-            raise ValueError(f"expert_dropout must be a probability in [0, 1), got {self.expert_dropout!r}.")
-        _require_number("router_init_std", self.router_init_std)
-        if self.router_input not in ROUTER_INPUTS:
-            raise ValueError(f"router_input must be one of {ROUTER_INPUTS}, got {self.router_input!r}.")
+        require_integer("r", self.r, minimum=1)
+        require_integer("num_experts", self.num_experts, minimum=1)
+        require_number("lora_alpha", self.lora_alpha)
+        require_bool("use_rslora", self.use_rslora)
+        require_probability("expert_dropout", self.expert_dropout)
+        require_number("router_init_std", self.router_init_std)
+        require_bool("freeze_experts", self.freeze_experts)
+        if self.router_input not in ("auto", *ROUTER_INPUTS):
+            raise ValueError(f"router_input must be one of {('auto', *ROUTER_INPUTS)}, got {self.router_input!r}.")
         if self.routing_prefix_length is not None:
-            _require_int("routing_prefix_length", self.routing_prefix_length, minimum=1)
+            require_integer("routing_prefix_length", self.routing_prefix_length, minimum=1)
             if self.router_input not in ("auto", "prompt"):
                 raise ValueError(
                     f"routing_prefix_length only applies to prompt routing, but router_input={self.router_input!r}."
@@ -283,6 +228,12 @@ class SmearConfig(PeftConfig):
             raise ValueError(
                 f"init_weights must be one of True, False, 'gaussian', 'smear'; got {self.init_weights!r}."
             )
+        for name in ("target_modules", "exclude_modules"):
+            value = getattr(self, name)
+            if value is not None and not (
+                isinstance(value, str) or (isinstance(value, set) and all(isinstance(m, str) for m in value))
+            ):
+                raise ValueError(f"{name} must be a list of module names or a regex string, got {value!r}.")
         if self.layers_pattern and self.layers_to_transform is None:
             raise ValueError(
                 f"layers_pattern={self.layers_pattern!r} only has an effect together with layers_to_transform; "
@@ -348,42 +299,45 @@ class SmearConfig(PeftConfig):
             )
         kind.validate(self)
 
-    def _validate_routing(self) -> None:
-        method, router = self.routing, ROUTERS[self.routing]
-        for other in ROUTERS.values():
-            changed = [
-                name for name in other.options if name not in router.options and getattr(self, name) != _DEFAULTS[name]
-            ]
-            if other is not router and changed:
+    def _validate_routing(self, router: type[Router]) -> None:
+        """Complete ``routing_options`` with ``router``'s defaults and check each, then what only the method can
+        check. A keyword that is another method's option is an error, unless it holds that option's default (older
+        adapters saved every method's options)."""
+        own = {option.name: option for option in router.options}
+        options = {}
+        for name, value in self.routing_options.items():
+            if name in own:
+                options[name] = value
+                continue
+            owners = [other for other in ROUTERS.values() if any(option.name == name for option in other.options)]
+            if not owners:
+                settings = sorted({f.name for f in fields(self) if f.init} | set(own))
                 raise ValueError(
-                    f"{changed[0]}={getattr(self, changed[0])!r} only applies to routing={other.name!r}, "
-                    f"but routing={method!r}."
+                    f"SmearConfig has no setting {name!r}, and no routing method has such an option. The settings of "
+                    f"routing={self.routing!r}: {listing(settings, limit=60)}."
                 )
+            defaults = {option.default for other in owners for option in other.options if option.name == name}
+            if value is None or defaults == {value}:
+                continue
+            methods = tuple(other.name for other in owners)
+            raise ValueError(
+                f"{name}={value!r} only applies to routing={methods[0] if len(methods) == 1 else methods!r}, "
+                f"but routing={self.routing!r}."
+            )
+        options = {name: options.get(name, option.default) for name, option in own.items()}  # declared order
+        for name, option in own.items():
+            if options[name] is not None and option.check is not None:
+                option.check(name, options[name])
+        self.routing_options = options
         if self.expert_dropout and not router.accepts_expert_dropout:
             accepting = tuple(name for name, other in ROUTERS.items() if other.accepts_expert_dropout)
             raise ValueError(
-                f"expert_dropout={self.expert_dropout!r} needs a probability router; routing={method!r} has none. "
-                f"Methods that accept it: {accepting}."
+                f"expert_dropout={self.expert_dropout!r} needs a probability router; routing={self.routing!r} has "
+                f"none. Methods that accept it: {accepting}."
             )
-        _require_int("top_k", self.top_k, minimum=1)
-        for name in ("gumbel_temperature", "gumbel_min_temperature", "dselect_k_gamma", "latent_skills_temperature"):
-            _require_number(name, getattr(self, name))
-        for name in (
-            "gumbel_anneal_rate",
-            "reinforce_policy_weight",
-            "reinforce_entropy_weight",
-            "reinforce_value_weight",
-            "dselect_k_entropy_weight",
-            "adamix_consistency_weight",
-        ):
-            _require_number(name, getattr(self, name), allow_zero=True)
-        _require_int("reinforce_baseline_hidden_size", self.reinforce_baseline_hidden_size, minimum=1)
-        _require_int("dselect_k_selectors", self.dselect_k_selectors, minimum=1)
-        if self.num_tasks is not None:
-            _require_int("num_tasks", self.num_tasks, minimum=1)
         if router.expert_types is not None and self.expert_type not in router.expert_types:
             raise ValueError(
-                f"routing={method!r} works with expert_type in {router.expert_types}, got {self.expert_type!r}."
+                f"routing={self.routing!r} works with expert_type in {router.expert_types}, got {self.expert_type!r}."
             )
         router.validate(self)
 
@@ -391,16 +345,6 @@ class SmearConfig(PeftConfig):
     def routed_tasks(self) -> int | None:
         """How many task ids the routing accepts (``None``: it does not read task ids, or any count is fine)."""
         return ROUTERS[self.routing].routed_tasks(self)
-
-
-def _require_number(name: str, value: object, allow_zero: bool = False) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name} must be a number {'>=' if allow_zero else '>'} 0, got {value!r}.")
-
-
-def _require_int(name: str, value: object, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
 
 
 _DEFAULTS = {f.name: f.default for f in fields(SmearConfig)}

@@ -1,20 +1,23 @@
-"""RoutingContext: what a router needs to know about the current batch beyond the layer's own input."""
+"""RoutingContext: what routers need to know about the current call beyond a layer's own input; and RouterInputs,
+what one layer offers its router, computed only when the router asks."""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .packing import UNMARKED_PACKING, PackedLayout, several_prompts
-from .pooling import expand_rows, prompt_mask, require
-from .routers.base import PolicyStep, RoutingDecision
+from .pooling import expand_rows, masked_mean, prompt_mask, require
+from .routers.base import CallInput, RoutingDecision
 
 
 if TYPE_CHECKING:
+    from .experts.base import Params
+    from .layer import SmearLinear
     from .routing_stats import RoutingStatistics
 
 PROMPT_UNKNOWN_IN_TRAINING = (
@@ -24,14 +27,30 @@ PROMPT_UNKNOWN_IN_TRAINING = (
 )
 
 
+def routing_mask_tensor(value: Any) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.dim() != 2:
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"smear_routing_mask must be [batch, tokens], got {shape}.")
+    return value
+
+
+ROUTING_MASK = CallInput(
+    "smear_routing_mask",
+    "[batch, tokens], nonzero at the tokens a prompt-routed layer pools over (e.g. a causal LM's instruction)",
+    routing_mask_tensor,
+    per_token=True,
+)
+"""The one ``smear_*`` input of the core itself: every other is declared by the routers that read it."""
+
+
 @dataclass
 class RoutingContext:
-    """Per-batch state shared by a :class:`~peft_smear.model.SmearModel` and all of its layers.
+    """Per-call state shared by a :class:`~peft_smear.core.model.SmearModel` and all of its layers.
 
     The tuner fills it on every call of the wrapped model (from the call's own arguments and the ``smear_*`` inputs it
-    took off the PEFT model's call); the layers only read it. It deliberately outlives the call: gradient
-    checkpointing re-runs layer forwards during backward, after any per-call hook is gone, and must route exactly as
-    the forward did.
+    took off the call); the layers only read it, through :class:`RouterInputs`. It deliberately outlives the call:
+    gradient checkpointing re-runs layer forwards during backward, after any per-call hook is gone, and must route
+    exactly as the forward did.
     """
 
     attention_mask: torch.Tensor | None = None
@@ -40,18 +59,18 @@ class RoutingContext:
     labels: torch.Tensor | None = None
     """``[batch, seq]`` token labels of the current call, if any; ``-100`` marks positions without a target."""
 
-    routing_mask: torch.Tensor | None = None
-    """``[batch, seq]`` explicit ``smear_routing_mask``: the tokens prompt-routed layers pool over."""
+    input_ids: torch.Tensor | None = None
+    """``[batch, seq]`` token ids of the current call (the encoder's for encoder-decoders)."""
 
-    task_ids: torch.Tensor | None = None
-    """``[batch]`` ``smear_task_ids`` of the current call, for tag routing and analysis."""
-
-    query_embeddings: torch.Tensor | None = None
-    """``[batch, embedding size]`` ``smear_query_embeddings`` of the current call: an embedding of each example's task
-    description, GLIDER's global routing input."""
+    call_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The ``smear_*`` inputs of the current call (or of the ``generate`` that made it), checked, by name."""
 
     encoder_summary: torch.Tensor | None = None
     """``[batch, hidden]`` fp32 masked mean of the encoder's final hidden states (decoders of encoder-decoders)."""
+
+    packing: PackedLayout | None = None
+    """When the call's rows pack several sequences: their layout. Every per-token field above then holds the padded
+    batch of its sequences (``[sequences, longest]``), and the layers unpack their inputs to match."""
 
     routing_cache: dict[tuple[torch.nn.Module, str], RoutingDecision] | None = None
     """During ``generate``: the decision every layer made at prefill, reused for every later step."""
@@ -59,42 +78,40 @@ class RoutingContext:
     recorded: dict[tuple[torch.nn.Module, str], torch.Tensor] | None = None
     """When a dict, every layer stores its routing weights here under ``(layer, adapter_name)``."""
 
-    input_ids: torch.Tensor | None = None
-    """``[batch, seq]`` token ids of the current call (the encoder's for encoder-decoders), for hash routing."""
-
-    packing: PackedLayout | None = None
-    """When the call's rows pack several sequences: their layout. Every per-token field above then holds the padded
-    batch of its sequences (``[sequences, longest]``), and the layers unpack their inputs to match."""
+    statistics: RoutingStatistics | None = None
+    """When set, every layer reports each routing decision to it (see :mod:`peft_smear.core.routing_stats`)."""
 
     training_calls: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.long))
-    """Calls of the model in training mode so far in this process: the clock of ST-Gumbel's temperature anneal and of
-    the routers' warm-up. A tensor, counted in place: ``torch.compile`` would specialise on an integer and recompile
-    at every training step."""
-
-    policy_steps: list[PolicyStep] = field(default_factory=list)
-    """REINFORCE records of the current call, turned into losses once the task loss is known."""
+    """Calls of the model in training mode so far in this process: the clock of routers whose behaviour follows a
+    schedule (annealed temperatures, warm-ups). A tensor, counted in place: ``torch.compile`` would specialise on an
+    integer and recompile at every training step."""
 
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
     """Auxiliary losses the layers added during the current call (already weighted), by name."""
 
+    left: dict[str, list[Any]] = field(default_factory=lambda: defaultdict(list))
+    """What routers left during the current call for their method's ``finish_call``, by method name."""
+
     losses_without_autograd: set[str] = field(default_factory=set)
-    """Names of this call's auxiliary losses (and ``"reinforce"``) that a layer computed with autograd disabled, as
-    reentrant gradient checkpointing runs its layers: they could not train anything (see :meth:`add_aux_loss`)."""
+    """Names of this call's auxiliary losses (and of the methods that left something for ``finish_call``) that a layer
+    computed with autograd disabled, as reentrant gradient checkpointing runs its layers: they could not train
+    anything (see :meth:`add_aux_loss`)."""
 
-    statistics: RoutingStatistics | None = None
-    """When set, every layer reports each routing decision to it (see :mod:`peft_smear.routing_stats`)."""
-
-    _prompt_masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict, repr=False)
-    _token_bytes: dict[str, list[bytes]] = field(default_factory=dict, repr=False)
-    _last_summary: tuple[torch.Tensor, int, tuple, torch.Tensor] | None = field(default=None, repr=False)
+    _prompt_masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
+    _token_ids: dict[int | None, list[torch.Tensor]] = field(default_factory=dict, repr=False)
     _task_id_limits_checked: set[int] = field(default_factory=set, repr=False)
     _warned_unmarked_packing: bool = field(default=False, repr=False)
 
     def begin_model_call(self, training: bool) -> None:
         """Forget the previous call's auxiliary losses; count training calls."""
-        self.policy_steps, self.aux_losses, self.losses_without_autograd = [], {}, set()
+        self.aux_losses, self.left, self.losses_without_autograd = {}, defaultdict(list), set()
         if training:
             self.training_calls += 1
+
+    def set_call_inputs(self, values: dict[str, torch.Tensor]) -> None:
+        """Record the checked ``smear_*`` inputs of a new call."""
+        self.call_inputs = values
+        self._task_id_limits_checked = set()
 
     def start_call(
         self,
@@ -102,38 +119,30 @@ class RoutingContext:
         labels: torch.Tensor | None,
         input_ids: torch.Tensor | None = None,
         packing: PackedLayout | None = None,
+        per_token_inputs: frozenset[str] = frozenset({ROUTING_MASK.name}),
     ) -> None:
         """Record the padding mask, token labels and token ids of a new call of the wrapped model (or encoder), and
-        the layout of its sequences when its rows pack several (then every per-token input is unpacked once here)."""
+        the layout of its sequences when its rows pack several: then every per-token input (those named in
+        ``per_token_inputs`` among the ``smear_*`` inputs) is unpacked once here, and every per-example input is
+        given one row per sequence."""
         if packing is not None:
             attention_mask = packing.mask
             if labels is not None and labels.dim() == 2:
                 labels = packing.unpack_tokens(labels, -100, "labels")
             input_ids = None if input_ids is None else packing.unpack_tokens(input_ids, 0, "input_ids")
-            if self.routing_mask is not None:
-                self.routing_mask = packing.unpack_tokens(self.routing_mask.bool(), False, "smear_routing_mask")
-            if self.task_ids is not None:
-                self.task_ids = packing.per_sequence(self.task_ids, "smear_task_ids")
-            if self.query_embeddings is not None:
-                self.query_embeddings = packing.per_sequence(self.query_embeddings, "smear_query_embeddings")
+            self.call_inputs = {
+                name: packing.unpack_tokens(value, 0, name)
+                if name in per_token_inputs
+                else packing.per_sequence(value, name)
+                for name, value in self.call_inputs.items()
+            }
         self.attention_mask, self.labels, self.input_ids, self.packing = attention_mask, labels, input_ids, packing
-        self._prompt_masks, self._token_bytes, self._last_summary = {}, {}, None
+        self._prompt_masks, self._token_ids = {}, {}
 
-    def shared_summary(self, x: torch.Tensor, key: tuple, pool: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """``pool()``, the pooled summary of the layer input ``x``, computed once for consecutive layers that read
-        the very same tensor under the same ``key`` (the pooling rule): q/k/v, or gate/up, then pool once, not
-        three or two times. One entry only, so no more than one activation is ever held.
-
-        Under ``torch.compile`` every layer pools for itself: a tensor's version counter is data the compiler
-        cannot guard on (a graph break per layer), and the compiled graph shares identical pooling anyway."""
-        if torch.compiler.is_compiling():
-            return pool()
-        last = self._last_summary
-        if last is not None and last[0] is x and last[1] == x._version and last[2] == key:
-            return last[3]
-        summary = pool()
-        self._last_summary = (x, x._version, key, summary)
-        return summary
+    def call_input(self, name: str, batch_size: int) -> torch.Tensor | None:
+        """The ``smear_*`` input ``name`` for a layer that sees ``batch_size`` rows (repeated per beam / returned
+        sequence inside ``generate``), or ``None`` when the call has none."""
+        return expand_rows(self.call_inputs.get(name), batch_size, name)
 
     def cached_decision(self, key: tuple[torch.nn.Module, str], batch_size: int) -> RoutingDecision | None:
         """Inside ``generate``, the decision ``key`` (a layer and adapter) made at prefill: decode steps see only the
@@ -162,38 +171,20 @@ class RoutingContext:
         self._note_autograd(name)
         self.aux_losses[name] = self.aux_losses[name] + value if name in self.aux_losses else value
 
-    def add_policy_step(self, step: PolicyStep) -> None:
-        """Record a REINFORCE decision, turned into losses once the task loss is known (see :meth:`_note_autograd`)."""
-        self._note_autograd("reinforce")
-        self.policy_steps.append(step)
+    def leave_for_finish(self, method: str, item: Any) -> None:
+        """Keep ``item`` for ``method``'s ``finish_call``, once the output exists (see :meth:`_note_autograd`)."""
+        self._note_autograd(method)
+        self.left[method].append(item)
+
+    def left_for_finish(self, method: str) -> list[Any]:
+        """What ``method``'s routers left during this call, handed over once."""
+        return self.left.pop(method, [])
 
     def _note_autograd(self, name: str) -> None:
         """Remember a loss computed with autograd off, so that a call that itself runs with autograd (whose loss
         would silently lack that term's gradient, as under reentrant checkpointing) can refuse it."""
         if not torch.is_grad_enabled():
             self.losses_without_autograd.add(name)
-
-    def routing_token_bytes(self, kind: str, mask: torch.Tensor | None) -> list[bytes]:
-        """Each example's routing token ids (``input_ids`` where ``mask`` is set) as bytes, computed once per call
-        per ``kind`` of mask: what hash routing hashes."""
-        if kind not in self._token_bytes:
-            ids = self.input_ids
-            if ids is None:
-                raise ValueError(
-                    "routing='hash' hashes each example's token ids, but the model was called without input_ids "
-                    "(e.g. with inputs_embeds). Pass input_ids."
-                )
-            if mask is not None and tuple(mask.shape) != tuple(ids.shape):
-                raise ValueError(
-                    f"Hash routing needs input_ids {tuple(ids.shape)} and the routing mask {tuple(mask.shape)} to "
-                    "cover the same tokens; call the model on whole sequences (generate() routes once at prefill)."
-                )
-            rows = ids.cpu().long()
-            keep = None if mask is None else mask.cpu().bool()
-            self._token_bytes[kind] = [
-                (row if keep is None else row[keep[i]]).numpy().tobytes() for i, row in enumerate(rows)
-            ]
-        return self._token_bytes[kind]
 
     def token_mask_for(self, batch_size: int, seq_len: int) -> torch.Tensor | None:
         """The padding mask of the ``seq_len`` tokens a layer sees now.
@@ -210,17 +201,18 @@ class RoutingContext:
     def prompt_mask_for(
         self, batch_size: int, seq_len: int, prefix_length: int | None, training: bool
     ) -> torch.Tensor:
-        """The tokens a prompt-routed layer pools over; see :func:`peft_smear.pooling.prompt_mask` for the rule.
+        """The tokens a prompt-routed layer pools over; see :func:`peft_smear.core.pooling.prompt_mask` for the rule.
 
         Computed once per call and shared by every layer. A training call that marks no prompt at all (no labels,
         no routing mask, no prefix length) would route on the response too, so it warns.
         """
         if prefix_length not in self._prompt_masks:
-            if training and prefix_length is None and self.labels is None and self.routing_mask is None:
-                warnings.warn(PROMPT_UNKNOWN_IN_TRAINING, stacklevel=4)
+            routing_mask = self.call_inputs.get(ROUTING_MASK.name)
+            if training and prefix_length is None and self.labels is None and routing_mask is None:
+                warnings.warn(PROMPT_UNKNOWN_IN_TRAINING, stacklevel=5)
             self._warn_if_unmarked_packing(prefix_length)
             self._prompt_masks[prefix_length] = prompt_mask(
-                (batch_size, seq_len), self.attention_mask, self.labels, self.routing_mask, prefix_length
+                (batch_size, seq_len), self.attention_mask, self.labels, routing_mask, prefix_length
             )
         mask = self._prompt_masks[prefix_length]
         if mask.shape != (batch_size, seq_len):
@@ -238,35 +230,38 @@ class RoutingContext:
         if skip or torch.compiler.is_compiling():
             return
         labels = self.labels
-        if self.routing_mask is None and labels is not None and labels.dim() == 2:
+        if ROUTING_MASK.name not in self.call_inputs and labels is not None and labels.dim() == 2:
             self._warned_unmarked_packing = several_prompts(labels, self.attention_mask)
             if self._warned_unmarked_packing:
-                warnings.warn(UNMARKED_PACKING, stacklevel=5)
+                warnings.warn(UNMARKED_PACKING, stacklevel=6)
 
-    def set_routing_inputs(
-        self,
-        routing_mask: torch.Tensor | None,
-        task_ids: torch.Tensor | None,
-        query_embeddings: torch.Tensor | None = None,
-    ) -> None:
-        """Record the ``smear_routing_mask``, ``smear_task_ids`` and ``smear_query_embeddings`` of a new call."""
-        self.routing_mask, self.task_ids, self.query_embeddings = routing_mask, task_ids, query_embeddings
-        self._task_id_limits_checked = set()
+    def routing_token_ids(
+        self, method: str, mask: torch.Tensor | None, prefix_length: int | None
+    ) -> list[torch.Tensor]:
+        """Each example's routing token ids (``input_ids`` where ``mask`` is set), on the host, read once per call and
+        mask rule (``prefix_length`` tells prompt masks apart; ``-1``: the padding mask)."""
+        if prefix_length not in self._token_ids:
+            ids = self.input_ids
+            if ids is None:
+                raise ValueError(
+                    f"routing={method!r} reads each example's token ids, but the model was called without input_ids "
+                    "(e.g. with inputs_embeds). Pass input_ids."
+                )
+            if mask is not None and tuple(mask.shape) != tuple(ids.shape):
+                raise ValueError(
+                    f"routing={method!r} needs input_ids {tuple(ids.shape)} and the routing mask "
+                    f"{tuple(mask.shape)} to cover the same tokens; call the model on whole sequences (generate() "
+                    "routes once at prefill)."
+                )
+            rows, keep = ids.cpu().long(), None if mask is None else mask.cpu().bool()
+            self._token_ids[prefix_length] = [row if keep is None else row[keep[i]] for i, row in enumerate(rows)]
+        return self._token_ids[prefix_length]
 
-    def task_ids_for(self, batch_size: int) -> torch.Tensor | None:
-        """``smear_task_ids`` for a layer that sees ``batch_size`` rows (repeated per beam / returned sequence)."""
-        return expand_rows(self.task_ids, batch_size, "smear_task_ids")
-
-    def query_embeddings_for(self, batch_size: int) -> torch.Tensor | None:
-        """``smear_query_embeddings`` for a layer that sees ``batch_size`` rows (repeated per beam / sequence)."""
-        return expand_rows(self.query_embeddings, batch_size, "smear_query_embeddings")
-
-    def check_task_ids(self, limit: int, method: str) -> None:
+    def check_task_ids(self, task_ids: torch.Tensor, limit: int, method: str) -> None:
         """Raise unless every task id of the call is in ``[0, limit)``. Reading the ids back synchronises host and
         device, so it happens once per call (and limit), not in every layer."""
-        if limit in self._task_id_limits_checked or self.task_ids is None:
+        if limit in self._task_id_limits_checked:
             return
-        task_ids = self.task_ids
         require(
             ((task_ids >= 0) & (task_ids < limit)).all(),
             lambda: (
@@ -274,6 +269,97 @@ class RoutingContext:
             ),
         )
         self._task_id_limits_checked.add(limit)
+
+
+class RouterInputs:
+    """What one wrapped layer offers its router for one call: the routed tensor (the layer's input, or its output for
+    expert kinds that route on it; one example per row) and everything about the call, each read only when the
+    router asks. The rule of what an example is routed on is the layer's ``router_input``:
+
+    * ``"self"``: its own input over the example's real tokens;
+    * ``"prompt"``: its own input over the example's prompt tokens only (causal LMs), so the response never reaches
+      the router;
+    * ``"encoder"``: the encoder's final hidden states (decoder layers of encoder-decoders).
+    """
+
+    def __init__(self, layer: SmearLinear, adapter_name: str, routed: torch.Tensor) -> None:
+        self.layer, self.adapter_name, self.routed = layer, adapter_name, routed
+        self.context: RoutingContext = layer.routing_context
+        self.router_input = layer.router_input[adapter_name]
+        self.prefix_length = layer.routing_prefix_length[adapter_name]
+
+    @property
+    def batch_size(self) -> int:
+        return self.routed.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.routed.device
+
+    @property
+    def experts(self) -> Params:
+        """The adapter's expert parameters in this layer, by name (read only), for routers that score the experts."""
+        return self.layer.expert_params(self.adapter_name)
+
+    def tokens(self) -> torch.Tensor:
+        """``[batch, tokens, features]`` in the activations' dtype: every token on its own, never pooled, so padding
+        cannot change a real token's routing (a padded position is routed too, and its output ignored like the rest
+        of it)."""
+        return self.routed.reshape(self.batch_size, -1, self.routed.shape[-1])
+
+    def summary(self) -> torch.Tensor:
+        """``[batch, features]`` fp32: each example's pooled input, by the layer's ``router_input``."""
+        if self.router_input == "encoder":
+            summary = self.context.encoder_summary
+            if summary is None:
+                raise RuntimeError(
+                    "This SMEAR layer is in the decoder of an encoder-decoder model and routes on the encoder's "
+                    "output, but the decoder was called without encoder_hidden_states."
+                )
+            if summary.shape[0] != self.batch_size:
+                raise ValueError(
+                    f"Encoder states have batch {summary.shape[0]}, this decoder layer sees batch {self.batch_size}."
+                )
+            return summary
+        if self.routed.dim() == 2:  # one row per example (e.g. BERT's pooler): the row is the summary
+            return self.routed.float()
+        return masked_mean(self.tokens(), self.token_mask())
+
+    def token_mask(self) -> torch.Tensor | None:
+        """``[batch, tokens]``: the tokens an example is routed on, its prompt for prompt routing, else its real
+        tokens; ``None`` when they are all real or no token mask describes the routed positions."""
+        if self.routed.dim() != 3:
+            return None
+        batch_size, seq_len = self.routed.shape[:2]
+        if self.router_input == "prompt":
+            return self.context.prompt_mask_for(batch_size, seq_len, self.prefix_length, self.layer.training)
+        return self.context.token_mask_for(batch_size, seq_len)
+
+    def call_input(self, name: str) -> torch.Tensor | None:
+        """The call's ``smear_*`` input ``name``, one row per routed example, on the routed tensor's device."""
+        value = self.context.call_input(name, self.batch_size)
+        return None if value is None else value.to(self.device)
+
+    def task_ids(self, method: str, limit: int | None) -> torch.Tensor:
+        """``[batch]`` int64 ``smear_task_ids``, each checked to be in ``[0, limit)``."""
+        task_ids = self.call_input("smear_task_ids")
+        if task_ids is None:
+            raise ValueError(
+                f"routing={method!r} routes by task id, but the model was called without smear_task_ids "
+                "(an integer tensor [batch]); add it to the inputs, e.g. with peft_smear.SmearDataCollator."
+            )
+        if limit is not None:
+            self.context.check_task_ids(task_ids, limit, method)
+        return task_ids
+
+    def routing_token_ids(self, method: str) -> list[torch.Tensor]:
+        """Each example's routing tokens' ids on the host: its prompt's for prompt routing, else its real tokens'."""
+        if self.router_input == "prompt":
+            mask = self.context.prompt_mask_for(
+                self.batch_size, self.tokens().shape[1], self.prefix_length, self.layer.training
+            )
+            return self.context.routing_token_ids(method, mask, self.prefix_length)
+        return self.context.routing_token_ids(method, self.context.attention_mask, -1)
 
 
 def _check_covers(mask: torch.Tensor, batch_size: int, seq_len: int, name: str) -> None:

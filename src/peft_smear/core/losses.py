@@ -1,15 +1,12 @@
-"""Auxiliary losses of the routing baselines, computed from the model's output once it exists.
-
-REINFORCE's reward is minus each example's own task loss, so the model's batch-mean loss is not enough: the task
-loss is recomputed per example from the logits and labels, for the heads whose loss is known here.
+"""Each example's own task loss, recomputed from a model's logits and labels for the heads whose loss is known here:
+what a routing method that learns from the task loss of each example needs (REINFORCE's reward), where the model's
+batch-mean loss is not enough.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from .routers import PolicyStep
 
 
 SUPPORTED_HEADS = (
@@ -42,42 +39,9 @@ def per_example_task_loss(logits: torch.Tensor, labels: torch.Tensor, shift_toke
         return F.binary_cross_entropy_with_logits(logits, targets, reduction="none").mean(dim=1)
     raise ValueError(
         f"Cannot compute a per-example task loss from logits {tuple(logits.shape)} and labels "
-        f"{tuple(labels.shape)}. routing='reinforce' rewards each example with minus its own loss and supports: "
+        f"{tuple(labels.shape)}; the supported heads are: "
         f"{SUPPORTED_HEADS}."
     )
-
-
-def reinforce_losses(steps: list[PolicyStep], rewards: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The REINFORCE losses summed over routing layers (paper, section 2.2), each a batch mean:
-
-    * policy: ``-alpha * log pi(i) * (r - b)`` with the baseline held fixed;
-    * entropy bonus: ``-beta * H(pi)``, so that routing keeps exploring;
-    * value: ``gamma * Huber(b, r)``, training the baseline to predict the reward.
-    """
-    rewards = rewards.detach().float()
-    policy = entropy = value = rewards.new_zeros(())
-    for step in steps:
-        advantage = rewards.to(step.log_prob.device) - step.baseline.detach()
-        policy = policy - step.policy_weight * (step.log_prob * advantage).mean()
-        plogp = (step.probs * step.probs.clamp_min(1e-20).log()).sum(dim=-1)
-        entropy = entropy + step.entropy_weight * plogp.mean()
-        value = value + step.value_weight * F.huber_loss(step.baseline, rewards.to(step.baseline.device))
-    return {"reinforce_policy": policy, "reinforce_entropy": entropy, "reinforce_value": value}
-
-
-def consistency_loss(first: torch.Tensor, second: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
-    """Adamix's consistency between two stochastic passes: the symmetric KL divergence of their predictive
-    distributions (squared difference for a single regression output), averaged over ``token_mask`` (the positions
-    that predict a label) for token outputs."""
-    first, second = first.float(), second.float()
-    if first.shape[-1] == 1:
-        return ((first - second) ** 2).mean()
-    log_p, log_q = first.log_softmax(dim=-1), second.log_softmax(dim=-1)
-    symmetric = ((log_p.exp() - log_q.exp()) * (log_p - log_q)).sum(dim=-1)
-    if token_mask is not None and symmetric.dim() == 2:
-        keep = token_mask.to(symmetric.device, symmetric.dtype)
-        return (symmetric * keep).sum() / keep.sum().clamp(min=1)
-    return symmetric.mean()
 
 
 def predicting_positions(labels: torch.Tensor, shift_tokens: bool) -> torch.Tensor:

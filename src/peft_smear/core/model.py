@@ -5,18 +5,19 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from .arguments import listing
 from .base_layers import check_base_layer
+from .checks import listing
 from .config import SmearConfig
-from .context import RoutingContext
+from .context import ROUTING_MASK, RoutingContext
 from .experts import EXPERT_KINDS
 from .layer import MERGE_UNSUPPORTED, SmearLinear
-from .losses import consistency_loss, per_example_task_loss, predicting_positions, reinforce_losses
+from .losses import per_example_task_loss, predicting_positions
 from .packing import packed_layout
 from .pooling import masked_mean
 from .registration import (
@@ -26,10 +27,25 @@ from .registration import (
     adapter_state_dict_prefixes,
     select_adapter_entries,
 )
-from .routers import ROUTERS
+from .routers import ROUTERS, CallInput, Router
 
 
-ROUTING_INPUTS = ("smear_routing_mask", "smear_task_ids", "smear_query_embeddings")
+def known_call_inputs() -> dict[str, CallInput]:
+    """Every ``smear_*`` input a call may bring: the core's routing mask and those the registered routers read."""
+    inputs = {ROUTING_MASK.name: ROUTING_MASK}
+    for router in ROUTERS.values():
+        inputs.update((call_input.name, call_input) for call_input in router.call_inputs)
+    return inputs
+
+
+def take_call_inputs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Take every ``smear_*`` keyword off ``kwargs`` (the wrapped model must not see them). The prefix is this
+    library's: an unknown one is a typo that would otherwise be dropped without a word."""
+    taken = {name: kwargs.pop(name) for name in [name for name in kwargs if name.startswith("smear_")]}
+    unknown = sorted(set(taken) - set(known_call_inputs()))
+    if unknown:
+        raise TypeError(f"Unknown SMEAR input(s) {unknown}; the smear_ inputs are {sorted(known_call_inputs())}.")
+    return taken
 
 
 class SmearModel(BaseTuner):
@@ -38,9 +54,9 @@ class SmearModel(BaseTuner):
     Routing needs, per batch, the padding mask, the token labels (to find the prompt of a causal LM), the optional
     ``smear_*`` inputs, and for the decoder of an encoder-decoder model the encoder's output. Forward pre-hooks on the
     wrapped model record them into one :class:`RoutingContext` that every layer reads: hooks, because ``generate``
-    calls the wrapped model (and its encoder) directly, bypassing this class. A forward hook adds the routing
-    baselines' auxiliary losses (REINFORCE, DSelect-k, Adamix) to the output's ``loss`` and reports them as
-    ``output.smear_aux_losses``.
+    calls the wrapped model (and its encoder) directly, bypassing this class. A forward hook then lets each active
+    routing method finish the call (:meth:`Router.finish_call`), adds the routers' auxiliary losses to the output's
+    ``loss`` and reports them as ``output.smear_aux_losses``.
     """
 
     prefix: str = "smear_"
@@ -67,42 +83,45 @@ class SmearModel(BaseTuner):
             self._hook(decoder, self._record_encoder_summary)
 
     def _hook(self, module: nn.Module, record: Callable[[dict[str, Any], dict[str, Any]], None]) -> None:
-        """Call ``record(arguments, routing_inputs)`` before every forward of ``module``, taking the ``smear_*``
-        inputs out of its kwargs: PEFT passes unknown kwargs on to the wrapped model, which must not see them."""
+        """Call ``record(arguments, call_inputs)`` before every forward of ``module``, taking the ``smear_*`` inputs
+        out of its kwargs: PEFT passes unknown kwargs on to the wrapped model, which must not see them."""
         signature = inspect.signature(module.forward)
 
         def pre_hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            routing_inputs = {name: kwargs.pop(name) for name in ROUTING_INPUTS if name in kwargs}
-            record(signature.bind_partial(*args, **kwargs).arguments if args else kwargs, routing_inputs)
+            call_inputs = take_call_inputs(kwargs)
+            record(signature.bind_partial(*args, **kwargs).arguments if args else kwargs, call_inputs)
             return args, kwargs
 
         self._hook_handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
 
-    def _start_call(self, arguments: dict[str, Any], routing_inputs: dict[str, Any]) -> None:
+    def _start_call(self, arguments: dict[str, Any], call_inputs: dict[str, Any]) -> None:
         """A call of the wrapped model. ``smear_*`` inputs belong to the call that brings them, or to the whole
-        ``generate`` that brought them; any other call must not inherit stale ones (Adamix's second pass repeats
-        the first, inputs included)."""
+        ``generate`` that brought them; any other call must not inherit stale ones (a second pass of the same call,
+        :meth:`ModelCall.run_again`, keeps the first's)."""
         if self._second_pass:
             return
-        if routing_inputs or not self._generating:
-            self._set_routing_inputs(**routing_inputs)
+        if call_inputs or not self._generating:
+            self._set_call_inputs(call_inputs)
         self._call_labels = arguments.get("labels")
         self.routing_context.begin_model_call(self.model.training)
         if not self._is_encoder_decoder:  # an encoder-decoder's mask is recorded when its encoder runs
-            mask = _padding_mask(arguments.get("attention_mask"), "attention_mask")
-            packing = packed_layout(arguments)  # rows of several sequences: each is routed on its own
-            self.routing_context.start_call(mask, arguments.get("labels"), arguments.get("input_ids"), packing)
+            self._start_context(arguments, arguments.get("labels"), packed_layout(arguments))
 
-    def _start_encoder_call(self, arguments: dict[str, Any], routing_inputs: dict[str, Any]) -> None:
+    def _start_encoder_call(self, arguments: dict[str, Any], call_inputs: dict[str, Any]) -> None:
+        self._start_context(arguments, None, None)
+
+    def _start_context(self, arguments: dict[str, Any], labels: torch.Tensor | None, packing: Any) -> None:
+        per_token = {name for name, call_input in known_call_inputs().items() if call_input.per_token}
         mask = _padding_mask(arguments.get("attention_mask"), "attention_mask")
-        self.routing_context.start_call(mask, None, arguments.get("input_ids"))
+        self.routing_context.start_call(mask, labels, arguments.get("input_ids"), packing, per_token)
 
     def _finish_call(self, model: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        """Add the auxiliary losses of this call's routing to ``output.loss`` (when the model computed one, i.e. it
-        got labels) and report them as ``output.smear_aux_losses``."""
+        """Let every active routing method finish the call, add the auxiliary losses of this call's routing to
+        ``output.loss`` (when the model computed one, i.e. it got labels) and report them as
+        ``output.smear_aux_losses``."""
         if self._second_pass:
             return output
-        context, labels = self.routing_context, self._call_labels
+        context = self.routing_context
         if model.training and torch.is_grad_enabled() and context.losses_without_autograd:
             names = ", ".join(sorted(context.losses_without_autograd))
             raise RuntimeError(
@@ -113,55 +132,18 @@ class SmearModel(BaseTuner):
                 "the losses off (router_balance_weight=0.0 for SMEAR's load balancing)."
             )
         losses = dict(context.aux_losses)
-        shift_tokens = self._generates_text and not self._is_encoder_decoder
-        if context.policy_steps:
-            example_losses = getattr(output, "example_losses", None)  # a custom head's own per-example losses
-            if example_losses is not None:
-                rewards = -example_losses.detach()
-            elif labels is None or getattr(output, "logits", None) is None:
-                raise ValueError(
-                    "routing='reinforce' trains its routers with minus each example's task loss as the reward, so "
-                    "training calls need labels and an output with logits (or an output with example_losses)."
-                )
-            elif context.packing is not None:  # one reward per packed sequence, as routed
-                packing = context.packing
-                logits, sequence_labels = packing.unpack(output.logits), packing.unpack_tokens(labels, -100, "labels")
-                rewards = -per_example_task_loss(logits, sequence_labels, shift_tokens)
-            else:
-                rewards = -per_example_task_loss(output.logits, labels, shift_tokens)
-            losses.update(reinforce_losses(context.policy_steps, rewards))
-            context.policy_steps = []
-        consistency_weight = self._consistency_weight()
-        if consistency_weight is not None and model.training and labels is not None:
-            if getattr(output, "logits", None) is None:  # e.g. TRL's fused LM head computes log-probabilities only
-                raise ValueError(
-                    "routing='adamix' compares the logits of two passes, but the model's output has none (TRL's "
-                    "SFTTrainer computes none); train it with transformers.Trainer or a loop that keeps the logits."
-                )
-            self._second_pass = True
-            try:
-                second = model(*args, **kwargs)
-            finally:
-                self._second_pass = False
-            mask = predicting_positions(labels, shift_tokens) if labels.dim() == 2 else None
-            losses["adamix_consistency"] = consistency_weight * consistency_loss(output.logits, second.logits, mask)
-            if getattr(output, "loss", None) is not None:
-                output.loss = (output.loss + second.loss) / 2  # both passes learn the task
+        call = ModelCall(self, model, args, kwargs, output, self._call_labels)
+        for router in dict.fromkeys(ROUTERS[config.routing] for config in self._active_configs()):
+            losses.update(router.finish_call(call))
         if not losses:
             return output
+        labels = self._call_labels
         if isinstance(output, tuple):  # return_dict=False: the loss, when there is one, comes first
             return (output[0] + sum(losses.values()), *output[1:]) if labels is not None else output
         if getattr(output, "loss", None) is not None:
             output.loss = output.loss + sum(losses.values())
         output.smear_aux_losses = {name: value.detach() for name, value in losses.items()}
         return output
-
-    def _consistency_weight(self) -> float | None:
-        """The largest consistency-loss weight among the active adapters whose routing runs each training batch
-        twice (Adamix), or ``None`` when none does."""
-        weights = [ROUTERS[config.routing].consistency_weight(config) for config in self._active_configs()]
-        weights = [weight for weight in weights if weight is not None]
-        return max(weights) if weights else None
 
     def _active_configs(self) -> list[SmearConfig]:
         return [self.peft_config[name] for name in self.active_adapters]
@@ -171,24 +153,9 @@ class SmearModel(BaseTuner):
         mask = _padding_mask(arguments.get("encoder_attention_mask"), "encoder_attention_mask")
         self.routing_context.encoder_summary = None if states is None else masked_mean(states, mask)
 
-    def _set_routing_inputs(
-        self,
-        smear_routing_mask: torch.Tensor | None = None,
-        smear_task_ids: torch.Tensor | None = None,
-        smear_query_embeddings: torch.Tensor | None = None,
-    ) -> None:
-        if smear_task_ids is not None and (smear_task_ids.dim() != 1 or smear_task_ids.is_floating_point()):
-            raise ValueError(f"smear_task_ids must be an integer tensor [batch], got {tuple(smear_task_ids.shape)}.")
-        if smear_routing_mask is not None and smear_routing_mask.dim() != 2:
-            raise ValueError(f"smear_routing_mask must be [batch, tokens], got {tuple(smear_routing_mask.shape)}.")
-        if smear_query_embeddings is not None and (
-            smear_query_embeddings.dim() != 2 or not smear_query_embeddings.is_floating_point()
-        ):
-            raise ValueError(
-                "smear_query_embeddings must be a float tensor [batch, embedding size], got "
-                f"{tuple(smear_query_embeddings.shape)} {smear_query_embeddings.dtype}."
-            )
-        self.routing_context.set_routing_inputs(smear_routing_mask, smear_task_ids, smear_query_embeddings)
+    def _set_call_inputs(self, call_inputs: dict[str, Any]) -> None:
+        known = known_call_inputs()
+        self.routing_context.set_call_inputs({name: known[name].prepare(value) for name, value in call_inputs.items()})
 
     def _wrap_generate(self, model: nn.Module) -> None:
         """Route every sequence once, on its prompt, at prefill, and keep the ``smear_*`` inputs for every step
@@ -198,7 +165,7 @@ class SmearModel(BaseTuner):
 
         @functools.wraps(original)
         def generate(*args: Any, **kwargs: Any) -> Any:
-            self._set_routing_inputs(**{name: kwargs.pop(name) for name in ROUTING_INPUTS if name in kwargs})
+            self._set_call_inputs(take_call_inputs(kwargs))
             self._generating, self.routing_context.routing_cache = True, {}
             try:
                 return original(*args, **kwargs)
@@ -213,7 +180,9 @@ class SmearModel(BaseTuner):
         EXPERT_KINDS[peft_config.expert_type].fill_default_targets(peft_config, model_config.get("model_type"))
         return super()._prepare_adapter_config(peft_config, model_config)
 
-    def _router_source(self, config: SmearConfig, key: str) -> str:
+    def _router_input(self, config: SmearConfig, key: str) -> str:
+        """What the layer ``key`` routes on, from ``config.router_input`` and the architecture (see
+        :data:`~peft_smear.core.pooling.ROUTER_INPUTS`)."""
         in_decoder = self._decoder_prefix is not None and key.startswith(self._decoder_prefix)
         choice = config.router_input
         if choice == "auto":
@@ -244,14 +213,14 @@ class SmearModel(BaseTuner):
         current_key: str,
         **optional_kwargs: Any,
     ) -> None:
-        router_source = self._router_source(config, current_key)
-        router_features = self.model.config.hidden_size if router_source == "encoder" else None
+        router_input = self._router_input(config, current_key)
+        router_features = self.model.config.hidden_size if router_input == "encoder" else None
 
         if isinstance(target, SmearLinear):
             target.update_layer(
                 adapter_name,
                 config,
-                router_source=router_source,
+                router_input=router_input,
                 router_features=router_features,
                 inference_mode=config.inference_mode,
             )
@@ -262,7 +231,7 @@ class SmearModel(BaseTuner):
             adapter_name,
             config,
             self.routing_context,
-            router_source=router_source,
+            router_input=router_input,
             router_features=router_features,
             module_name=current_key,
         )
@@ -306,6 +275,68 @@ class SmearModel(BaseTuner):
         remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
         _check_adapter_state_dict(model, adapter_name, remapped)
         return remapped
+
+
+@dataclass
+class ModelCall:
+    """One finished call of the wrapped model, as a routing method's :meth:`Router.finish_call` sees it."""
+
+    tuner: SmearModel
+    model: nn.Module
+    args: tuple
+    kwargs: dict
+    output: Any
+    labels: torch.Tensor | None
+
+    @property
+    def context(self) -> RoutingContext:
+        return self.tuner.routing_context
+
+    @property
+    def training(self) -> bool:
+        return self.model.training
+
+    def configs_of(self, router: type[Router]) -> list[SmearConfig]:
+        """The configs of the active adapters that route with ``router``."""
+        return [config for config in self.tuner._active_configs() if ROUTERS[config.routing] is router]
+
+    @property
+    def _shifts_tokens(self) -> bool:
+        """Whether a token's label is predicted at the position before it (causal LMs)."""
+        return self.tuner._generates_text and not self.tuner._is_encoder_decoder
+
+    def example_task_losses(self, method: str) -> torch.Tensor:
+        """``[examples]`` fp32: each example's own task loss, from the output's logits and the call's labels, for
+        routing ``method``; one per sequence of a packed call, as routed."""
+        logits = getattr(self.output, "logits", None)
+        if self.labels is None or logits is None:
+            raise ValueError(
+                f"routing={method!r} learns from each example's task loss, so training calls need labels and an "
+                "output with logits (or an output with example_losses)."
+            )
+        labels, packing = self.labels, self.context.packing
+        if packing is not None:
+            logits, labels = packing.unpack(logits), packing.unpack_tokens(labels, -100, "labels")
+        try:
+            return per_example_task_loss(logits, labels, self._shifts_tokens)
+        except ValueError as error:
+            raise ValueError(f"routing={method!r} rewards each example with minus its own loss: {error}") from None
+
+    def predicting_positions(self) -> torch.Tensor | None:
+        """``[batch, tokens]`` bool: the output positions whose prediction has a label (``None`` for per-example
+        labels)."""
+        if self.labels is None or self.labels.dim() != 2:
+            return None
+        return predicting_positions(self.labels, self._shifts_tokens)
+
+    def run_again(self) -> Any:
+        """The wrapped model's output for the very same call, run once more (e.g. with other random experts); the
+        second pass sets no new routing inputs and finishes no call of its own."""
+        self.tuner._second_pass = True
+        try:
+            return self.model(*self.args, **self.kwargs)
+        finally:
+            self.tuner._second_pass = False
 
 
 def _padding_mask(mask: torch.Tensor | None, name: str) -> torch.Tensor | None:

@@ -22,7 +22,7 @@ from ..version import __version__
 from .experts import EXPERT_KINDS
 from .experts.adapter import DEFAULT_REDUCTION_FACTOR
 from .layer import SmearLinear
-from .routers import ROUTERS, Reads
+from .routers import ROUTERS
 
 
 PAPER_URL = "https://arxiv.org/abs/2306.03745"
@@ -42,7 +42,7 @@ AUTO_CLASSES = {
     "QUESTION_ANS": ("AutoModelForQuestionAnswering", "AutoPeftModelForQuestionAnswering"),
     "FEATURE_EXTRACTION": ("AutoModel", "AutoPeftModelForFeatureExtraction"),
 }
-ROUTER_SOURCES = {
+ROUTER_INPUT_DESCRIPTIONS = {
     "self": "the layer's own input, averaged over the example's real tokens",
     "prompt": "the layer's input averaged over the example's prompt tokens only, so the response never reaches it",
     "encoder": "the encoder's final hidden states, averaged over the real tokens (decoder layers)",
@@ -157,8 +157,8 @@ def _section(
     name = peft_model.active_adapter
     config = peft_model.peft_config[name]
     layers = [m for m in peft_model.modules() if isinstance(m, SmearLinear) and name in m.expert_kind]
-    sources = sorted({layer.router_source[name] for layer in layers})
-    n, routing = config.num_experts, config.routing
+    router_inputs = sorted({layer.router_input[name] for layer in layers})
+    n, routing, options = config.num_experts, config.routing, config.routing_options
     expert = EXPERT_KINDS[config.expert_type].title
     if routing == "smear":
         pitch = (
@@ -181,8 +181,9 @@ def _section(
         ("routing", f"`{routing}`: {routing_description(config)}"),
         (
             "router input",
-            f"`{config.router_input}`: " + "; ".join(f"`{s}`, {ROUTER_SOURCES[s]}" for s in sources)
-            if ROUTERS[routing].reads is not Reads.TASK_IDS and ROUTERS[routing].reads is not Reads.NOTHING
+            f"`{config.router_input}`: "
+            + "; ".join(f"`{source}`, {ROUTER_INPUT_DESCRIPTIONS[source]}" for source in router_inputs)
+            if ROUTERS[routing].reads_content
             else "no learned router",
         ),
         ("expert dropout", f"{config.expert_dropout:g}"),
@@ -190,11 +191,12 @@ def _section(
             [
                 (
                     "against router collapse",
-                    f"load-balancing weight {config.router_balance_weight:g}, temperature "
-                    f"{config.router_temperature:g}, uniform warm-up {config.router_warmup_steps} training calls",
+                    f"load-balancing weight {options['router_balance_weight']:g}, temperature "
+                    f"{options['router_temperature']:g}, uniform warm-up {options['router_warmup_steps']} training "
+                    "calls",
                 )
             ]
-            if "router_balance_weight" in ROUTERS[routing].options
+            if "router_balance_weight" in options
             else []
         ),
         (
@@ -224,8 +226,8 @@ def _section(
         usage or _load_snippet(config, adapter_id or str(directory), base_model),
         "```",
     ]
-    if ROUTERS[routing].reads is Reads.TASK_IDS:
-        lines += ["", "Every call needs each example's task id: pass `smear_task_ids` (a `LongTensor [batch]`)."]
+    for call_input in ROUTERS[routing].call_inputs:
+        lines += ["", f"Every call needs `{call_input.name}`: {call_input.help}."]
     lines += ["", "## Adapter", "", "| | |", "|---|---|", *(f"| {key} | {value} |" for key, value in rows)]
     report = directory / ROUTING_JSON
     if report.is_file():

@@ -35,8 +35,7 @@ class PackedLayout:
     and a padded batch ``[sequences, longest]`` with one sequence per row.
 
     Built once per call from the boundaries (``starts [rows, tokens]``, true at the first token of every sequence);
-    every wrapped layer then unpacks with one gather. The last unpacked tensor is remembered, so that layers reading
-    the very same input (q/k/v) share one unpacked copy, and packing that copy back gives the original tensor.
+    every wrapped layer then unpacks its input and output with one gather each, and packs its output back with one.
     """
 
     def __init__(self, starts: torch.Tensor) -> None:
@@ -59,35 +58,22 @@ class PackedLayout:
         self._unpack_index = (first_token.unsqueeze(1) + positions).reshape(-1)  # padded slot -> packed token
         self._pack_index = sequence_of_token * self.max_length + offset  # packed token -> padded slot
         self._indices = {device: (self._unpack_index, self._pack_index)}
-        self._last: tuple[torch.Tensor, int, torch.Tensor] | None = None
 
-    def covers(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` is a ``[rows, tokens, features]`` input of this packed call."""
-        return x.dim() == 3 and x.shape[0] == self.rows and x.shape[1] == self.row_length
-
-    def holds_unpacked(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` is a ``[sequences, longest, features]`` input in this call's padded layout."""
-        return x.dim() == 3 and x.shape[0] == self.num_sequences and x.shape[1] == self.max_length
-
-    def unpack(self, x: torch.Tensor, share: bool = True) -> torch.Tensor:
-        """``[rows, tokens, ...]`` -> ``[sequences, longest, ...]``; padded slots repeat a real token of their
-        sequence (finite values; every mask of the call excludes them). ``share``: remember the result for the next
-        layer that reads the very same ``x`` (a layer's input; not its fresh output, which is updated in place)."""
-        last = self._last
-        if share and last is not None and last[0] is x and last[1] == x._version:
-            return last[2]
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """A packed layer input or output ``[rows, tokens, ...]`` as ``[sequences, longest, ...]``; padded slots
+        repeat a real token of their sequence (finite values; every mask of the call excludes them)."""
+        if x.dim() < 3 or tuple(x.shape[:2]) != (self.rows, self.row_length):
+            raise ValueError(
+                f"This call packs {self.num_sequences} sequences in [{self.rows}, {self.row_length}] rows, but a "
+                f"SMEAR layer got an input of shape {tuple(x.shape)}: it cannot tell its sequences apart. Wrap only "
+                "layers that see the packed tokens, or call the model unpacked."
+            )
         unpack_index, _ = self._on(x.device)
         tail = x.shape[2:]
-        unpacked = x.reshape(-1, *tail).index_select(0, unpack_index).view(self.num_sequences, self.max_length, *tail)
-        if share:
-            self._last = (x, x._version, unpacked)
-        return unpacked
+        return x.reshape(-1, *tail).index_select(0, unpack_index).view(self.num_sequences, self.max_length, *tail)
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """``[sequences, longest, ...]`` -> ``[rows, tokens, ...]``, the inverse of :meth:`unpack` on real tokens."""
-        last = self._last
-        if last is not None and last[2] is x and last[0]._version == last[1]:
-            return last[0]
         _, pack_index = self._on(x.device)
         tail = x.shape[2:]
         return x.reshape(-1, *tail).index_select(0, pack_index).view(self.rows, self.row_length, *tail)

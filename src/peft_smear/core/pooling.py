@@ -9,6 +9,12 @@ import torch
 import torch.nn.functional as F
 
 
+ROUTER_INPUTS = ("self", "prompt", "encoder")
+"""What a layer's router pools to route an example (``SmearConfig.router_input``, resolved per layer): the layer's own
+input over the example's real tokens, over its prompt tokens only (causal LMs), or the encoder's final hidden states
+(decoder layers of encoder-decoders)."""
+
+
 def masked_mean(hidden: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
     """Mean over the real tokens of ``[batch, seq, features]`` in fp32, giving ``[batch, features]``.
 

@@ -28,7 +28,7 @@ from ..core.config import SmearConfig
 from ..core.export import check_exportable, export_merged_adapter, refuse_occupied
 from ..core.model_card import write_model_card
 from ..core.optimizer import create_router_optimizer
-from ..core.routers import ROUTERS, Reads
+from ..core.routers import ROUTERS, TASK_IDS
 from ..core.routing_report import RoutingReport
 from .data import load_benchmark
 from .features import benchmark_task_info
@@ -155,7 +155,7 @@ def smear_config(
         r=r,
         num_experts=num_experts,
         routing=routing,
-        num_tasks=len(model.tasks) if ROUTERS[routing].reads is Reads.TASK_IDS else None,
+        num_tasks=len(model.tasks) if TASK_IDS in ROUTERS[routing].call_inputs else None,
         target_modules=block_linear_names(model),
         modules_to_save=["heads"],
         **options,

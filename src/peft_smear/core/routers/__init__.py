@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from .base import PolicyStep, Reads, Router, RoutingDecision, TokenStates
-from .fixed import AdamixRouter, HashRouter, LatentSkillsRouter, SingleRouter, TagRouter
+from .base import CallInput, Option, Router, RoutingDecision
+from .fixed import TASK_IDS, AdamixRouter, HashRouter, LatentSkillsRouter, SingleRouter, TagRouter
 from .learned import DSelectKRouter, EnsembleRouter, ReinforceRouter, SmearRouter, STGumbelRouter, TopKRouter
 
 
@@ -56,11 +56,11 @@ def router_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
 
 __all__ = [
     "ROUTERS",
-    "PolicyStep",
-    "Reads",
+    "TASK_IDS",
+    "CallInput",
+    "Option",
     "Router",
     "RoutingDecision",
-    "TokenStates",
     "register_router",
     "router_parameters",
 ]

@@ -1,18 +1,17 @@
-"""What a router is: the base class every routing method subclasses, and the decision it hands to the experts.
+"""What a routing method is: one :class:`Router` subclass that holds everything about it (its options, what it reads,
+its decision, its auxiliary losses, its errors, what it does once the model's output exists), and the
+:class:`RoutingDecision` it hands to the experts.
 
 A router is one ``nn.Module`` per wrapped layer and adapter, kept in the layer's ``smear_router`` ``ModuleDict`` under
 the adapter's name. Its parameters are its own attributes, never nested modules: PEFT strips the adapter name from a
 saved key only when it is the last or second-to-last component (``...smear_router.default.weight``), so a nested
 parameter would silently stay uninitialised when loaded under another adapter name.
-
-What a routing method *is* (what it reads, whether it accepts expert dropout, whether its output is one expert that
-can be exported, its own config options) is said by class attributes, and every other module asks the class.
 """
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -20,43 +19,48 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..checks import Check
+
 
 if TYPE_CHECKING:
     from ..config import SmearConfig
-    from ..context import RoutingContext
+    from ..context import RouterInputs
+    from ..model import ModelCall
 
 
-class Reads(str, enum.Enum):
-    """What the layer hands a router to decide on."""
+@dataclass(frozen=True)
+class Option:
+    """One setting of a routing method: passed as ``SmearConfig(<name>=...)``, kept in ``config.routing_options``."""
 
-    SUMMARY = "summary"
-    """``[batch, features]`` fp32: the example's pooled input (its prompt, its real tokens, or the encoder's)."""
-
-    TASK_IDS = "task_ids"
-    """``[batch]`` long: each example's ``smear_task_ids``."""
-
-    TOKEN_IDS = "token_ids"
-    """``list[bytes]``: each example's routing token ids (what hash routing hashes)."""
-
-    NOTHING = "nothing"
-    """The layer's input itself, only for its batch size and device."""
-
-    TOKENS = "tokens"
-    """:class:`TokenStates`: every token's own state and the adapter's experts, for routers that decide per token."""
+    name: str
+    default: Any
+    help: str
+    check: Check | None = None
+    """Run on every value but ``None`` when the config is built; raises a ``ValueError`` naming the option."""
 
 
-@dataclass
-class TokenStates:
-    """What a per-token router reads: each token on its own, never pooled, so padding cannot change a real token's
-    routing (a padded position is routed too, and its output is ignored like the rest of it)."""
+def with_defaults(options: tuple[Option, ...], **defaults: Any) -> tuple[Option, ...]:
+    """``options`` with some defaults changed: a method that shares a family's options but not all its defaults."""
+    unknown = set(defaults) - {option.name for option in options}
+    if unknown:
+        raise ValueError(f"No options {sorted(unknown)} to change the default of.")
+    return tuple(dataclasses.replace(o, default=defaults.get(o.name, o.default)) for o in options)
 
-    states: torch.Tensor
-    """``[batch, tokens, features]`` in the activations' dtype: what the experts' kind routes on (usually the
-    module's input)."""
 
-    experts: Mapping[str, torch.Tensor]
-    """The adapter's expert parameters in this layer, by name, for routers that score the experts themselves
-    (Arrow's prototypes); read only."""
+@dataclass(frozen=True)
+class CallInput:
+    """A ``smear_*`` keyword of the model's call that routing reads (e.g. ``smear_task_ids``): the model takes it off
+    the call before the wrapped model sees it, checks it with ``prepare``, and repeats it per beam in ``generate``
+    and per packed sequence. Every ``smear_*`` keyword that no router declares is refused, so a typo never passes
+    silently."""
+
+    name: str
+    help: str
+    prepare: Callable[[Any], torch.Tensor]
+    """The user's value as the tensor routers read; raises a ``ValueError`` that names the input otherwise."""
+    per_token: bool = False
+    """``[batch, tokens]`` (unpacked like the labels when rows pack several sequences) rather than one row per
+    example (given per sequence, or per row for every sequence of it)."""
 
 
 @dataclass
@@ -81,24 +85,17 @@ class RoutingDecision:
     across calls (every step of ``generate``) builds it only once."""
 
 
-@dataclass
-class PolicyStep:
-    """What REINFORCE needs from one layer to form its losses once the example's task loss is known."""
-
-    log_prob: torch.Tensor  # [batch] log-probability of the sampled expert
-    probs: torch.Tensor  # [batch, num_experts] the routing distribution
-    baseline: torch.Tensor  # [batch] the learned baseline's estimate of the reward
-    policy_weight: float
-    entropy_weight: float
-    value_weight: float
-
-
 def merged(weights: torch.Tensor) -> RoutingDecision:
     return RoutingDecision(weights=weights)
 
 
 def mixed(weights: torch.Tensor) -> RoutingDecision:
     return RoutingDecision(weights=weights, mixture=True)
+
+
+def one_expert(index: torch.Tensor, num_experts: int, output_scale: torch.Tensor | None = None) -> RoutingDecision:
+    weights = F.one_hot(index, num_experts).float()
+    return RoutingDecision(weights=weights, expert_index=index, output_scale=output_scale)
 
 
 def top_k_renormalised(probs: torch.Tensor, k: int) -> torch.Tensor:
@@ -109,27 +106,29 @@ def top_k_renormalised(probs: torch.Tensor, k: int) -> torch.Tensor:
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
-def one_expert(index: torch.Tensor, num_experts: int, output_scale: torch.Tensor | None = None) -> RoutingDecision:
-    weights = F.one_hot(index, num_experts).float()
-    return RoutingDecision(weights=weights, expert_index=index, output_scale=output_scale)
-
-
 class Router(nn.Module):
-    """One layer's router for one adapter: ``forward(routed, context)`` returns the :class:`RoutingDecision` for the
-    batch. A new routing method is a subclass and one entry in :data:`peft_smear.routers.ROUTERS`.
+    """One layer's router for one adapter: ``forward(inputs)`` reads what it needs of the batch from ``inputs`` (a
+    :class:`~peft_smear.core.context.RouterInputs`) and returns the :class:`RoutingDecision`.
 
-    Subclasses read their settings from the config in ``__init__`` (the config itself is not kept) and run in the
-    training mode of the model (``self.training``).
+    A new routing method is a subclass (its traits and options as class attributes) and one call of
+    :func:`peft_smear.register_router`. Subclasses read their settings from the config in ``__init__`` (the config
+    itself is not kept) and run in the training mode of the model (``self.training``).
     """
 
     name: ClassVar[str]
     """The ``SmearConfig.routing`` value that selects this method."""
 
-    reads: ClassVar[Reads] = Reads.SUMMARY
-    """What the layer passes as ``routed``."""
+    description: ClassVar[str] = ""
+    """One line on what the method does with the experts (the model card's)."""
 
-    options: ClassVar[tuple[str, ...]] = ()
-    """``SmearConfig`` fields that only this method reads; setting one for another method is an error."""
+    options: ClassVar[tuple[Option, ...]] = ()
+    """The method's own settings, passed to ``SmearConfig`` as keywords; setting one for another method fails."""
+
+    call_inputs: ClassVar[tuple[CallInput, ...]] = ()
+    """The ``smear_*`` keywords of the model call this method reads."""
+
+    reads_content: ClassVar[bool] = True
+    """Whether routing depends on the example's tokens or states (not only on its task id, or on nothing)."""
 
     accepts_expert_dropout: ClassVar[bool] = False
     """Whether the method turns a probability distribution into its routing, so that experts can be dropped."""
@@ -144,17 +143,14 @@ class Router(nn.Module):
     """Whether the method scores experts by embeddings of task descriptions (GLIDER's global router): a bank built
     for it needs each expert's description and an embedding model."""
 
-    description: ClassVar[str] = ""
-    """One line on what the method does with the experts (the model card's)."""
-
     exportable: ClassVar[bool] = True
     """Whether each example's output is that of one merged or chosen expert, which a fixed routing can export.
     Output mixtures and probability-scaled experts are not."""
 
     per_token: ClassVar[bool] = False
-    """Whether the router decides for every token on its own (``reads = Reads.TOKENS``, weights
-    ``[batch, tokens, N]``). The layer then routes each call on its own tokens, every step of ``generate`` included,
-    instead of reusing the decision made at prefill; such a routing is never exportable."""
+    """Whether the router decides for every token on its own (weights ``[batch, tokens, N]``). The layer then routes
+    each call on its own tokens, every step of ``generate`` included, instead of reusing the decision made at
+    prefill; such a routing is never exportable."""
 
     expert_types: ClassVar[tuple[str, ...] | None] = None
     """The ``SmearConfig.expert_type`` values the method works with (``None``: every kind)."""
@@ -166,7 +162,8 @@ class Router(nn.Module):
 
     @classmethod
     def validate(cls, config: SmearConfig) -> None:
-        """Check this method's options when the config is built; each error names the offending value."""
+        """Check what one option alone cannot (e.g. ``top_k <= num_experts``) when the config is built; each error
+        names the offending value. Every option has passed its own check already."""
 
     @classmethod
     def describe(cls, config: SmearConfig) -> str:
@@ -179,10 +176,11 @@ class Router(nn.Module):
         return None
 
     @classmethod
-    def consistency_weight(cls, config: SmearConfig) -> float | None:
-        """The weight of a consistency loss between two training passes of the same batch, for methods that need
-        the model run twice (Adamix); ``None`` for every other method."""
-        return None
+    def finish_call(cls, call: ModelCall) -> dict[str, torch.Tensor]:
+        """Auxiliary losses this method adds once the model's output exists (REINFORCE's policy terms from the
+        examples' task losses, Adamix's consistency with a second pass), by name, already weighted. Called once per
+        model call for every method an active adapter uses."""
+        return {}
 
-    def forward(self, routed: Any, context: RoutingContext) -> RoutingDecision:
+    def forward(self, inputs: RouterInputs) -> RoutingDecision:
         raise NotImplementedError

@@ -4,17 +4,43 @@ of the example's tokens, Adamix's random expert, and Polytropon's learned task-b
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from .base import Reads, Router, RoutingDecision, merged, one_expert
+from ..checks import integer, number
+from .base import CallInput, Option, Router, RoutingDecision, merged, one_expert
 
 
 if TYPE_CHECKING:
     from ..config import SmearConfig
-    from ..context import RoutingContext
+    from ..context import RouterInputs
+    from ..model import ModelCall
+
+
+def task_id_tensor(value: Any) -> torch.Tensor:
+    """``smear_task_ids`` as a ``[batch]`` int64 tensor: any integer dtype, or a list of ints. Booleans are refused,
+    not read as 0 and 1 (indexing by a bool tensor would silently select rows instead)."""
+    if isinstance(value, (list, tuple)):
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise ValueError(f"smear_task_ids must be integers, got {list(value)!r}.")
+        return torch.tensor(value, dtype=torch.long)
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"smear_task_ids must be an integer tensor [batch] or a list of ints, got {type(value)}.")
+    if value.dtype == torch.bool or value.is_floating_point() or value.is_complex() or value.dim() != 1:
+        raise ValueError(
+            f"smear_task_ids must be an integer tensor [batch] (int64 or another integer dtype; not bool), got "
+            f"{value.dtype} of shape {tuple(value.shape)}."
+        )
+    return value.long()
+
+
+TASK_IDS = CallInput(
+    "smear_task_ids",
+    "each example's task id, an integer tensor [batch]: what tag routing and Latent Skills route by",
+    task_id_tensor,
+)
 
 
 class SingleRouter(Router):
@@ -22,7 +48,7 @@ class SingleRouter(Router):
 
     name = "single"
     description = "one expert, no router"
-    reads = Reads.NOTHING
+    reads_content = False
     default_num_experts = 1
 
     @classmethod
@@ -33,8 +59,8 @@ class SingleRouter(Router):
                 "(it becomes 1); for the parameter-matched baseline raise r instead."
             )
 
-    def forward(self, x: torch.Tensor, context: RoutingContext) -> RoutingDecision:
-        return one_expert(torch.zeros(x.shape[0], dtype=torch.long, device=x.device), self.num_experts)
+    def forward(self, inputs: RouterInputs) -> RoutingDecision:
+        return one_expert(torch.zeros(inputs.batch_size, dtype=torch.long, device=inputs.device), self.num_experts)
 
 
 class TagRouter(Router):
@@ -43,77 +69,132 @@ class TagRouter(Router):
 
     name = "tag"
     description = "the expert of the example's task id (`smear_task_ids`)"
-    reads = Reads.TASK_IDS
-    options = ("tag_experts",)
+    reads_content = False
+    call_inputs = (TASK_IDS,)
+    options = (
+        Option(
+            "num_tasks",
+            None,
+            "the number of task ids, checked against every call's (default: one per expert)",
+            integer(1),
+        ),
+        Option(
+            "tag_experts",
+            None,
+            "the expert of each task id, so that several tasks can share one (default: expert = task id)",
+        ),
+    )
 
     def __init__(self, features: int, config: SmearConfig, module_name: str) -> None:
         super().__init__(features, config, module_name)
-        self.tag_experts = config.tag_experts
+        self.tag_experts = config.routing_options["tag_experts"]
 
     @classmethod
     def validate(cls, config: SmearConfig) -> None:
-        if config.tag_experts is None:
+        options = config.routing_options
+        experts, num_tasks = options["tag_experts"], options["num_tasks"]
+        if experts is None:
             return
-        config.tag_experts = list(config.tag_experts)
-        if not config.tag_experts or not all(
-            isinstance(e, int) and not isinstance(e, bool) and 0 <= e < config.num_experts for e in config.tag_experts
+        experts = options["tag_experts"] = list(experts) if isinstance(experts, (list, tuple)) else experts
+        if (
+            not isinstance(experts, list)
+            or not experts
+            or not all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < config.num_experts for e in experts)
         ):
             raise ValueError(
                 f"tag_experts must be a non-empty list of expert indices in [0, {config.num_experts}), "
-                f"got {config.tag_experts!r}."
+                f"got {experts!r}."
             )
-        if config.num_tasks is not None and len(config.tag_experts) != config.num_tasks:
-            raise ValueError(f"tag_experts maps {len(config.tag_experts)} task ids but num_tasks={config.num_tasks}.")
+        if num_tasks is not None and len(experts) != num_tasks:
+            raise ValueError(f"tag_experts maps {len(experts)} task ids but num_tasks={num_tasks}.")
 
     @classmethod
     def routed_tasks(cls, config: SmearConfig) -> int:
-        return len(config.tag_experts) if config.tag_experts is not None else config.num_experts
+        experts = config.routing_options["tag_experts"]
+        return len(experts) if experts is not None else config.num_experts
 
-    def forward(self, task_ids: torch.Tensor, context: RoutingContext) -> RoutingDecision:
+    def forward(self, inputs: RouterInputs) -> RoutingDecision:
+        task_ids = inputs.task_ids(self.name, self.task_limit)
         if self.tag_experts is None:
             return one_expert(task_ids, self.num_experts)
         return one_expert(task_ids.new_tensor(self.tag_experts)[task_ids], self.num_experts)
 
 
 class HashRouter(Router):
-    """A fixed pseudo-random expert per example and layer: a keyed BLAKE2b of its routing tokens, so the choice is
+    """A fixed pseudo-random expert per example and layer: a keyed BLAKE2b of its routing tokens' ids, so the choice is
     the same in every epoch and process (Python's ``hash`` is salted per process) and differs between layers (the
     key is the layer's module name)."""
 
     name = "hash"
     description = "a fixed pseudo-random expert per example, from a hash of its routing tokens"
-    reads = Reads.TOKEN_IDS
 
     def __init__(self, features: int, config: SmearConfig, module_name: str) -> None:
         super().__init__(features, config, module_name)
         self.key = hashlib.blake2b(module_name.encode(), digest_size=16).digest()
 
-    def forward(self, token_bytes: list[bytes], context: RoutingContext) -> RoutingDecision:
+    def forward(self, inputs: RouterInputs) -> RoutingDecision:
         choices = [
-            int.from_bytes(hashlib.blake2b(tokens, digest_size=8, key=self.key).digest(), "little") % self.num_experts
-            for tokens in token_bytes
+            int.from_bytes(hashlib.blake2b(ids.numpy().tobytes(), digest_size=8, key=self.key).digest(), "little")
+            % self.num_experts
+            for ids in inputs.routing_token_ids(self.name)
         ]
-        return one_expert(torch.tensor(choices, dtype=torch.long, device=context.input_ids.device), self.num_experts)
+        return one_expert(torch.tensor(choices, dtype=torch.long, device=inputs.device), self.num_experts)
 
 
 class AdamixRouter(Router):
     """Adamix: a uniformly random expert per example in training, with a consistency loss between two passes of the
-    batch (the model runs it twice); the plain average of all experts' parameters at inference."""
+    batch (the model runs it twice, :meth:`finish_call`); the plain average of all experts' parameters at inference."""
 
     name = "adamix"
     description = "AdaMix: a random expert per example in training, the average of all experts at inference"
-    reads = Reads.NOTHING
-    options = ("adamix_consistency_weight",)
+    reads_content = False
+    options = (
+        Option(
+            "adamix_consistency_weight",
+            1.0,
+            "weight of the consistency loss between the two passes",
+            number(inclusive=True),
+        ),
+    )
+
+    def forward(self, inputs: RouterInputs) -> RoutingDecision:
+        batch_size, n = inputs.batch_size, self.num_experts
+        if self.training:
+            return one_expert(torch.randint(n, (batch_size,), device=inputs.device), n)
+        return merged(torch.full((batch_size, n), 1 / n, device=inputs.device))
 
     @classmethod
-    def consistency_weight(cls, config: SmearConfig) -> float:
-        return config.adamix_consistency_weight
+    def finish_call(cls, call: ModelCall) -> dict[str, torch.Tensor]:
+        """Run the batch a second time (another random expert per example) and compare the two passes' predictions;
+        both passes learn the task."""
+        weight = max(config.routing_options["adamix_consistency_weight"] for config in call.configs_of(cls))
+        if not call.training or call.labels is None:
+            return {}
+        if getattr(call.output, "logits", None) is None:  # e.g. TRL's fused LM head computes log-probabilities only
+            raise ValueError(
+                "routing='adamix' compares the logits of two passes, but the model's output has none (TRL's "
+                "SFTTrainer computes none); train it with transformers.Trainer or a loop that keeps the logits."
+            )
+        second = call.run_again()
+        loss = weight * consistency_loss(call.output.logits, second.logits, call.predicting_positions())
+        if getattr(call.output, "loss", None) is not None:
+            call.output.loss = (call.output.loss + second.loss) / 2
+        return {"adamix_consistency": loss}
 
-    def forward(self, x: torch.Tensor, context: RoutingContext) -> RoutingDecision:
-        batch_size, n = x.shape[0], self.num_experts
-        if self.training:
-            return one_expert(torch.randint(n, (batch_size,), device=x.device), n)
-        return merged(torch.full((batch_size, n), 1 / n, device=x.device))
+
+def consistency_loss(first: torch.Tensor, second: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
+    """Adamix's consistency between two stochastic passes: the symmetric KL divergence of their predictive
+    distributions (squared difference for a single regression output), averaged over ``token_mask`` (the positions
+    that predict a label) for token outputs."""
+    first, second = first.float(), second.float()
+    if first.shape[-1] == 1:
+        return ((first - second) ** 2).mean()
+    log_p, log_q = first.log_softmax(dim=-1), second.log_softmax(dim=-1)
+    symmetric = ((log_p.exp() - log_q.exp()) * (log_p - log_q)).sum(dim=-1)
+    if token_mask is not None and symmetric.dim() == 2:
+        keep = token_mask.to(symmetric.device, symmetric.dtype)
+        return (symmetric * keep).sum() / keep.sum().clamp(min=1)
+    return symmetric.mean()
 
 
 class LatentSkillsRouter(Router):
@@ -123,26 +204,36 @@ class LatentSkillsRouter(Router):
 
     name = "latent_skills"
     description = "Polytropon's learned task-by-expert matrix merges the experts per task id"
-    reads = Reads.TASK_IDS
-    options = ("latent_skills_temperature",)
+    reads_content = False
+    call_inputs = (TASK_IDS,)
+    options = (
+        Option(
+            "num_tasks",
+            None,
+            "the number of task ids (required): the rows of the task-by-expert matrix",
+            integer(1),
+        ),
+        Option("latent_skills_temperature", 1.0, "temperature of the relaxed-Bernoulli samples", number()),
+    )
 
     def __init__(self, features: int, config: SmearConfig, module_name: str) -> None:
         super().__init__(features, config, module_name)
+        num_tasks = config.routing_options["num_tasks"]
         # Polytropon's initialisation: logits near zero, so every expert starts half active for every task.
-        self.skill_logits = nn.Parameter(torch.empty(config.num_tasks, config.num_experts).uniform_(-1e-3, 1e-3))
-        self.temperature = config.latent_skills_temperature
+        self.skill_logits = nn.Parameter(torch.empty(num_tasks, config.num_experts).uniform_(-1e-3, 1e-3))
+        self.temperature = config.routing_options["latent_skills_temperature"]
 
     @classmethod
     def validate(cls, config: SmearConfig) -> None:
-        if config.num_tasks is None:
+        if config.routing_options["num_tasks"] is None:
             raise ValueError("routing='latent_skills' learns a task-by-expert matrix: set num_tasks.")
 
     @classmethod
     def routed_tasks(cls, config: SmearConfig) -> int:
-        return config.num_tasks
+        return config.routing_options["num_tasks"]
 
-    def forward(self, task_ids: torch.Tensor, context: RoutingContext) -> RoutingDecision:
-        logits = self.skill_logits[task_ids].float()
+    def forward(self, inputs: RouterInputs) -> RoutingDecision:
+        logits = self.skill_logits[inputs.task_ids(self.name, self.task_limit)].float()
         if self.training:
             noise = torch.rand_like(logits).clamp(1e-6, 1 - 1e-6)
             active = ((logits + noise.log() - (-noise).log1p()) / self.temperature).sigmoid()

@@ -9,19 +9,22 @@ still become sharp where that helps.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import PolicyStep, Router, RoutingDecision, merged, mixed, one_expert
+from ..checks import integer, number, require_integer
+from .base import Option, Router, RoutingDecision, merged, mixed, one_expert, with_defaults
 from .dselect_k_gate import dselect_k_entropy, dselect_k_gate, dselect_k_num_bits, init_dselect_k_
 
 
 if TYPE_CHECKING:
     from ..config import SmearConfig
-    from ..context import RoutingContext
+    from ..context import RouterInputs, RoutingContext
+    from ..model import ModelCall
 
 
 # Gain of the LayerNorm over the router's weight rows at initialisation. Small, so that initial routing is close to
@@ -81,41 +84,47 @@ class ProbabilityRouter(NormalizedInputRouter):
     learns nothing meanwhile), and a load-balancing loss on the batch's mean routing,
     ``router_balance_weight * (N * sum_n mean_p_n^2 - 1)`` per router (0 for an even load, N - 1 when every example
     goes to one expert), added to the model's loss as ``router_balance``. All are off by default (the paper's
-    router), except SMEAR's load balancing (:attr:`default_balance_weight`), which won on the collapse benchmark.
+    router), except SMEAR's load balancing, which won on the collapse benchmark.
     """
 
     accepts_expert_dropout = True
-    options = ("router_temperature", "router_warmup_steps", "router_balance_weight")
-    default_balance_weight: float = 0.0
+    options = (
+        Option(
+            "router_temperature",
+            1.0,
+            "divide the router's logits by this before the softmax; above 1 routing is softer (1: the paper's)",
+            number(),
+        ),
+        Option(
+            "router_warmup_steps",
+            0,
+            "route every example uniformly (with expert dropout) for the first k training calls (0: the paper's)",
+            integer(0),
+        ),
+        Option(
+            "router_balance_weight",
+            0.0,
+            "weight of a load-balancing loss on each router's mean routing over the batch (0: the paper's)",
+            number(inclusive=True),
+        ),
+    )
 
     def __init__(self, features: int, config: SmearConfig, module_name: str) -> None:
         super().__init__(features, config, module_name)
         self.row_norm_weight = nn.Parameter(torch.full((features,), ROW_NORM_INIT_GAIN))
         self.expert_dropout = config.expert_dropout
-        self.temperature = config.router_temperature
-        self.warmup_steps = config.router_warmup_steps
-        self.balance_weight = config.router_balance_weight
+        options = config.routing_options
+        self.temperature = options["router_temperature"]
+        self.warmup_steps = options["router_warmup_steps"]
+        self.balance_weight = options["router_balance_weight"]
 
-    @classmethod
-    def validate(cls, config: SmearConfig) -> None:
-        temperature, warmup, balance = (
-            config.router_temperature,
-            config.router_warmup_steps,
-            config.router_balance_weight,
-        )
-        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
-            raise ValueError(f"router_temperature must be a number > 0, got {temperature!r}.")
-        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
-            raise ValueError(f"router_warmup_steps must be an integer >= 0, got {warmup!r}.")
-        if not isinstance(balance, (int, float)) or isinstance(balance, bool) or not balance >= 0:
-            raise ValueError(f"router_balance_weight must be a number >= 0, got {balance!r}.")
-
-    def forward(self, summary: torch.Tensor, context: RoutingContext) -> RoutingDecision:
-        normed = self.normalized_input(summary)
+    def forward(self, inputs: RouterInputs) -> RoutingDecision:
+        normed = self.normalized_input(inputs.summary())
         dropout = self.expert_dropout if self.training else 0.0
         # Dividing the rows' LayerNorm gain divides the logits: the weight itself is normalised away.
         gain = self.row_norm_weight if self.temperature == 1 else self.row_norm_weight / self.temperature
         probs = router_probabilities(normed, gain, self.weight, dropout)
+        context = inputs.context
         if self.warmup_steps and self.training:
             # Uniform (with expert dropout) while warming up, by arithmetic rather than a branch on the counter, so
             # that a compiled model neither breaks its graph nor recompiles; the router's gradient is zero meanwhile.
@@ -132,12 +141,14 @@ class ProbabilityRouter(NormalizedInputRouter):
 
 
 class SmearRouter(ProbabilityRouter):
-    """SMEAR: the experts' parameters are merged by the router's distribution into one expert per example."""
+    """SMEAR: the experts' parameters are merged by the router's distribution into one expert per example. Its load
+    balancing is on by default (``router_balance_weight=0.01``): it beat the paper's router on the collapse benchmark
+    (``benchmarks/RESULTS.md``); ``router_balance_weight=0.0`` gives the paper's router."""
 
     name = "smear"
     description = "the router's distribution averages the experts' parameters into one expert per example"
+    options = with_defaults(ProbabilityRouter.options, router_balance_weight=0.01)
     default_expert_dropout = 0.1
-    default_balance_weight = 0.01
 
     def decide(self, probs: torch.Tensor, normed: torch.Tensor, context: RoutingContext) -> RoutingDecision:
         return merged(probs)
@@ -160,23 +171,24 @@ class TopKRouter(ProbabilityRouter):
     learns through the scale."""
 
     name = "top_k"
-    options = (*ProbabilityRouter.options, "top_k")
+    options = (*ProbabilityRouter.options, Option("top_k", 1, "experts per example (1, as in the paper)", integer(1)))
     default_expert_dropout = 0.1
     exportable = False
 
     @classmethod
     def describe(cls, config: SmearConfig) -> str:
-        return f"the {config.top_k} most probable expert(s) run, each output scaled by its probability"
+        k = config.routing_options["top_k"]
+        return f"the {k} most probable expert(s) run, each output scaled by its probability"
 
     def __init__(self, features: int, config: SmearConfig, module_name: str) -> None:
         super().__init__(features, config, module_name)
-        self.k = config.top_k
+        self.k = config.routing_options["top_k"]
 
     @classmethod
     def validate(cls, config: SmearConfig) -> None:
-        super().validate(config)
-        if config.top_k > config.num_experts:
-            raise ValueError(f"top_k={config.top_k} exceeds num_experts={config.num_experts}.")
+        require_integer(
+            "top_k", config.routing_options["top_k"], minimum=1, maximum=config.num_experts, maximum_name="num_experts"
+        )
 
     def decide(self, probs: torch.Tensor, normed: torch.Tensor, context: RoutingContext) -> RoutingDecision:
         if self.k == 1:
@@ -193,18 +205,34 @@ def annealed_temperature(start: float, rate: float, floor: float, step: torch.Te
 
 class STGumbelRouter(ProbabilityRouter):
     """Training: the argmax of a Gumbel-softmax sample, its output multiplied by ``1 - sg(y_i) + y_i`` (1 in value,
-    the relaxed sample's gradient in backward), at a temperature annealed with the model's training calls.
-    Inference: the argmax of the router."""
+    the relaxed sample's gradient in backward), at a temperature annealed with the model's training calls:
+    ``max(gumbel_min_temperature, gumbel_temperature * exp(-gumbel_anneal_rate * t))``. Inference: the argmax of the
+    router."""
 
     name = "st_gumbel"
     description = (
         "one expert per example from a Gumbel-softmax sample in training (straight-through), the argmax at inference"
     )
-    options = (*ProbabilityRouter.options, "gumbel_temperature", "gumbel_anneal_rate", "gumbel_min_temperature")
+    options = (
+        *ProbabilityRouter.options,
+        Option("gumbel_temperature", 10.0, "initial Gumbel-softmax temperature (the paper's 10)", number()),
+        Option(
+            "gumbel_anneal_rate",
+            1e-6,
+            "exponential anneal rate per training call (paper: 1e-6 for T5, 1e-4 for ResNet)",
+            number(inclusive=True),
+        ),
+        Option("gumbel_min_temperature", 0.5, "the floor of the annealed temperature", number()),
+    )
 
     def __init__(self, features: int, config: SmearConfig, module_name: str) -> None:
         super().__init__(features, config, module_name)
-        self.schedule = (config.gumbel_temperature, config.gumbel_anneal_rate, config.gumbel_min_temperature)
+        options = config.routing_options
+        self.schedule = (
+            options["gumbel_temperature"],
+            options["gumbel_anneal_rate"],
+            options["gumbel_min_temperature"],
+        )
 
     def decide(self, probs: torch.Tensor, normed: torch.Tensor, context: RoutingContext) -> RoutingDecision:
         if not self.training:
@@ -218,32 +246,52 @@ class STGumbelRouter(ProbabilityRouter):
         return one_expert(index, probs.shape[-1], output_scale=1 - chosen.detach() + chosen)
 
 
+@dataclass
+class PolicyStep:
+    """What REINFORCE needs from one layer to form its losses once the example's task loss is known."""
+
+    log_prob: torch.Tensor  # [batch] log-probability of the sampled expert
+    probs: torch.Tensor  # [batch, num_experts] the routing distribution
+    baseline: torch.Tensor  # [batch] the learned baseline's estimate of the reward
+    policy_weight: float
+    entropy_weight: float
+    value_weight: float
+
+
 class ReinforceRouter(ProbabilityRouter):
     """One expert sampled from the router in training, trained by a policy gradient on minus the example's task loss
-    against a learned baseline (a one-hidden-layer network on the normalised input); the argmax at inference. The
-    losses are formed by the model once the task loss is known, from the :class:`PolicyStep` left in the context."""
+    against a learned baseline (a one-hidden-layer network on the normalised input); the argmax at inference. Each
+    layer leaves a :class:`PolicyStep` in the context; :meth:`finish_call` turns them into losses once the task loss
+    is known. The reward is recomputed per example from the logits and labels of standard heads; models with custom
+    heads can return ``example_losses`` (``[batch]``) in their output, which is then used instead."""
 
     name = "reinforce"
     description = "one sampled expert per example, trained by a policy gradient; the argmax at inference"
     options = (
         *ProbabilityRouter.options,
-        "reinforce_policy_weight",
-        "reinforce_entropy_weight",
-        "reinforce_value_weight",
-        "reinforce_baseline_hidden_size",
+        Option("reinforce_policy_weight", 1e-2, "policy-gradient weight alpha", number(inclusive=True)),
+        Option(
+            "reinforce_entropy_weight",
+            5e-4,
+            "weight beta of the routing distribution's entropy term",
+            number(inclusive=True),
+        ),
+        Option("reinforce_value_weight", 1e-2, "weight gamma of the baseline's Huber loss", number(inclusive=True)),
+        Option("reinforce_baseline_hidden_size", 64, "width of the one-hidden-layer baseline network", integer(1)),
     )
 
     def __init__(self, features: int, config: SmearConfig, module_name: str) -> None:
         super().__init__(features, config, module_name)
-        hidden = config.reinforce_baseline_hidden_size
+        options = config.routing_options
+        hidden = options["reinforce_baseline_hidden_size"]
         self.baseline_hidden_weight = nn.Parameter(torch.randn(hidden, features) / features**0.5)
         self.baseline_hidden_bias = nn.Parameter(torch.zeros(hidden))
         self.baseline_output_weight = nn.Parameter(torch.zeros(hidden))
         self.baseline_output_bias = nn.Parameter(torch.zeros(1))
         self.loss_weights = (
-            config.reinforce_policy_weight,
-            config.reinforce_entropy_weight,
-            config.reinforce_value_weight,
+            options["reinforce_policy_weight"],
+            options["reinforce_entropy_weight"],
+            options["reinforce_value_weight"],
         )
 
     def baseline(self, normed: torch.Tensor) -> torch.Tensor:
@@ -257,8 +305,35 @@ class ReinforceRouter(ProbabilityRouter):
         index = torch.multinomial(probs.detach(), 1).squeeze(1)
         log_prob = probs.gather(1, index[:, None]).squeeze(1).clamp_min(1e-20).log()
         policy, entropy, value = self.loss_weights
-        context.add_policy_step(PolicyStep(log_prob, probs, self.baseline(normed), policy, entropy, value))
+        context.leave_for_finish(self.name, PolicyStep(log_prob, probs, self.baseline(normed), policy, entropy, value))
         return one_expert(index, probs.shape[-1])
+
+    @classmethod
+    def finish_call(cls, call: ModelCall) -> dict[str, torch.Tensor]:
+        steps = call.context.left_for_finish(cls.name)
+        if not steps:
+            return {}
+        example_losses = getattr(call.output, "example_losses", None)  # a custom head's own per-example losses
+        rewards = -(example_losses.detach() if example_losses is not None else call.example_task_losses(cls.name))
+        return reinforce_losses(steps, rewards)
+
+
+def reinforce_losses(steps: list[PolicyStep], rewards: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The REINFORCE losses summed over routing layers (paper, section 2.2), each a batch mean:
+
+    * policy: ``-alpha * log pi(i) * (r - b)`` with the baseline held fixed;
+    * entropy bonus: ``-beta * H(pi)``, so that routing keeps exploring;
+    * value: ``gamma * Huber(b, r)``, training the baseline to predict the reward.
+    """
+    rewards = rewards.detach().float()
+    policy = entropy = value = rewards.new_zeros(())
+    for step in steps:
+        advantage = rewards.to(step.log_prob.device) - step.baseline.detach()
+        policy = policy - step.policy_weight * (step.log_prob * advantage).mean()
+        plogp = (step.probs * step.probs.clamp_min(1e-20).log()).sum(dim=-1)
+        entropy = entropy + step.entropy_weight * plogp.mean()
+        value = value + step.value_weight * F.huber_loss(step.baseline, rewards.to(step.baseline.device))
+    return {"reinforce_policy": policy, "reinforce_entropy": entropy, "reinforce_value": value}
 
 
 class DSelectKRouter(NormalizedInputRouter):
@@ -267,31 +342,43 @@ class DSelectKRouter(NormalizedInputRouter):
     that drives the selectors to one-hot."""
 
     name = "dselect_k"
-    options = ("dselect_k_selectors", "dselect_k_gamma", "dselect_k_entropy_weight")
+    options = (
+        Option(
+            "dselect_k_selectors", 1, "number of selectors k (1 in the paper, for the cost of one expert)", integer(1)
+        ),
+        Option("dselect_k_gamma", 1.0, "width gamma of the smooth step", number()),
+        Option(
+            "dselect_k_entropy_weight",
+            0.1,
+            "weight of the entropy regulariser that drives selections to one-hot",
+            number(inclusive=True),
+        ),
+    )
     exportable = False
 
     @classmethod
     def describe(cls, config: SmearConfig) -> str:
-        return f"the DSelect-k gate mixes {config.dselect_k_selectors} selected expert(s)"
+        return f"the DSelect-k gate mixes {config.routing_options['dselect_k_selectors']} selected expert(s)"
 
     def __init__(self, features: int, config: SmearConfig, module_name: str) -> None:
-        k, bits = config.dselect_k_selectors, dselect_k_num_bits(config.num_experts)
+        options = config.routing_options
+        k, bits = options["dselect_k_selectors"], dselect_k_num_bits(config.num_experts)
         super().__init__(features, config, module_name, rows=k * (bits + 1))
-        init_dselect_k_(self.weight.data[: k * bits], self.weight.data[k * bits :], config.dselect_k_gamma)
+        init_dselect_k_(self.weight.data[: k * bits], self.weight.data[k * bits :], options["dselect_k_gamma"])
         self.k, self.bits = k, bits
-        self.gamma, self.entropy_weight = config.dselect_k_gamma, config.dselect_k_entropy_weight
+        self.gamma, self.entropy_weight = options["dselect_k_gamma"], options["dselect_k_entropy_weight"]
 
     @classmethod
     def validate(cls, config: SmearConfig) -> None:
         if config.num_experts < 2:
             raise ValueError(f"routing='dselect_k' needs num_experts >= 2, got {config.num_experts}.")
 
-    def forward(self, summary: torch.Tensor, context: RoutingContext) -> RoutingDecision:
-        logits = self.normalized_input(summary) @ self.weight.float().T
+    def forward(self, inputs: RouterInputs) -> RoutingDecision:
+        logits = self.normalized_input(inputs.summary()) @ self.weight.float().T
         selector_logits = logits[:, : self.k * self.bits].reshape(-1, self.k, self.bits)
         weights, selector_outputs = dselect_k_gate(
             selector_logits, logits[:, self.k * self.bits :], self.num_experts, self.gamma
         )
         if self.training and self.entropy_weight > 0:
-            context.add_aux_loss("dselect_k_entropy", self.entropy_weight * dselect_k_entropy(selector_outputs))
+            inputs.context.add_aux_loss("dselect_k_entropy", self.entropy_weight * dselect_k_entropy(selector_outputs))
         return mixed(weights)
