@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -179,3 +180,32 @@ def test_config_depends_only_on_the_registries_and_registration():
         "peft_smear.core.context",
         "peft_smear.core.export",
     }
+
+
+PLAIN_LORA_SAVE = """
+import sys
+sys.path.insert(0, {tests!r})
+{extra_import}
+import torch
+from peft import LoraConfig, get_peft_model
+from conftest import tiny_llama
+model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+model.save_pretrained({directory!r})
+"""
+
+
+def test_importing_peft_smear_changes_nothing_for_other_peft_models(tmp_path):
+    """A plain LoRA model saves byte-identical files, its model card included, whether peft_smear is imported or
+    not: what the import changes in PEFT applies to SMEAR models only."""
+    saved = {}
+    for name, extra_import in (("plain", ""), ("with_smear", "import peft_smear")):
+        directory = tmp_path / name
+        script = PLAIN_LORA_SAVE.format(
+            tests=str(Path(__file__).parent), extra_import=extra_import, directory=str(directory)
+        )
+        # PEFT writes target_modules from a set: one hash seed, so both runs list them in the same order.
+        environment = {**os.environ, "PYTHONHASHSEED": "0"}
+        subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, env=environment)
+        saved[name] = {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
+    assert {"adapter_config.json", "adapter_model.safetensors", "README.md"} <= set(saved["plain"])
+    assert saved["with_smear"] == saved["plain"]

@@ -28,7 +28,8 @@ from transformers import (
 )
 
 from .bank.command import add_build_bank_command
-from .core.arguments import CommandError, listing, positive_int
+from .core.arguments import CommandError, positive_int
+from .core.checks import listing
 from .core.config import SmearConfig
 from .core.experts import EXPERT_KINDS
 from .core.export import export_merged_adapter, refuse_occupied

@@ -260,11 +260,3 @@ def _per_expert(what: str, values, names: list[str]) -> list | None:
     if missing or unknown:
         raise ValueError(f"{what} must name every expert exactly: missing {missing}, unknown {unknown}.")
     return [list(map(float, values[n])) if what == "embeddings" else values[n] for n in names]
-
-
-def expert_index(model: PeftModel, name: str, adapter_name: str = "default") -> int:
-    """The index of the expert called ``name`` in a bank (``SmearConfig.expert_names``)."""
-    names = model.peft_config[adapter_name].expert_names
-    if not names or name not in names:
-        raise ValueError(f"No expert {name!r} in adapter {adapter_name!r}; its experts: {names}.")
-    return names.index(name)

@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from ..core.pooling import masked_mean
+
 
 DESCRIPTION_PROMPT = (
     "Below are three input/output examples of one task.\n\n{examples}\n\n"
@@ -73,8 +75,6 @@ def embed_texts(texts: Sequence[str], model: nn.Module, tokenizer, batch_size: i
     for start in range(0, len(texts), batch_size):
         inputs = tokenizer(list(texts[start : start + batch_size]), padding=True, truncation=True, return_tensors="pt")
         inputs = inputs.to(device)
-        hidden = model(**inputs).last_hidden_state.float()
-        mask = inputs["attention_mask"].unsqueeze(-1).float()
-        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
+        pooled = masked_mean(model(**inputs).last_hidden_state, inputs["attention_mask"])
         rows.append(torch.nn.functional.normalize(pooled, dim=-1).cpu())
     return torch.cat(rows)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.checks import is_integer
 from ..core.layer import SmearLinear
 from .routers import GateRouter
 
@@ -89,7 +90,7 @@ def train_phatgoose_gates(
 
 
 def _expert_index(key: str | int, names: list[str] | None, num_experts: int) -> int:
-    if isinstance(key, int) and not isinstance(key, bool):
+    if is_integer(key):
         if not 0 <= key < num_experts:
             raise ValueError(f"Expert index {key} is out of range [0, {num_experts}).")
         return key

@@ -82,7 +82,10 @@ class ArrowRouter(Router):
         )
 
     def prototypes(self, lora_A: torch.Tensor, lora_B: torch.Tensor) -> torch.Tensor:
-        """``[N, in]`` fp32, cached until either bank tensor is replaced or changed in place."""
+        """``[N, in]`` fp32, cached until either bank tensor is replaced or changed in place (its storage or its
+        version counter moves: an optimizer step or a load). The cache pays where a layer sees few tokens: recomputed
+        at every call, generation ran at 0.66x the cached speed, a 8x64 batch forward at 1.03x the time
+        (``benchmarks/RESULTS.md``, "Arrow prototypes")."""
         key = (lora_A.data_ptr(), lora_A._version, lora_B.data_ptr(), lora_B._version, lora_A.device)
         if self._prototypes is None or self._prototypes[0] != key:
             with torch.no_grad():

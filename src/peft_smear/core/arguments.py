@@ -37,9 +37,3 @@ def name_path_pairs(entries: Sequence[str], option: str) -> dict[str, str]:
             raise ValueError(f"{option} names {name!r} twice.")
         pairs[name] = path
     return pairs
-
-
-def listing(items: Sequence[str], limit: int = 10, separator: str = ", ") -> str:
-    """At most ``limit`` items joined by ``separator``, with a count of the rest."""
-    shown = separator.join(items[:limit])
-    return shown + (f"{separator}... and {len(items) - limit} more" if len(items) > limit else "")

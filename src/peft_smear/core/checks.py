@@ -11,6 +11,11 @@ Check = Callable[[str, object], None]
 """A check of one setting: ``check(name, value)`` raises a ``ValueError`` that names both, or returns."""
 
 
+def is_integer(value: object) -> bool:
+    """An ``int`` that is not a ``bool`` (``True`` is an ``int`` in Python, never a count or an index here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def require_number(name: str, value: object, *, minimum: float = 0.0, inclusive: bool = False) -> None:
     """A finite real number above ``minimum`` (or equal to it, when ``inclusive``); never a bool."""
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -22,7 +27,7 @@ def require_integer(
     name: str, value: object, *, minimum: int, maximum: int | None = None, maximum_name: str | None = None
 ) -> None:
     """An integer in ``[minimum, maximum]`` (``maximum_name``: the setting that bounds it); never a bool."""
-    in_range = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+    in_range = is_integer(value) and value >= minimum
     if not (in_range and (maximum is None or value <= maximum)):
         upper = f"{maximum_name}={maximum}" if maximum_name else maximum
         bound = f"in [{minimum}, {upper}]" if maximum is not None else f">= {minimum}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal
 
-from .checks import listing, require_bool, require_integer, require_number, require_probability
+from .checks import is_integer, listing, require_bool, require_integer, require_number, require_probability
 from .experts import EXPERT_KINDS, EXPERT_TYPES
 from .pooling import ROUTER_INPUTS
 from .registration import PeftConfig, SmearPeftType
@@ -245,7 +245,7 @@ class SmearConfig(PeftConfig):
                 f"the regex instead (got target_modules={self.target_modules!r})."
             )
         layers = [self.layers_to_transform] if isinstance(self.layers_to_transform, int) else self.layers_to_transform
-        if layers is not None and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
+        if layers is not None and not all(is_integer(i) and i >= 0 for i in layers):
             raise ValueError(f"layers_to_transform must be layer indices >= 0, got {self.layers_to_transform!r}.")
         self._validate_bank_metadata()
         if self.modules_to_save is not None and (

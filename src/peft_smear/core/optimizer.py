@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .checks import require_number
 from .routers import router_parameters
 
 
@@ -30,8 +31,7 @@ def create_router_optimizer(
     weights and LayerNorms, REINFORCE's baseline, Latent Skills' logits). Pass the result to
     ``Trainer(optimizers=(optimizer, None))``: Trainer's schedule scales both rates alike.
     """
-    if not isinstance(router_lr_ratio, (int, float)) or isinstance(router_lr_ratio, bool) or not router_lr_ratio > 0:
-        raise ValueError(f"router_lr_ratio must be a number > 0, got {router_lr_ratio!r}.")
+    require_number("router_lr_ratio", router_lr_ratio)
     routers = {id(parameter) for parameter in router_parameters(model)}
     trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
     groups = [

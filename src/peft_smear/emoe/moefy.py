@@ -12,6 +12,7 @@ from peft import PeftModel
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from ..core.checks import is_integer
 from .clustering import balanced_kmeans, random_partition
 from .gate import EmoeGate
 
@@ -186,7 +187,7 @@ def select_layers(feed_forwards: list[FeedForward], layers: int | Sequence[int] 
     if not indices:
         raise ValueError("layers=[] chooses no FFN; pass None for the paper's default.")
     for index in indices:
-        if isinstance(index, bool) or not isinstance(index, int) or not -count <= index < count:
+        if not is_integer(index) or not -count <= index < count:
             raise ValueError(f"Layer index {index!r} is out of range: the model has {count} FFNs (0 to {count - 1}).")
     return [feed_forwards[i] for i in sorted({i % count for i in indices})]
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from ..checks import require_bool, require_integer
 from .base import (
     Expert,
     ExpertKind,
@@ -104,14 +105,13 @@ class BottleneckAdapterExperts(ExpertKind):
                 f"adapter_reduction_factor={factor!r})."
             )
         for name, value in (("adapter_width", width), ("adapter_reduction_factor", factor)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+            if value is not None:
+                require_integer(name, value, minimum=1)
         if config.adapter_activation not in ACTIVATIONS:
             raise ValueError(
                 f"adapter_activation must be one of {tuple(ACTIVATIONS)}, got {config.adapter_activation!r}."
             )
-        if not isinstance(config.adapter_layer_norm, bool):
-            raise ValueError(f"adapter_layer_norm must be True or False, got {config.adapter_layer_norm!r}.")
+        require_bool("adapter_layer_norm", config.adapter_layer_norm)
 
     @classmethod
     def fill_default_targets(cls, config: SmearConfig, model_type: str | None) -> None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..checks import integer, number
+from ..checks import integer, is_integer, number
 from .base import CallInput, Option, Router, RoutingDecision, merged, one_expert
 
 
@@ -23,7 +23,7 @@ def task_id_tensor(value: Any) -> torch.Tensor:
     """``smear_task_ids`` as a ``[batch]`` int64 tensor: any integer dtype, or a list of ints. Booleans are refused,
     not read as 0 and 1 (indexing by a bool tensor would silently select rows instead)."""
     if isinstance(value, (list, tuple)):
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        if not all(is_integer(v) for v in value):
             raise ValueError(f"smear_task_ids must be integers, got {list(value)!r}.")
         return torch.tensor(value, dtype=torch.long)
     if not isinstance(value, torch.Tensor):
@@ -99,7 +99,7 @@ class TagRouter(Router):
         if (
             not isinstance(experts, list)
             or not experts
-            or not all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < config.num_experts for e in experts)
+            or not all(is_integer(e) and 0 <= e < config.num_experts for e in experts)
         ):
             raise ValueError(
                 f"tag_experts must be a non-empty list of expert indices in [0, {config.num_experts}), "

@@ -57,7 +57,7 @@ def router_probabilities(
     return logits.softmax(dim=-1)
 
 
-class NormalizedInputRouter(Router):
+class NormalisedInputRouter(Router):
     """A linear map of ``LN(pooled)`` (no bias): ``weight [rows, features]`` and the input LayerNorm's gain and bias.
     Subclasses say what the ``rows`` are and turn the logits into a decision."""
 
@@ -68,13 +68,13 @@ class NormalizedInputRouter(Router):
         self.input_norm_weight = nn.Parameter(torch.ones(features))
         self.input_norm_bias = nn.Parameter(torch.zeros(features))
 
-    def normalized_input(self, summary: torch.Tensor) -> torch.Tensor:
+    def normalised_input(self, summary: torch.Tensor) -> torch.Tensor:
         """``LN(summary)`` in fp32: what the logits (and REINFORCE's baseline) read."""
         weight, bias = self.input_norm_weight.float(), self.input_norm_bias.float()
         return F.layer_norm(summary.float(), (summary.shape[-1],), weight, bias)
 
 
-class ProbabilityRouter(NormalizedInputRouter):
+class ProbabilityRouter(NormalisedInputRouter):
     """``softmax(LN(pooled) @ LN_rows(W).T / router_temperature)`` in fp32, with expert dropout in training: the
     distribution SMEAR merges by, and that the baselines sharing its router turn into their own decisions
     (:meth:`decide`).
@@ -119,7 +119,7 @@ class ProbabilityRouter(NormalizedInputRouter):
         self.balance_weight = options["router_balance_weight"]
 
     def forward(self, inputs: RouterInputs) -> RoutingDecision:
-        normed = self.normalized_input(inputs.summary())
+        normed = self.normalised_input(inputs.summary())
         dropout = self.expert_dropout if self.training else 0.0
         # Dividing the rows' LayerNorm gain divides the logits: the weight itself is normalised away.
         gain = self.row_norm_weight if self.temperature == 1 else self.row_norm_weight / self.temperature
@@ -336,7 +336,7 @@ def reinforce_losses(steps: list[PolicyStep], rewards: torch.Tensor) -> dict[str
     return {"reinforce_policy": policy, "reinforce_entropy": entropy, "reinforce_value": value}
 
 
-class DSelectKRouter(NormalizedInputRouter):
+class DSelectKRouter(NormalisedInputRouter):
     """The DSelect-k gate (Hazimeh et al., 2021) on SMEAR's normalised input: the weight's rows are the k selectors'
     code bits, then the k selector weights; the experts' outputs are mixed by the gate, with an entropy regulariser
     that drives the selectors to one-hot."""
@@ -374,7 +374,7 @@ class DSelectKRouter(NormalizedInputRouter):
             raise ValueError(f"routing='dselect_k' needs num_experts >= 2, got {config.num_experts}.")
 
     def forward(self, inputs: RouterInputs) -> RoutingDecision:
-        logits = self.normalized_input(inputs.summary()) @ self.weight.float().T
+        logits = self.normalised_input(inputs.summary()) @ self.weight.float().T
         selector_logits = logits[:, : self.k * self.bits].reshape(-1, self.k, self.bits)
         weights, selector_outputs = dselect_k_gate(
             selector_logits, logits[:, self.k * self.bits :], self.num_experts, self.gamma
