@@ -48,3 +48,16 @@ def test_a_step_moves_routers_by_their_rate():
 def test_a_bad_ratio_is_refused_by_name(ratio):
     with pytest.raises(ValueError, match="router_lr_ratio must be a finite number > 0"):
         peft_smear.create_router_optimizer(bert_with("smear"), lr=1e-3, router_lr_ratio=ratio)
+
+
+def test_by_default_each_method_learns_at_its_papers_ratio():
+    """The SMEAR paper trains Latent Skills' task-by-expert matrix at 10 times the rate (best of 1, 10 and 100 in both
+    of its settings); every other router learns at the experts' rate."""
+    skills = bert_with("latent_skills", num_tasks=2)
+    optimizer = peft_smear.create_router_optimizer(skills, lr=1e-3)
+    by_rate = {group["lr"]: {id(p) for p in group["params"]} for group in optimizer.param_groups}
+    matrices = {id(p) for name, p in skills.named_parameters() if name.endswith("skill_logits")}
+    assert matrices and by_rate[1e-3 * 10] == matrices
+    smear = bert_with("smear")
+    (group,) = peft_smear.create_router_optimizer(smear, lr=1e-3).param_groups
+    assert group["lr"] == 1e-3 and len(group["params"]) == sum(p.requires_grad for p in smear.parameters())

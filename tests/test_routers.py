@@ -293,29 +293,49 @@ def test_auxiliary_losses_are_reported_and_added_to_the_loss(routing):
 
 
 def test_reinforce_losses_follow_the_papers_formula():
+    """Section 2.2 of the SMEAR paper, by hand on two routers: ``-alpha log pi(i) (r - b) - beta sum pi log pi +
+    gamma Huber(r, b)``, each term averaged over the examples and over the routers."""
     generator = torch.Generator().manual_seed(0)
-    probs = torch.randn(4, 3, generator=generator).softmax(dim=-1).requires_grad_()
-    baseline = torch.randn(4, generator=generator).requires_grad_()
-    chosen = torch.tensor([0, 2, 1, 1])
+    steps, terms = [], {"policy": 0.0, "entropy": 0.0, "value": 0.0}
     rewards = -torch.rand(4, generator=generator)
-    step = PolicyStep(
-        log_prob=probs[torch.arange(4), chosen].log(),
-        probs=probs,
-        baseline=baseline,
-        policy_weight=1e-2,
-        entropy_weight=5e-4,
-        value_weight=1e-2,
-    )
-    losses = reinforce_losses([step, step], rewards)
-    policy = sum(-1e-2 * torch.log(probs[b, chosen[b]]) * (rewards[b] - baseline[b]) for b in range(4)) / 4
-    entropy = sum(-(probs[b] * probs[b].log()).sum() for b in range(4)) / 4
-    value = sum(F.huber_loss(baseline[b], rewards[b]) for b in range(4)) / 4
-    torch.testing.assert_close(losses["reinforce_policy"], 2 * policy)
-    torch.testing.assert_close(losses["reinforce_entropy"], 2 * -5e-4 * entropy)  # a bonus: more entropy, less loss
-    torch.testing.assert_close(losses["reinforce_value"], 2 * 1e-2 * value)
+    for _ in range(2):
+        probs = torch.randn(4, 3, generator=generator).softmax(dim=-1).requires_grad_()
+        baseline = torch.randn(4, generator=generator).requires_grad_()
+        chosen = torch.randint(3, (4,), generator=generator)
+        log_prob = probs[torch.arange(4), chosen].log()
+        steps.append(PolicyStep(log_prob, probs, baseline, policy_weight=1e-2, entropy_weight=5e-4, value_weight=1e-2))
+        for b in range(4):
+            terms["policy"] += -1e-2 * torch.log(probs[b, chosen[b]]) * (rewards[b] - baseline[b].detach()) / 4 / 2
+            terms["entropy"] += -5e-4 * (probs[b] * probs[b].log()).sum() / 4 / 2  # the paper's "- beta R log R"
+            terms["value"] += 1e-2 * F.huber_loss(baseline[b], rewards[b]) / 4 / 2
+    losses = reinforce_losses(steps, rewards)
+    for name, expected in terms.items():
+        torch.testing.assert_close(losses[f"reinforce_{name}"], expected)
+    assert losses["reinforce_entropy"] > 0, "beta times the entropy: minimising the loss lowers the entropy"
     # The policy gradient does not flow into the baseline; the value loss trains it.
-    (baseline_grad,) = torch.autograd.grad(losses["reinforce_policy"], baseline, allow_unused=True)
+    (baseline_grad,) = torch.autograd.grad(losses["reinforce_policy"], steps[0].baseline, allow_unused=True)
     assert baseline_grad is None or baseline_grad.abs().sum() == 0
+
+
+def test_reinforce_baseline_trains_only_itself():
+    """The value loss reaches the baseline network, never the router's input LayerNorm nor the layers below: the
+    baseline reads a detached input (as the reference code does)."""
+    model = bert_with("reinforce", reinforce_policy_weight=0.0, reinforce_entropy_weight=0.0).train()
+    routers = [m for m in model.modules() if isinstance(m, peft_smear.core.routers.learned.ReinforceRouter)]
+    torch.manual_seed(0)
+    for router in routers:  # as after some training: the output layer starts at zero, which passes no gradient back
+        router.baseline_output_weight.data.normal_()
+    batch = {**random_batch(4, 6, seed=3), "labels": torch.tensor([0, 1, 2, 0])}
+    outputs = model(**batch)
+    value_loss = outputs.loss - F.cross_entropy(outputs.logits, batch["labels"])
+    value_loss.backward()
+    assert any(
+        r.baseline_output_bias.grad is not None and r.baseline_output_bias.grad.abs().sum() > 0 for r in routers
+    )
+    for router in routers:
+        for name in ("input_norm_weight", "input_norm_bias", "weight", "row_norm_weight"):
+            grad = getattr(router, name).grad
+            assert grad is None or grad.abs().sum() == 0, name
 
 
 def per_example_by_loop(logits, labels, shift):

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .checks import require_number
-from .routers import router_parameters
+from .routers import Router
 
 
 def create_router_optimizer(
@@ -21,21 +21,26 @@ def create_router_optimizer(
     optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
     *,
     lr: float,
-    router_lr_ratio: float = 1.0,
+    router_lr_ratio: float | None = None,
     **kwargs: Any,
 ) -> torch.optim.Optimizer:
     """``optimizer_cls`` over the trainable parameters of ``model``, the routers' at ``lr * router_lr_ratio`` and all
     others (experts, heads, ``modules_to_save``) at ``lr``; ``kwargs`` go to the optimizer (e.g. ``weight_decay``).
+    ``router_lr_ratio=None`` gives each routing method its own default (:attr:`Router.default_lr_ratio`: 1, and 10
+    for Latent Skills' task-by-expert matrix, as in the SMEAR paper).
 
-    A router's parameters are those of every :class:`~peft_smear.routers.Router` module, whatever the method (SMEAR's
+    A router's parameters are those of every :class:`~peft_smear.Router` module, whatever the method (SMEAR's
     weights and LayerNorms, REINFORCE's baseline, Latent Skills' logits). Pass the result to
-    ``Trainer(optimizers=(optimizer, None))``: Trainer's schedule scales both rates alike.
+    ``Trainer(optimizers=(optimizer, None))``: Trainer's schedule scales every rate alike.
     """
-    require_number("router_lr_ratio", router_lr_ratio)
-    routers = {id(parameter) for parameter in router_parameters(model)}
+    if router_lr_ratio is not None:
+        require_number("router_lr_ratio", router_lr_ratio)
+    ratios = {}
+    for router in (module for module in model.modules() if isinstance(module, Router)):
+        ratio = router.default_lr_ratio if router_lr_ratio is None else router_lr_ratio
+        ratios.update((id(parameter), ratio) for parameter in router.parameters())
     trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
-    groups = [
-        {"params": [p for p in trainable if id(p) not in routers], "lr": lr},
-        {"params": [p for p in trainable if id(p) in routers], "lr": lr * router_lr_ratio},
-    ]
-    return optimizer_cls([group for group in groups if group["params"]], lr=lr, **kwargs)
+    groups: dict[float, list[nn.Parameter]] = {}
+    for parameter in trainable:
+        groups.setdefault(ratios.get(id(parameter), 1.0), []).append(parameter)
+    return optimizer_cls([{"params": params, "lr": lr * ratio} for ratio, params in groups.items()], lr=lr, **kwargs)

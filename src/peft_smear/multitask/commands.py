@@ -55,8 +55,9 @@ def add_train_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
     parser.add_argument(
         "--router-lr-ratio",
         type=positive_float,
-        default=1.0,
-        help="the routers' learning rate relative to --learning-rate (default: 1, the paper's)",
+        default=None,
+        help="the routers' learning rate relative to --learning-rate (default: the method's, as in the paper: 1, and "
+        "10 for latent_skills)",
     )
     parser.add_argument(
         "--eval-every", type=positive_int, default=125, help="steps between validation runs (default: 125)"

@@ -97,8 +97,9 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     peft_model.print_trainable_parameters()
     collator = MultiTaskCollator(tokenizer)
     optimizer = None  # Trainer's own AdamW, unless the routers learn at their own rate
-    if args.router_lr_ratio != 1:
-        optimizer = create_router_optimizer(peft_model, lr=args.learning_rate, router_lr_ratio=args.router_lr_ratio)
+    ratio = args.router_lr_ratio if args.router_lr_ratio is not None else ROUTERS[args.routing].default_lr_ratio
+    if ratio != 1:
+        optimizer = create_router_optimizer(peft_model, lr=args.learning_rate, router_lr_ratio=ratio)
     trainer = fit(
         peft_model,
         splits["train"],

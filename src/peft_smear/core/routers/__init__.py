@@ -4,10 +4,6 @@ over a bank of existing adapters (Arrow, PHATGOOSE, GLIDER) register themselves 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-from torch import nn
-
 from .base import CallInput, Option, Router, RoutingDecision
 from .fixed import TASK_IDS, AdamixRouter, HashRouter, LatentSkillsRouter, SingleRouter, TagRouter
 from .learned import DSelectKRouter, EnsembleRouter, ReinforceRouter, SmearRouter, STGumbelRouter, TopKRouter
@@ -47,13 +43,6 @@ for _router in (
     register_router(_router)
 
 
-def router_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
-    """Every parameter of every SMEAR router in ``model`` (all adapters): what a router learning rate applies to."""
-    for module in model.modules():
-        if isinstance(module, Router):
-            yield from module.parameters()
-
-
 __all__ = [
     "ROUTERS",
     "TASK_IDS",
@@ -62,5 +51,4 @@ __all__ = [
     "Router",
     "RoutingDecision",
     "register_router",
-    "router_parameters",
 ]

@@ -152,6 +152,10 @@ class Router(nn.Module):
     each call on its own tokens, every step of ``generate`` included, instead of reusing the decision made at
     prefill; such a routing is never exportable."""
 
+    default_lr_ratio: ClassVar[float] = 1.0
+    """The router's learning rate relative to the experts' when :func:`peft_smear.create_router_optimizer` is not
+    told one (the paper's: 1, and 10 for Latent Skills' skill matrix)."""
+
     expert_types: ClassVar[tuple[str, ...] | None] = None
     """The ``SmearConfig.expert_type`` values the method works with (``None``: every kind)."""
 

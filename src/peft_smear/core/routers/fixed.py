@@ -205,6 +205,7 @@ class LatentSkillsRouter(Router):
     name = "latent_skills"
     description = "Polytropon's learned task-by-expert matrix merges the experts per task id"
     reads_content = False
+    default_lr_ratio = 10.0  # the SMEAR paper's ratio for the skill matrix, best of {1, 10, 100} in both settings
     call_inputs = (TASK_IDS,)
     options = (
         Option(

@@ -260,7 +260,8 @@ class PolicyStep:
 
 class ReinforceRouter(ProbabilityRouter):
     """One expert sampled from the router in training, trained by a policy gradient on minus the example's task loss
-    against a learned baseline (a one-hidden-layer network on the normalised input); the argmax at inference. Each
+    against a learned baseline (a one-hidden-layer network on the detached normalised input); the argmax at
+    inference. Each
     layer leaves a :class:`PolicyStep` in the context; :meth:`finish_call` turns them into losses once the task loss
     is known. The reward is recomputed per example from the logits and labels of standard heads; models with custom
     heads can return ``example_losses`` (``[batch]``) in their output, which is then used instead."""
@@ -305,7 +306,10 @@ class ReinforceRouter(ProbabilityRouter):
         index = torch.multinomial(probs.detach(), 1).squeeze(1)
         log_prob = probs.gather(1, index[:, None]).squeeze(1).clamp_min(1e-20).log()
         policy, entropy, value = self.loss_weights
-        context.leave_for_finish(self.name, PolicyStep(log_prob, probs, self.baseline(normed), policy, entropy, value))
+        # The baseline reads a detached input: its value loss trains the baseline alone, not the router's LayerNorm
+        # nor, through the pooled summary, the layers below.
+        baseline = self.baseline(normed.detach())
+        context.leave_for_finish(self.name, PolicyStep(log_prob, probs, baseline, policy, entropy, value))
         return one_expert(index, probs.shape[-1])
 
     @classmethod
@@ -319,10 +323,13 @@ class ReinforceRouter(ProbabilityRouter):
 
 
 def reinforce_losses(steps: list[PolicyStep], rewards: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The REINFORCE losses summed over routing layers (paper, section 2.2), each a batch mean:
+    """The REINFORCE loss of the SMEAR paper (section 2.2),
+    ``L = -alpha E[log pi(i) (r - b)] - beta sum_n pi_n log pi_n + gamma Huber(r, b)``, each term averaged over the
+    batch and over the routing layers (as the reference code averages over examples and routers, so that the paper's
+    alpha, beta and gamma keep their meaning whatever the number of layers):
 
     * policy: ``-alpha * log pi(i) * (r - b)`` with the baseline held fixed;
-    * entropy bonus: ``-beta * H(pi)``, so that routing keeps exploring;
+    * entropy: ``beta * H(pi)``: minimising it lowers the routing entropy, towards the discrete choice made;
     * value: ``gamma * Huber(b, r)``, training the baseline to predict the reward.
     """
     rewards = rewards.detach().float()
@@ -330,10 +337,15 @@ def reinforce_losses(steps: list[PolicyStep], rewards: torch.Tensor) -> dict[str
     for step in steps:
         advantage = rewards.to(step.log_prob.device) - step.baseline.detach()
         policy = policy - step.policy_weight * (step.log_prob * advantage).mean()
-        plogp = (step.probs * step.probs.clamp_min(1e-20).log()).sum(dim=-1)
-        entropy = entropy + step.entropy_weight * plogp.mean()
+        routing_entropy = -(step.probs * step.probs.clamp_min(1e-20).log()).sum(dim=-1)
+        entropy = entropy + step.entropy_weight * routing_entropy.mean()
         value = value + step.value_weight * F.huber_loss(step.baseline, rewards.to(step.baseline.device))
-    return {"reinforce_policy": policy, "reinforce_entropy": entropy, "reinforce_value": value}
+    layers = max(len(steps), 1)
+    return {
+        "reinforce_policy": policy / layers,
+        "reinforce_entropy": entropy / layers,
+        "reinforce_value": value / layers,
+    }
 
 
 class DSelectKRouter(NormalisedInputRouter):
