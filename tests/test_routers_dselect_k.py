@@ -7,7 +7,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from peft import get_peft_model
 
+import peft_smear
+from conftest import random_batch, tiny_bert
+from peft_smear import SmearConfig
 from peft_smear.core.routers.dselect_k_gate import (
     dselect_k_entropy,
     dselect_k_gate,
@@ -289,3 +293,61 @@ def test_recovers_the_experts_that_generated_the_data(seed, one_thread):
         weights, _ = gate()
     assert (weights[0] > 0).nonzero().flatten().tolist() == generating
     torch.testing.assert_close(weights[0, generating], torch.full((4,), 0.25), atol=0.02, rtol=0)
+
+
+# --- the router at inference -----------------------------------------------------------------------------------------
+
+
+def dselect_k_model(num_experts: int = 5, **options):
+
+    from peft_smear import SmearConfig
+
+    config = SmearConfig(
+        routing="dselect_k", num_experts=num_experts, r=2, target_modules=["query"], task_type="SEQ_CLS", **options
+    )
+    model = get_peft_model(tiny_bert(), config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "smear_router" in name and name.endswith(".weight"):
+                param.mul_(20.0)  # spread z across the smooth region and beyond, as after training
+    return model.eval()
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_at_inference_each_selector_takes_its_selected_expert(k):
+    """The DSelect-k supplement (and the SMEAR reference code with k = 1) evaluates with each selector's selected
+    expert, not the gate's soft weights: by hand, z from the router's rows, each selector's weights over the experts
+    (products over bits), its argmax, and the selectors mixed by softmax(alpha)."""
+
+    model = dselect_k_model(dselect_k_selectors=k)
+    batch = random_batch(6, 5, seed=3, lengths=[5, 3, 4, 5, 2, 5])
+    (name, weights), *_ = peft_smear.get_routing_weights(model, **batch).items()
+    layer = model.base_model.model.get_submodule(name)
+    router = layer.smear_router["default"]
+    states = model.base_model.model.bert.embeddings(input_ids=batch["input_ids"])
+    mask = batch["attention_mask"].float()
+    summary = (states * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+    normed = F.layer_norm(summary, (summary.shape[-1],), router.input_norm_weight, router.input_norm_bias)
+    logits = normed.detach().double() @ router.weight.detach().double().T
+    bits = dselect_k_num_bits(5)
+    expected = torch.zeros(6, 5, dtype=torch.float64)
+    for b in range(6):
+        alpha = torch.softmax(logits[b, k * bits :], dim=0)
+        for i in range(k):
+            selected = selector_by_hand(logits[b, i * bits : (i + 1) * bits], 5, 1.0).argmax()
+            expected[b, selected] += alpha[i]
+    torch.testing.assert_close(weights.double(), expected, atol=1e-5, rtol=0)
+    assert ((weights > 0).sum(dim=-1) <= k).all()
+
+
+def test_soft_inference_keeps_the_gates_weights_and_old_adapters_keep_it():
+
+    soft = dselect_k_model(dselect_k_inference="soft")
+    batch = random_batch(4, 5, seed=2)
+    weights = next(iter(peft_smear.get_routing_weights(soft, **batch).values()))
+    assert ((weights > 0).sum(dim=-1) > 1).any(), "the soft gate mixes experts unless every selector saturated"
+    assert SmearConfig(routing="dselect_k").routing_options["dselect_k_inference"] == "selected"
+    saved_before = {"peft_type": "SMEAR", "routing": "dselect_k", "dselect_k_gamma": 1.0, "top_k": 1}
+    assert SmearConfig(**saved_before).routing_options["dselect_k_inference"] == "soft"
+    with pytest.raises(ValueError, match=r"dselect_k_inference must be one of \('selected', 'soft'\)"):
+        SmearConfig(routing="dselect_k", dselect_k_inference="hard")

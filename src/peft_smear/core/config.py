@@ -166,6 +166,8 @@ class SmearConfig(PeftConfig):
         ``routing_options``. Adapters saved before the methods declared their options stored every method's options
         as top-level keys, which arrive here the same way."""
         own = {f.name: f for f in fields(self) if f.init}
+        # A saved config carries peft_type; without routing_options it was saved before methods declared options.
+        self._saved_before_options = "peft_type" in settings and "routing_options" not in settings
         method_options = {name: settings.pop(name) for name in list(settings) if name not in own}
         for name, spec in own.items():
             if name in settings:
@@ -324,6 +326,8 @@ class SmearConfig(PeftConfig):
                 f"{name}={value!r} only applies to routing={methods[0] if len(methods) == 1 else methods!r}, "
                 f"but routing={self.routing!r}."
             )
+        if self._saved_before_options:
+            options = {**router.options_before_declared, **options}
         options = {name: options.get(name, option.default) for name, option in own.items()}  # declared order
         for name, option in own.items():
             if options[name] is not None and option.check is not None:

@@ -124,6 +124,10 @@ class Router(nn.Module):
     options: ClassVar[tuple[Option, ...]] = ()
     """The method's own settings, passed to ``SmearConfig`` as keywords; setting one for another method fails."""
 
+    options_before_declared: ClassVar[dict[str, Any]] = {}
+    """The values of options added since adapters stored every method's options as top-level keys, for configs saved
+    that way: what such an adapter was trained with (e.g. DSelect-k's soft mixture at inference)."""
+
     call_inputs: ClassVar[tuple[CallInput, ...]] = ()
     """The ``smear_*`` keywords of the model call this method reads."""
 

@@ -10,7 +10,7 @@ still become sharp where that helps.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -350,8 +350,11 @@ def reinforce_losses(steps: list[PolicyStep], rewards: torch.Tensor) -> dict[str
 
 class DSelectKRouter(NormalisedInputRouter):
     """The DSelect-k gate (Hazimeh et al., 2021) on SMEAR's normalised input: the weight's rows are the k selectors'
-    code bits, then the k selector weights; the experts' outputs are mixed by the gate, with an entropy regulariser
-    that drives the selectors to one-hot."""
+    code bits, then the k selector weights. In training the experts' outputs are mixed by the gate, with an entropy
+    regulariser that drives the selectors to one-hot; at inference each selector takes its selected expert (with
+    ``k = 1``, one expert per example, as in the DSelect-k supplement and the SMEAR reference code).
+    ``dselect_k_inference="soft"`` keeps mixing by the gate at inference, which adapters saved before this option
+    existed were evaluated with."""
 
     name = "dselect_k"
     options = (
@@ -365,12 +368,24 @@ class DSelectKRouter(NormalisedInputRouter):
             "weight of the entropy regulariser that drives selections to one-hot",
             number(inclusive=True),
         ),
+        Option(
+            "dselect_k_inference",
+            "selected",
+            "at inference, each selector's selected expert ('selected') or the gate's soft mixture ('soft')",
+            lambda name, value: _require_choice(name, value, ("selected", "soft")),
+        ),
     )
+    options_before_declared: ClassVar[dict[str, Any]] = {"dselect_k_inference": "soft"}
     exportable = False
 
     @classmethod
     def describe(cls, config: SmearConfig) -> str:
-        return f"the DSelect-k gate mixes {config.routing_options['dselect_k_selectors']} selected expert(s)"
+        options = config.routing_options
+        at_inference = "its selection" if options["dselect_k_inference"] == "selected" else "the gate's soft weights"
+        return (
+            f"the DSelect-k gate mixes {options['dselect_k_selectors']} selected expert(s) in training; at inference, "
+            f"{at_inference}"
+        )
 
     def __init__(self, features: int, config: SmearConfig, module_name: str) -> None:
         options = config.routing_options
@@ -379,6 +394,7 @@ class DSelectKRouter(NormalisedInputRouter):
         init_dselect_k_(self.weight.data[: k * bits], self.weight.data[k * bits :], options["dselect_k_gamma"])
         self.k, self.bits = k, bits
         self.gamma, self.entropy_weight = options["dselect_k_gamma"], options["dselect_k_entropy_weight"]
+        self.soft_inference = options["dselect_k_inference"] == "soft"
 
     @classmethod
     def validate(cls, config: SmearConfig) -> None:
@@ -388,9 +404,24 @@ class DSelectKRouter(NormalisedInputRouter):
     def forward(self, inputs: RouterInputs) -> RoutingDecision:
         logits = self.normalised_input(inputs.summary()) @ self.weight.float().T
         selector_logits = logits[:, : self.k * self.bits].reshape(-1, self.k, self.bits)
+        selector_weights_logits = logits[:, self.k * self.bits :]
         weights, selector_outputs = dselect_k_gate(
-            selector_logits, logits[:, self.k * self.bits :], self.num_experts, self.gamma
+            selector_logits, selector_weights_logits, self.num_experts, self.gamma
         )
-        if self.training and self.entropy_weight > 0:
-            inputs.context.add_aux_loss("dselect_k_entropy", self.entropy_weight * dselect_k_entropy(selector_outputs))
-        return mixed(weights)
+        if self.training:
+            if self.entropy_weight > 0:
+                entropy = self.entropy_weight * dselect_k_entropy(selector_outputs)
+                inputs.context.add_aux_loss("dselect_k_entropy", entropy)
+            return mixed(weights)
+        if self.soft_inference:
+            return mixed(weights)
+        selected = selector_outputs.argmax(dim=-1)  # [batch, k]: each selector's expert
+        if self.k == 1:
+            return one_expert(selected[:, 0], self.num_experts)
+        mix = selector_weights_logits.float().softmax(dim=-1)
+        return mixed(torch.zeros_like(weights).scatter_add_(1, selected, mix))
+
+
+def _require_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
