@@ -69,6 +69,12 @@ def add_results_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def methods_in_title(methods: list[str], default: list[str]) -> str:
+    """What a section's title adds for a run of other methods than the default: a run of a few methods is a benchmark
+    of its own, which must not replace the full comparison."""
+    return "" if list(methods) == list(default) else f", methods {', '.join(methods)}"
+
+
 def section_title(section: str) -> str:
     """A section's ``## `` heading without the date it ends with: what a later run of the same benchmark shares."""
     heading = section.split("\n", 1)[0].removeprefix("## ").rstrip()

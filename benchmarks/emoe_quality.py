@@ -31,7 +31,7 @@ from typing import Any
 
 import quality
 import torch
-from common import add_results_option, load_description, machine_description, write_results
+from common import add_results_option, load_description, machine_description, methods_in_title, write_results
 from quality import PRESETS, Run, Setup, Summary, load_setup, paired_difference, summarise
 
 from peft_smear.emoe import gate_parameters, moefy, remove_emoe, selection_report
@@ -251,10 +251,15 @@ def check_targets(summaries: dict[str, Summary]) -> list[tuple[str, str]]:
     ]
 
 
+def default_methods() -> list[str]:
+    """The methods of a run without ``--methods``: every method but the learned gate (an investigation)."""
+    return [method for method in METHODS if method != "emoe_learn_lora"]
+
+
 def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="reduced")
-    default = [method for method in METHODS if method != "emoe_learn_lora"]
+    default = default_methods()
     parser.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=default)
     parser.add_argument("--learning-rates", nargs="+", type=float, help="default: the preset's")
     parser.add_argument("--seeds", type=int, help="seeds per method at the chosen rate (default: the preset's)")
@@ -328,7 +333,8 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
         cpu_minutes = sum(row["cpu_seconds"] for row in rows if not row["method"].endswith(DENSE)) / 60
         section = "\n".join(
             [
-                f"## EMoE quality, preset `{args.preset}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+                f"## EMoE quality, preset `{args.preset}`{methods_in_title(args.methods, default_methods())}, "
+                f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
                 "",
                 f"- Command: `{command}`",
                 f"- Machine: {machine_description('cpu')}; {args.jobs} run(s) side by side",

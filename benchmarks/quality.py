@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 import transformers
-from common import add_results_option, load_description, machine_description, write_results
+from common import add_results_option, load_description, machine_description, methods_in_title, write_results
 from datasets import DatasetDict
 from peft import LoraConfig, PeftConfig, PeftModel
 from transformers import AutoTokenizer
@@ -736,6 +736,7 @@ def report_body(
 def results_section(
     body: str,
     preset_name: str,
+    methods: list[str],
     command: str,
     machine: str,
     load: tuple[tuple, tuple],
@@ -752,7 +753,8 @@ def results_section(
     )
     return "\n".join(
         [
-            f"## Quality, preset `{preset_name}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+            f"## Quality, preset `{preset_name}`{methods_in_title(methods, list(METHODS))}, "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
             "",
             f"- Command: `{command}`",
             f"- Machine: {machine}",
@@ -845,7 +847,15 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
             Run(row["method"], row["learning_rate"], row["seed"], row["phase"]) in journal.finished for row in rows
         )
         section = results_section(
-            body, args.preset, command, machine, (load_before, load_after), seconds, cpu_seconds, replayed
+            body,
+            args.preset,
+            args.methods,
+            command,
+            machine,
+            (load_before, load_after),
+            seconds,
+            cpu_seconds,
+            replayed,
         )
         write_results(args.append_results, section)
         paths["results"] = args.append_results

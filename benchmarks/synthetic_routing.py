@@ -44,7 +44,7 @@ import numpy as np
 import peft
 import torch
 import torch.nn.functional as F
-from common import add_results_option, load_description, machine_description, write_results
+from common import add_results_option, load_description, machine_description, methods_in_title, write_results
 from peft import get_peft_model
 from torch import nn
 from transformers.utils import ModelOutput
@@ -348,10 +348,13 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def results_section(table: str, command: str, description: str, seconds: float, load: tuple[tuple, tuple]) -> str:
+def results_section(
+    table: str, methods: list[str], command: str, description: str, seconds: float, load: tuple[tuple, tuple]
+) -> str:
     return "\n".join(
         [
-            f"## Synthetic routing (DSelect-k appendix C.1), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+            f"## Synthetic routing (DSelect-k appendix C.1){methods_in_title(methods, list(DEFAULT_METHODS))}, "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
             "",
             f"- Command: `{command}`",
             f"- Machine: {machine_description('cpu')}",
@@ -405,7 +408,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
             f"then {args.seeds} seeds; mean ± sample std over seeds."
         )
         command = shlex.join(["python", "benchmarks/synthetic_routing.py", *(sys.argv[1:] if argv is None else argv)])
-        section = results_section(table, command, description, seconds, (load_before, load_after))
+        section = results_section(table, args.methods, command, description, seconds, (load_before, load_after))
         write_results(args.append_results, section)
     return 0
 

@@ -80,9 +80,13 @@ def test_the_suite_runs_and_tag_routing_is_the_groups(synthetic):
 
 def test_the_command_replaces_its_table_with_command_and_machine(synthetic, tmp_path):
     results = tmp_path / "RESULTS.md"
-    older = "## Synthetic routing (DSelect-k appendix C.1), 2000-01-01 00:00 UTC\n\n- Command: `stale`\n\n"
+    # A run of other methods than the default ones is a benchmark of its own: it never replaces the full comparison.
+    full = "## Synthetic routing (DSelect-k appendix C.1), 2000-01-01 00:00 UTC\n\n- Command: `full`\n\n"
+    older = (
+        "## Synthetic routing (DSelect-k appendix C.1), methods tag, 2000-01-01 00:00 UTC\n\n- Command: `stale`\n\n"
+    )
     other = "## Speed, preset `cpu`, 2000-01-01 00:00 UTC\n\n- Command: `speed`\n"
-    results.write_text("# Benchmark results\n\n" + older + other)
+    results.write_text("# Benchmark results\n\n" + full + older + other)
     argv = ["--methods", "tag", "--learning-rates", "1e-2", "--seeds", "1", "--groups", "2", "--tasks-per-group", "2"]
     argv += ["--observations", "64", "16", "16", "--steps", "2", "--append-results", str(results)]
     tables, threads = [], torch.get_num_threads()
@@ -91,7 +95,9 @@ def test_the_command_replaces_its_table_with_command_and_machine(synthetic, tmp_
     finally:
         torch.set_num_threads(threads)  # the command sets its own
     text = results.read_text()
-    assert text.startswith("# Benchmark results\n\n## Synthetic routing (DSelect-k appendix C.1), ")
+    assert text.startswith(
+        "# Benchmark results\n\n" + full + "## Synthetic routing (DSelect-k appendix C.1), methods tag, "
+    )
     assert text.endswith("\n\n" + other) and "stale" not in text  # replaced in place; the other section kept
     assert f"- Command: `python benchmarks/synthetic_routing.py {' '.join(argv)}`" in text
     assert f"torch {torch.__version__}" in text and "Load average" in text
