@@ -20,6 +20,7 @@ import peft_smear
 from conftest import VOCAB, random_batch, tiny_bert, tiny_llama, tiny_t5
 from peft_smear import ROUTERS, SmearConfig, SmearLinear
 from peft_smear.core.losses import per_example_task_loss
+from peft_smear.core.routers.fixed import consistency_loss
 from peft_smear.core.routers.learned import PolicyStep, annealed_temperature, reinforce_losses
 
 
@@ -188,6 +189,56 @@ def test_adamix_averages_all_experts_at_inference_and_picks_one_in_training():
     assert ((weights == 0) | (weights == 1)).all() and (weights.sum(dim=-1) == 1).all()
 
 
+def test_adamix_draws_the_down_and_up_experts_of_each_example_independently():
+    """The reference code draws the expert of the down projection (A) and of the up projection (B) separately: an
+    example goes through ``B_j A_i x`` with i and j uniform and independent."""
+    model = bert_with("adamix", init_weights=False).train()
+    layer = layer_of(model)
+    x = torch.randn(64, 5, layer.in_features)
+    model.base_model.routing_context.start_call(None, None)
+    torch.manual_seed(0)
+    decision = layer.route("default", x)
+    down, up = decision.expert_index, decision.up_expert_index
+    assert up is not None and (down != up).float().mean() > 0.5  # independent uniform draws over 4 experts: 3/4
+    A, B = layer.smear_lora_A["default"], layer.smear_lora_B["default"]
+    scaling = layer.expert_kind["default"].scaling
+    with torch.no_grad():
+        expert = layer.expert_kind["default"].output(
+            x, layer.get_base_layer()(x), layer.expert_params("default"), decision
+        )
+        for b in range(64):
+            expected = layer.get_base_layer()(x[b]) + x[b] @ A[down[b]].T @ B[up[b]].T * scaling
+            torch.testing.assert_close(expert[b], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_adamix_consistency_is_half_the_symmetric_kl_of_the_two_passes():
+    """By hand: ``(KL(p||q) + KL(q||p)) / 2`` of the two passes' predictive distributions, averaged over examples,
+    or over the positions that predict a label."""
+    generator = torch.Generator().manual_seed(0)
+    first, second = torch.randn(3, 5, generator=generator), torch.randn(3, 5, generator=generator)
+    kl = lambda p, q: sum(p[c] * (p[c].log() - q[c].log()) for c in range(5))  # noqa: E731
+    by_hand = (
+        sum(
+            (kl(first[b].softmax(0), second[b].softmax(0)) + kl(second[b].softmax(0), first[b].softmax(0))) / 2
+            for b in range(3)
+        )
+        / 3
+    )
+    torch.testing.assert_close(consistency_loss(first, second, None), by_hand)
+    tokens_1, tokens_2 = torch.randn(2, 4, 5, generator=generator), torch.randn(2, 4, 5, generator=generator)
+    mask = torch.tensor([[False, True, True, False], [True, False, False, False]])
+    positions = [(b, t) for b in range(2) for t in range(4) if mask[b, t]]
+    by_hand = sum(
+        (
+            kl(tokens_1[b, t].softmax(0), tokens_2[b, t].softmax(0))
+            + kl(tokens_2[b, t].softmax(0), tokens_1[b, t].softmax(0))
+        )
+        / 2
+        for b, t in positions
+    ) / len(positions)
+    torch.testing.assert_close(consistency_loss(tokens_1, tokens_2, mask), by_hand)
+
+
 def test_tag_routes_exactly_by_task_id_and_through_a_map():
     task_ids = torch.tensor([2, 0, 3, 1, 2])
     weights = peft_smear.get_routing_weights(bert_with("tag"), **random_batch(5, 6), smear_task_ids=task_ids)
@@ -284,9 +335,8 @@ def test_auxiliary_losses_are_reported_and_added_to_the_loss(routing):
     }[routing]
     assert set(aux) == expected_names
     assert all(torch.isfinite(v) for v in aux.values())
-    task_loss = outputs.loss - sum(aux.values())
-    if routing != "adamix":  # Adamix's task loss averages its two passes; the others' is this pass's cross-entropy
-        torch.testing.assert_close(task_loss, F.cross_entropy(outputs.logits, batch["labels"]), atol=1e-5, rtol=0)
+    task_loss = outputs.loss - sum(aux.values())  # Adamix's too is its first pass's, as in the reference code
+    torch.testing.assert_close(task_loss, F.cross_entropy(outputs.logits, batch["labels"]), atol=1e-5, rtol=0)
     assert aux[next(iter(expected_names))] != 0
     model.eval()
     assert not hasattr(model(**batch), "smear_aux_losses"), "no auxiliary losses at inference"

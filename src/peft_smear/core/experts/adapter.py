@@ -155,8 +155,15 @@ class BottleneckAdapterExperts(ExpertKind):
     def merge(self, params: Params, probs: torch.Tensor, dtype: torch.dtype) -> Expert:
         return tuple(merge_parameter(params[name], probs, dtype) for name in self.names)
 
-    def gather(self, params: Params, expert_index: torch.Tensor, dtype: torch.dtype) -> Expert:
-        return tuple(params[name][expert_index].to(dtype) for name in self.names)
+    def gather(
+        self, params: Params, expert_index: torch.Tensor, dtype: torch.dtype, up_index: torch.Tensor | None = None
+    ) -> Expert:
+        """The down projection and its bias from ``expert_index``; the up projection, its bias and the LayerNorm
+        from ``up_index`` when given."""
+        up_index = expert_index if up_index is None else up_index
+        return tuple(
+            params[name][expert_index if name in (DOWN, DOWN_BIAS) else up_index].to(dtype) for name in self.names
+        )
 
     def apply(
         self, x: torch.Tensor, y: torch.Tensor, expert: Expert, output_scale: torch.Tensor | None

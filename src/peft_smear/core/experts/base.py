@@ -95,8 +95,11 @@ class ExpertKind:
         """Each example's merged expert, ``sum_n probs[b, n] * theta_n`` for every parameter, cast to ``dtype``."""
         raise NotImplementedError
 
-    def gather(self, params: Params, expert_index: torch.Tensor, dtype: torch.dtype) -> Expert:
-        """Each example's one chosen expert (``expert_index [batch]``), laid out like :meth:`merge`'s result."""
+    def gather(
+        self, params: Params, expert_index: torch.Tensor, dtype: torch.dtype, up_index: torch.Tensor | None = None
+    ) -> Expert:
+        """Each example's one chosen expert (``expert_index [batch]``), laid out like :meth:`merge`'s result; kinds
+        with a down and an up projection take the up projection's from ``up_index`` when it is given."""
         raise NotImplementedError
 
     def apply(
@@ -137,7 +140,7 @@ class ExpertKind:
         """
         if decision.per_example_expert is None:
             decision.per_example_expert = (
-                self.gather(params, decision.expert_index, dtype)
+                self.gather(params, decision.expert_index, dtype, decision.up_expert_index)
                 if decision.expert_index is not None
                 else self.merge(params, decision.weights, dtype)
             )

@@ -92,7 +92,10 @@ class IA3Experts(ExpertKind):
     def merge(self, params: Params, probs: torch.Tensor, dtype: torch.dtype) -> Expert:
         return (merge_parameter(params[VECTOR], probs, dtype),)
 
-    def gather(self, params: Params, expert_index: torch.Tensor, dtype: torch.dtype) -> Expert:
+    def gather(
+        self, params: Params, expert_index: torch.Tensor, dtype: torch.dtype, up_index: torch.Tensor | None = None
+    ) -> Expert:
+        """One vector per example: an IA3 expert has no up projection, so ``up_index`` has nothing to choose."""
         return (params[VECTOR][expert_index].to(dtype),)
 
     def apply(

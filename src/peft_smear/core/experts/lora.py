@@ -49,11 +49,16 @@ def merge_lora_experts(
 
 
 def gather_lora_experts(
-    lora_A: torch.Tensor, lora_B: torch.Tensor, expert_index: torch.Tensor, dtype: torch.dtype
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    expert_index: torch.Tensor,
+    dtype: torch.dtype,
+    up_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The one chosen expert of each example (``expert_index [batch]``), laid out like :func:`merge_lora_experts`'s
-    result: gathered, not merged, so discrete routing costs exactly one rank-r LoRA."""
-    return lora_A[expert_index].to(dtype), lora_B[expert_index].transpose(1, 2).to(dtype)
+    """The one chosen expert of each example (``expert_index [batch]``; B from ``up_index`` when given), laid out like
+    :func:`merge_lora_experts`'s result: gathered, not merged, so discrete routing costs exactly one rank-r LoRA."""
+    up_index = expert_index if up_index is None else up_index
+    return lora_A[expert_index].to(dtype), lora_B[up_index].transpose(1, 2).to(dtype)
 
 
 def add_per_example_experts(
@@ -131,8 +136,10 @@ class LoraExperts(ExpertKind):
     def merge(self, params: Params, probs: torch.Tensor, dtype: torch.dtype) -> Expert:
         return merge_lora_experts(params["smear_lora_A"], params["smear_lora_B"], probs, dtype)
 
-    def gather(self, params: Params, expert_index: torch.Tensor, dtype: torch.dtype) -> Expert:
-        return gather_lora_experts(params["smear_lora_A"], params["smear_lora_B"], expert_index, dtype)
+    def gather(
+        self, params: Params, expert_index: torch.Tensor, dtype: torch.dtype, up_index: torch.Tensor | None = None
+    ) -> Expert:
+        return gather_lora_experts(params["smear_lora_A"], params["smear_lora_B"], expert_index, dtype, up_index)
 
     def apply(
         self, x: torch.Tensor, y: torch.Tensor, expert: Expert, output_scale: torch.Tensor | None

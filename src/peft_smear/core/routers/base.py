@@ -77,6 +77,10 @@ class RoutingDecision:
     expert_index: torch.Tensor | None = None
     """``[batch]``: the one expert each example uses, when there is exactly one (applied by gathering it)."""
 
+    up_expert_index: torch.Tensor | None = None
+    """``[batch]``: for kinds with a down and an up projection, the expert of the up projection, when it is not
+    ``expert_index``'s (Adamix draws the two independently)."""
+
     output_scale: torch.Tensor | None = None
     """``[batch]`` multiplier of the expert's output: Top-k's probability, ST-Gumbel's straight-through factor."""
 

@@ -142,11 +142,13 @@ class HashRouter(Router):
 
 
 class AdamixRouter(Router):
-    """Adamix: a uniformly random expert per example in training, with a consistency loss between two passes of the
-    batch (the model runs it twice, :meth:`finish_call`); the plain average of all experts' parameters at inference."""
+    """Adamix: in training, a uniformly random expert per example for the down projection and, drawn independently,
+    one for the up projection (as the SMEAR reference code does), with a consistency loss between two passes of the
+    batch (the model runs it twice, :meth:`finish_call`); the plain average of all experts' parameters at inference.
+    """
 
     name = "adamix"
-    description = "AdaMix: a random expert per example in training, the average of all experts at inference"
+    description = "AdaMix: random experts per example in training, the average of all experts at inference"
     reads_content = False
     options = (
         Option(
@@ -160,13 +162,16 @@ class AdamixRouter(Router):
     def forward(self, inputs: RouterInputs) -> RoutingDecision:
         batch_size, n = inputs.batch_size, self.num_experts
         if self.training:
-            return one_expert(torch.randint(n, (batch_size,), device=inputs.device), n)
+            down = torch.randint(n, (batch_size,), device=inputs.device)
+            decision = one_expert(down, n)
+            decision.up_expert_index = torch.randint(n, (batch_size,), device=inputs.device)
+            return decision
         return merged(torch.full((batch_size, n), 1 / n, device=inputs.device))
 
     @classmethod
     def finish_call(cls, call: ModelCall) -> dict[str, torch.Tensor]:
-        """Run the batch a second time (another random expert per example) and compare the two passes' predictions;
-        both passes learn the task."""
+        """Run the batch a second time (other random experts per example) and add the consistency between the two
+        passes' predictions; the task loss stays the first pass's, as in the reference code."""
         weight = max(config.routing_options["adamix_consistency_weight"] for config in call.configs_of(cls))
         if not call.training or call.labels is None:
             return {}
@@ -176,21 +181,22 @@ class AdamixRouter(Router):
                 "SFTTrainer computes none); train it with transformers.Trainer or a loop that keeps the logits."
             )
         second = call.run_again()
-        loss = weight * consistency_loss(call.output.logits, second.logits, call.predicting_positions())
-        if getattr(call.output, "loss", None) is not None:
-            call.output.loss = (call.output.loss + second.loss) / 2
-        return {"adamix_consistency": loss}
+        return {
+            "adamix_consistency": weight
+            * consistency_loss(call.output.logits, second.logits, call.predicting_positions())
+        }
 
 
 def consistency_loss(first: torch.Tensor, second: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
-    """Adamix's consistency between two stochastic passes: the symmetric KL divergence of their predictive
-    distributions (squared difference for a single regression output), averaged over ``token_mask`` (the positions
-    that predict a label) for token outputs."""
+    """Adamix's consistency between two stochastic passes, as the reference code computes it: the symmetric KL
+    divergence of their predictive distributions, ``(KL(p||q) + KL(q||p)) / 2`` (for a single regression output,
+    half the squared difference), averaged over the examples, or over ``token_mask`` (the positions that predict a
+    label) for token outputs."""
     first, second = first.float(), second.float()
     if first.shape[-1] == 1:
-        return ((first - second) ** 2).mean()
+        return ((first - second) ** 2).mean() / 2
     log_p, log_q = first.log_softmax(dim=-1), second.log_softmax(dim=-1)
-    symmetric = ((log_p.exp() - log_q.exp()) * (log_p - log_q)).sum(dim=-1)
+    symmetric = ((log_p.exp() - log_q.exp()) * (log_p - log_q)).sum(dim=-1) / 2
     if token_mask is not None and symmetric.dim() == 2:
         keep = token_mask.to(symmetric.device, symmetric.dtype)
         return (symmetric * keep).sum() / keep.sum().clamp(min=1)
