@@ -432,14 +432,16 @@ def load_gates(model, gates: dict[str, torch.Tensor], keep: list[int]) -> None:
             layer.smear_router["default"].gate.data.copy_(gates[name][keep])
 
 
-METHODS = {  # label -> (routing, descriptions: None, "written" or "generated")
-    "uniform merge": ("adamix", None),  # Adamix at inference: the plain average of every expert's parameters
-    "Arrow": ("arrow", None),
-    "PHATGOOSE": ("phatgoose", None),
-    "GLIDER (written)": ("glider", "written"),
-    "GLIDER (generated)": ("glider", "generated"),
-    "SMEAR over the bank": ("smear", None),
-    "GLIDER merge": ("glider_merge", "written"),
+METHODS = {  # label -> (routing, descriptions: None, "written" or "generated", routing options)
+    "uniform merge": ("adamix", None, {}),  # Adamix at inference: the plain average of every expert's parameters
+    "Arrow": ("arrow", None, {}),
+    "PHATGOOSE": ("phatgoose", None, {}),
+    "GLIDER (written)": ("glider", "written", {}),
+    "GLIDER (generated)": ("glider", "generated", {}),
+    # GLIDER's released code scores locally without the paper's 1/sqrt(N) and without the cosine's 1/sqrt(d).
+    "GLIDER (written), the code's local score": ("glider", "written", {"glider_local_score": "code"}),
+    "SMEAR over the bank": ("smear", None, {}),
+    "GLIDER merge": ("glider_merge", "written", {}),
 }
 
 
@@ -510,11 +512,11 @@ def run(
     del gate_bank
     progress("trained PHATGOOSE's gates")
 
-    def bank(members: list[str], routing: str, kind: str | None) -> torch.nn.Module:
+    def bank(members: list[str], routing: str, kind: str | None, options: dict) -> torch.nn.Module:
         model = peft_smear.build_expert_bank(
             models.fresh_base(),
             {n: experts[n] for n in members},
-            {"routing": routing, "task_type": "CAUSAL_LM"},
+            {"routing": routing, "task_type": "CAUSAL_LM", **options},
             descriptions={n: descriptions[kind][0][n] for n in members} if kind else None,
             embeddings={n: embeddings[kind][0][n].tolist() for n in members} if kind else None,
         ).eval()
@@ -539,8 +541,8 @@ def run(
             setting.setdefault("base model (no expert)", {})[task.name] = {"acc": acc}
     progress("evaluated the oracle experts, the multi-task LoRA and the base model")
     heatmaps = {}
-    for label, (routing, kind) in METHODS.items():
-        model, heat = bank(names, routing, kind), []
+    for label, (routing, kind, options) in METHODS.items():
+        model, heat = bank(names, routing, kind, options), []
         for k, task in enumerate(tasks):
             query = embeddings[kind][1][task.name][None] if kind else None
             acc, speed = accuracy(model, task, test_data[task.name], query)
@@ -556,7 +558,7 @@ def run(
         heatmaps[label] = torch.stack(heat)
         del model
         for task in tasks:
-            model = bank([n for n in names if n != task.name], routing, kind)
+            model = bank([n for n in names if n != task.name], routing, kind, options)
             query = embeddings[kind][1][task.name][None] if kind else None
             acc, _ = accuracy(model, task, test_data[task.name], query)
             held_out.setdefault(label, {})[task.name] = {"acc": acc}

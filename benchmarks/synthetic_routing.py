@@ -55,12 +55,13 @@ from peft_smear.multitask.report import RoutingReport
 
 @dataclass(frozen=True)
 class Method:
-    """A routing method with extra :class:`SmearConfig` options; ``router_lr_ratio`` multiplies the routers' rate."""
+    """A routing method with extra :class:`SmearConfig` options; ``router_lr_ratio`` multiplies the routers' rate
+    (``None``: the method's own default, as the library sets it)."""
 
     label: str
     routing: str
     options: dict = field(default_factory=dict)
-    router_lr_ratio: float = 1.0
+    router_lr_ratio: float | None = None
 
 
 PAPER_ROUTER = {"router_balance_weight": 0.0}  # SMEAR as the paper ran it; "smear_balanced" is the library's default
@@ -71,6 +72,9 @@ METHODS = {
     "tag": Method("Tag (expert = task's group)", "tag"),
     "ensemble": Method("Ensemble", "ensemble"),
     "single": Method("Single expert", "single"),
+    "reinforce": Method("REINFORCE", "reinforce"),
+    "adamix": Method("Adamix", "adamix"),
+    "latent_skills": Method("Latent Skills", "latent_skills"),
     # SMEAR variants, to see what its routing depends on.
     "smear_no_dropout": Method("SMEAR without expert dropout", "smear", {**PAPER_ROUTER, "expert_dropout": 0.0}),
     "smear_slow_router": Method("SMEAR, router learning rate ×0.1", "smear", PAPER_ROUTER, router_lr_ratio=0.1),
@@ -184,6 +188,8 @@ def build(data: SyntheticTasks, method: str, settings: Settings, seed: int) -> p
     options = dict(spec.options)
     if spec.routing == "tag":
         options.update(num_tasks=data.num_tasks, tag_experts=data.group.tolist())
+    if spec.routing == "latent_skills":
+        options.update(num_tasks=data.num_tasks)
     config = SmearConfig(
         r=settings.r,
         lora_alpha=settings.r,
@@ -219,10 +225,10 @@ def train(
     settings: Settings,
     learning_rate: float,
     seed: int,
-    router_lr_ratio: float = 1.0,
+    router_lr_ratio: float | None = None,
 ) -> None:
-    """Adam at a constant rate (the routers' times ``router_lr_ratio``) on random (observation, task) pairs of the
-    training split."""
+    """Adam at a constant rate (the routers' times ``router_lr_ratio``, or their method's default) on random
+    (observation, task) pairs of the training split."""
     rng = np.random.default_rng(seed)
     optimizer = create_router_optimizer(model, torch.optim.Adam, lr=learning_rate, router_lr_ratio=router_lr_ratio)
     model.train()

@@ -168,8 +168,20 @@ def test_phatgoose_routes_each_token_to_its_top_2_renormalised():
         assert ((weights[name] > 0).sum(-1) == 2).all()
 
 
-def test_glider_scores_add_the_scaled_global_cosine_to_the_local_scores():
-    model = library_model("glider")
+def cosine_of_standardised(gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """GLIDER's local score by hand (paper, section 4): the cosine between the standardised token and gate."""
+
+    def z(v):
+        return (v - v.mean(-1, keepdim=True)) / torch.sqrt(v.var(-1, unbiased=False, keepdim=True) + 1e-5)
+
+    return torch.stack([F.cosine_similarity(z(x), z(g), dim=-1) for g in gate], dim=-1)
+
+
+@pytest.mark.parametrize("local_score", ["paper", "code"])
+def test_glider_scores_add_the_scaled_global_cosine_to_the_local_scores(local_score):
+    """``alpha * cos(q, g_n) + s_loc`` with ``alpha = 100 [max cos > 0.8] + 3``; ``s_loc`` the paper's
+    ``cos(standardised x, standardised gate) / sqrt(N)``, or the released code's ``standardised dot / sqrt(d)``."""
+    model = library_model("glider", glider_local_score=local_score)
     batch = random_batch(3, 4, seed=4)
     queries = query_inputs("glider", 3)
     weights = peft_smear.get_routing_weights(model, **batch, **queries)
@@ -187,13 +199,30 @@ def test_glider_scores_add_the_scaled_global_cosine_to_the_local_scores():
     alpha = torch.tensor([100.0 + 3 if c.max() > 0.8 else 3.0 for c in cosines])
     assert alpha.tolist() == [103.0, 3.0, 103.0]  # the second query matches no expert closely
     for name, layer in layers(model).items():
-        local = explicit_local_scores(layer.smear_router["default"].gate.detach(), captured[name])
-        probs = (alpha[:, None, None] * cosines[:, None, :] + local / math.sqrt(3)).softmax(-1)
+        gate = layer.smear_router["default"].gate.detach()
+        if local_score == "paper":
+            local = cosine_of_standardised(gate, captured[name]) / math.sqrt(3)
+        else:
+            local = explicit_local_scores(gate, captured[name])
+        probs = (alpha[:, None, None] * cosines[:, None, :] + local).softmax(-1)
         top = probs.topk(2, dim=-1)
         expected = torch.zeros_like(probs).scatter_(-1, top.indices, top.values / top.values.sum(-1, keepdim=True))
         torch.testing.assert_close(weights[name], expected, atol=1e-5, rtol=1e-5)
         # A close match is retrieved for every token: the first query's expert 0, the third's expert 2.
         assert (weights[name][0, :, 0] > 0.99).all() and (weights[name][2, :, 2] > 0.99).all()
+
+
+def test_glider_banks_saved_before_the_local_score_option_keep_their_score():
+    """A bank saved before ``glider_local_score`` existed was evaluated with PHATGOOSE's score over sqrt(N); it keeps
+    that score, so its routing does not change (the option records it). New configs follow the paper."""
+    saved_before = {"peft_type": "SMEAR", "routing": "glider", "num_experts": 3, "expert_embeddings": EMBEDDINGS}
+    assert SmearConfig(**saved_before).routing_options["glider_local_score"] == "code_over_sqrt_n"
+    assert (
+        SmearConfig(routing="glider", num_experts=3, expert_embeddings=EMBEDDINGS).routing_options[
+            "glider_local_score"
+        ]
+        == "paper"
+    )
 
 
 def test_glider_needs_query_embeddings_of_the_experts_size():

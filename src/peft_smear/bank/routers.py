@@ -11,19 +11,20 @@ the experts' parameters.
 * **GLIDER** (Li et al., 2024) adds a global score: the cosine between an embedding of the example's task description
   (``smear_query_embeddings``) and each expert's (``SmearConfig.expert_embeddings``), scaled by
   ``alpha = gamma * [max cos > p] + beta`` so that a clearly matching expert is retrieved, combined as
-  ``alpha * s_glob + s_loc / sqrt(N)`` with PHATGOOSE's local scores ``s_loc``, softmax, top-2 renormalised.
+  ``alpha * s_glob + cos(x, gate_n) / sqrt(N)`` with the local cosine of the standardised token and gate, softmax,
+  top-2 renormalised.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.checks import integer, number, require_integer, require_number
+from ..core.checks import choice, integer, number, require_integer, require_number
 from ..core.routers.base import CallInput, Option, Router, RoutingDecision, merged, mixed, top_k_renormalised
 
 
@@ -177,13 +178,21 @@ QUERY_EMBEDDINGS = CallInput(
 )
 
 
+LOCAL_SCORES = {
+    "paper": "cos(x, gate_n) / sqrt(N), the cosine of the standardised token and gate (GLIDER paper, section 4)",
+    "code": "standardised(x) . standardised(gate_n) / sqrt(d), PHATGOOSE's score, as GLIDER's released code computes",
+    "code_over_sqrt_n": "PHATGOOSE's score divided by sqrt(N), what peft-smear computed before following the paper",
+}
+
+
 class GliderRouter(GateRouter):
-    """GLIDER: per token, ``alpha * s_glob + s_loc / sqrt(N)``, softmax, the ``glider_top_k`` best renormalised.
+    """GLIDER: per token, ``alpha * s_glob + s_loc``, softmax, the ``glider_top_k`` best renormalised.
     ``s_glob [batch, N]`` is the cosine between the example's ``smear_query_embeddings`` and each expert's
     ``expert_embeddings``; ``alpha = glider_gamma`` when the best cosine exceeds ``glider_threshold``, plus
-    ``glider_beta``. (The paper calls the local score a cosine of the standardised vectors and scales it by
-    ``1/sqrt(N)``; here the local score is PHATGOOSE's, ``1/sqrt(d)`` included, as in PHATGOOSE's code that GLIDER's
-    builds on.)"""
+    ``glider_beta``. ``s_loc`` is, by ``glider_local_score`` (see :data:`LOCAL_SCORES`), the paper's
+    ``cos(standardised x, standardised gate) / sqrt(N)`` (the default), or PHATGOOSE's score without the ``1/sqrt(N)``
+    as GLIDER's released code has it (its alpha were set against that scale); banks saved before this option existed
+    keep the score they were evaluated with."""
 
     name = "glider"
     description = "GLIDER: per token, PHATGOOSE's local scores plus a global score from the query's task description"
@@ -206,7 +215,14 @@ class GliderRouter(GateRouter):
         ),
         Option("glider_gamma", 100.0, "the global score's scale gamma above the threshold", number(inclusive=True)),
         Option("glider_beta", 3.0, "the global score's scale beta, always added", number(inclusive=True)),
+        Option(
+            "glider_local_score",
+            "paper",
+            f"the local score: one of {tuple(LOCAL_SCORES)} (the paper's cosine / sqrt(N) by default)",
+            choice(tuple(LOCAL_SCORES)),
+        ),
     )
+    options_before_declared: ClassVar[dict[str, Any]] = {"glider_local_score": "code_over_sqrt_n"}
 
     def __init__(self, features: int, config: SmearConfig, module_name: str) -> None:
         super().__init__(features, config, module_name)
@@ -217,6 +233,7 @@ class GliderRouter(GateRouter):
             options["glider_gamma"],
             options["glider_beta"],
         )
+        self.local_score = options["glider_local_score"]
         # From the config, not the weights file: the descriptions' embeddings are bank metadata, saved once.
         self.register_buffer("expert_embeddings", torch.tensor(config.expert_embeddings), persistent=False)
 
@@ -235,8 +252,16 @@ class GliderRouter(GateRouter):
                 "expert_embeddings (peft_smear.build_expert_bank(..., descriptions=..., embeddings=...) does)."
             )
 
+    def glider_local_scores(self, states: torch.Tensor) -> torch.Tensor:
+        """``s_loc`` of ``states [..., d]`` as ``glider_local_score`` says."""
+        if self.local_score == "paper":
+            tokens, gates = F.normalize(standardised(states), dim=-1), F.normalize(standardised(self.gate), dim=-1)
+            return tokens @ gates.T / math.sqrt(self.num_experts)
+        scores = self.local_scores(states)  # the standardised dot product / sqrt(d)
+        return scores / math.sqrt(self.num_experts) if self.local_score == "code_over_sqrt_n" else scores
+
     def scores(self, states: torch.Tensor, inputs: RouterInputs) -> torch.Tensor:
-        """``alpha * s_glob + s_loc / sqrt(N)`` for ``states [batch, (tokens,) d]``, fp32."""
+        """``alpha * s_glob + s_loc`` for ``states [batch, (tokens,) d]``, fp32."""
         queries = inputs.call_input(QUERY_EMBEDDINGS.name)
         if queries is None:
             raise ValueError(
@@ -254,7 +279,7 @@ class GliderRouter(GateRouter):
         global_scores = (alpha[:, None] * global_scores).to(states.device)
         if states.dim() == 3:
             global_scores = global_scores.unsqueeze(1)
-        return global_scores + self.local_scores(states) / math.sqrt(self.num_experts)
+        return global_scores + self.glider_local_scores(states)
 
     def forward(self, inputs: RouterInputs) -> RoutingDecision:
         if self.gate_training_expert is not None:

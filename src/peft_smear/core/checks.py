@@ -46,6 +46,16 @@ def require_bool(name: str, value: object) -> None:
         raise ValueError(f"{name} must be True or False, got {value!r}.")
 
 
+def choice(choices: tuple[str, ...]) -> Check:
+    """A check that the value is one of ``choices``."""
+
+    def check(name: str, value: object) -> None:
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
+
+    return check
+
+
 def number(minimum: float = 0.0, inclusive: bool = False) -> Check:
     """:func:`require_number` as a :data:`Check`."""
     return lambda name, value: require_number(name, value, minimum=minimum, inclusive=inclusive)

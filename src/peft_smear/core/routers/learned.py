@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checks import integer, number, require_integer
+from ..checks import choice, integer, number, require_integer
 from .base import Option, Router, RoutingDecision, merged, mixed, one_expert, with_defaults
 from .dselect_k_gate import dselect_k_entropy, dselect_k_gate, dselect_k_num_bits, init_dselect_k_
 
@@ -372,7 +372,7 @@ class DSelectKRouter(NormalisedInputRouter):
             "dselect_k_inference",
             "selected",
             "at inference, each selector's selected expert ('selected') or the gate's soft mixture ('soft')",
-            lambda name, value: _require_choice(name, value, ("selected", "soft")),
+            choice(("selected", "soft")),
         ),
     )
     options_before_declared: ClassVar[dict[str, Any]] = {"dselect_k_inference": "soft"}
@@ -420,8 +420,3 @@ class DSelectKRouter(NormalisedInputRouter):
             return one_expert(selected[:, 0], self.num_experts)
         mix = selector_weights_logits.float().softmax(dim=-1)
         return mixed(torch.zeros_like(weights).scatter_add_(1, selected, mix))
-
-
-def _require_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
