@@ -65,7 +65,7 @@ def test_trainer_lowers_loss_causal_lm(tmp_path):
     assert changed_keys(before, model) == trainable
 
 
-def _resume_trainer(output_dir, adapter_seed: int) -> Trainer:
+def _resume_trainer(output_dir, adapter_seed: int, **options) -> Trainer:
     """A fresh tiny Llama (same base weights every time) with a SMEAR adapter initialised from ``adapter_seed``.
 
     Strong expert dropout makes every step depend on torch's global RNG (the base Llama has no dropout of its own),
@@ -73,8 +73,9 @@ def _resume_trainer(output_dir, adapter_seed: int) -> Trainer:
     """
     base = tiny_llama(seed=0, initializer_range=0.2)
     torch.manual_seed(adapter_seed)
+    settings = {"expert_dropout": 0.5, **options}
     config = peft_smear.SmearConfig(
-        num_experts=4, r=4, expert_dropout=0.5, init_weights="smear", task_type="CAUSAL_LM", routing_prefix_length=2
+        num_experts=4, r=4, init_weights="smear", task_type="CAUSAL_LM", routing_prefix_length=2, **settings
     )
     model = get_peft_model(base, config)
     # 32 examples in batches of 8: 4 steps per epoch, so 6 steps cross an epoch boundary and the checkpoint at step
@@ -94,8 +95,19 @@ def smear_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
     return params
 
 
-def test_resume_from_checkpoint_continues_exactly(tmp_path):
-    full = _resume_trainer(tmp_path / "full", adapter_seed=1)
+# Every method whose routers follow a schedule of training calls: their clocks travel with the checkpoint. The warm-up
+# spans the checkpoint (steps 1-4 uniform); ST-Gumbel's temperature falls from 10 to 10 * e^-3 over the 6 steps.
+SCHEDULES = {
+    "smear": {},
+    "smear_warmup": {"router_warmup_steps": 4},
+    "st_gumbel": {"routing": "st_gumbel", "gumbel_anneal_rate": 0.5, "gumbel_min_temperature": 0.1},
+}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_resume_from_checkpoint_continues_exactly(tmp_path, schedule):
+    options = SCHEDULES[schedule]
+    full = _resume_trainer(tmp_path / "full", adapter_seed=1, **options)
     full.train()
     full_losses = logged_losses(full)
     assert sorted(full_losses) == [1, 2, 3, 4, 5, 6]
@@ -104,7 +116,7 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path):
     assert [entry["step"] for entry in checkpoint_state["log_history"] if "loss" in entry] == [1, 2, 3]
 
     # Another adapter initialisation: the resumed run only matches if the checkpoint's weights are really loaded.
-    resumed = _resume_trainer(tmp_path / "resumed", adapter_seed=2)
+    resumed = _resume_trainer(tmp_path / "resumed", adapter_seed=2, **options)
     assert not torch.equal(smear_parameters(resumed)["smear_lora_A"], smear_parameters(full)["smear_lora_A"])
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert resumed.state.global_step == 6

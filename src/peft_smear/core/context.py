@@ -81,11 +81,6 @@ class RoutingContext:
     statistics: RoutingStatistics | None = None
     """When set, every layer reports each routing decision to it (see :mod:`peft_smear.core.routing_stats`)."""
 
-    training_calls: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.long))
-    """Calls of the model in training mode so far in this process: the clock of routers whose behaviour follows a
-    schedule (annealed temperatures, warm-ups). A tensor, counted in place: ``torch.compile`` would specialise on an
-    integer and recompile at every training step."""
-
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
     """Auxiliary losses the layers added during the current call (already weighted), by name."""
 
@@ -102,11 +97,9 @@ class RoutingContext:
     _task_id_limits_checked: set[int] = field(default_factory=set, repr=False)
     _warned_unmarked_packing: bool = field(default=False, repr=False)
 
-    def begin_model_call(self, training: bool) -> None:
-        """Forget the previous call's auxiliary losses; count training calls."""
+    def begin_model_call(self) -> None:
+        """Forget the previous call's auxiliary losses."""
         self.aux_losses, self.left, self.losses_without_autograd = {}, defaultdict(list), set()
-        if training:
-            self.training_calls += 1
 
     def set_call_inputs(self, values: dict[str, torch.Tensor]) -> None:
         """Record the checked ``smear_*`` inputs of a new call."""

@@ -167,10 +167,18 @@ class Router(nn.Module):
     expert_types: ClassVar[tuple[str, ...] | None] = None
     """The ``SmearConfig.expert_type`` values the method works with (``None``: every kind)."""
 
+    keeps_training_clock: ClassVar[bool] = False
+    """Whether the router follows a schedule (a warm-up, an annealed temperature): it then counts the model's
+    training calls in a buffer, ``training_calls``, saved with the adapter so that a resumed run continues the
+    schedule where it stopped."""
+
     def __init__(self, features: int, config: SmearConfig, module_name: str) -> None:
         super().__init__()
         self.num_experts = config.num_experts
         self.task_limit = self.routed_tasks(config)  # task ids must be in [0, task_limit)
+        if self.keeps_training_clock:
+            # A tensor counted in place: torch.compile would specialise on an integer and recompile at every step.
+            self.register_buffer("training_calls", torch.zeros((), dtype=torch.long))
 
     @classmethod
     def validate(cls, config: SmearConfig) -> None:

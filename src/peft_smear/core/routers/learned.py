@@ -88,6 +88,7 @@ class ProbabilityRouter(NormalisedInputRouter):
     """
 
     accepts_expert_dropout = True
+    keeps_training_clock = True  # the warm-up's
     options = (
         Option(
             "router_temperature",
@@ -129,7 +130,7 @@ class ProbabilityRouter(NormalisedInputRouter):
             # Uniform (with expert dropout) while warming up, by arithmetic rather than a branch on the counter, so
             # that a compiled model neither breaks its graph nor recompiles; the router's gradient is zero meanwhile.
             uniform = drop_experts(torch.zeros_like(probs), dropout).softmax(dim=-1)
-            warming = (context.training_calls <= self.warmup_steps).to(probs.dtype)
+            warming = (self.training_calls <= self.warmup_steps).to(probs.dtype)
             probs = probs * (1 - warming) + uniform * warming
         if self.training and self.balance_weight > 0:
             mean = probs.mean(dim=0)
@@ -238,7 +239,7 @@ class STGumbelRouter(ProbabilityRouter):
         if not self.training:
             return one_expert(probs.argmax(dim=-1), probs.shape[-1])
         start, rate, floor = self.schedule
-        temperature = annealed_temperature(start, rate, floor, context.training_calls)
+        temperature = annealed_temperature(start, rate, floor, self.training_calls)
         gumbel = -torch.empty_like(probs).exponential_().log()  # -log of an Exp(1) sample is Gumbel(0, 1)
         relaxed = ((probs.clamp_min(1e-20).log() + gumbel) / temperature).softmax(dim=-1)
         index = relaxed.argmax(dim=-1)
