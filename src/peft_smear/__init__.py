@@ -2,7 +2,8 @@
 
 Importing this package registers the PEFT type ``"SMEAR"``, after which ``get_peft_model``,
 ``PeftModel.from_pretrained``, ``PeftConfig.from_pretrained`` and ``AutoPeftModel*`` handle SMEAR adapters, and
-``save_pretrained`` / ``push_to_hub`` of a SMEAR model write SMEAR's model card.
+``save_pretrained`` / ``push_to_hub`` of a SMEAR model write SMEAR's model card; ``save_pretrained`` of a SMEAR model
+replaces the target directory atomically (a kill leaves the old adapter or the new one, never a mix).
 
 The package is layered: :mod:`peft_smear.core` is the PEFT method; :mod:`peft_smear.bank` (a bank of existing
 adapters) and :mod:`peft_smear.emoe` build on it alone; :mod:`peft_smear.multitask` (the ``peft-smear train``
@@ -23,6 +24,7 @@ from .core.registration import SUPPORTED_PEFT_RANGE, SmearPeftType, install
 from .core.routers import ROUTERS, Router, register_router
 from .core.routing_report import RoutingReport
 from .core.routing_stats import RoutingStatistics
+from .core.saving import save_pretrained
 from .version import __version__
 
 
@@ -50,4 +52,4 @@ __all__ = [
     "write_model_card",
 ]
 
-install(SmearConfig, SmearModel, create_or_update_model_card, push_to_hub)
+install(SmearConfig, SmearModel, create_or_update_model_card, push_to_hub, save_pretrained)

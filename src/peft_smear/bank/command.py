@@ -8,10 +8,7 @@ import argparse
 import csv
 import itertools
 import json
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -213,18 +210,14 @@ def _load_causal_lm(path: Path):
 
 
 def _save_atomically(model, target: Path, overwrite: bool) -> None:
-    """Save into a sibling temporary directory, then move it into place: no half-written bank."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        staging.chmod(0o755)
+    """Save the bank into a staging directory beside ``target``, then swap it into place in one step (see
+    :mod:`peft_smear.core.atomic`): a kill at any moment leaves the old directory or the complete new bank, never a
+    mix and never nothing. The old directory is replaced whole, and only when ``overwrite`` allows it."""
+    from ..core.atomic import staged_directory
+
+    refuse_occupied(target, overwrite, "pass --overwrite to replace it")
+    with staged_directory(target) as staging:
         model.save_pretrained(staging)
-        if target.exists() and overwrite:
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
-        os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def _require_file(directory: Path, option: str, name: str) -> None:

@@ -14,17 +14,17 @@ kind writes it as such (:meth:`~peft_smear.experts.ExpertKind.export_weights`):
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from peft import PeftConfig, get_peft_model_state_dict
+from peft.utils import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
 from safetensors.torch import save_file
 from transformers.pytorch_utils import Conv1D
 
+from . import atomic
 from .experts import EXPERT_KINDS
 from .layer import SmearLinear
 from .model import SmearModel, get_routing_weights
@@ -54,7 +54,9 @@ def export_merged_adapter(
       over all the task's examples, and the export is the merged expert *of that mean routing*. Because A and B are
       merged separately, that is not the average of the examples' own merged experts.
 
-    The directory is written completely or not at all; an existing non-empty directory needs ``overwrite=True``.
+    The directory is replaced in one step once the new export is complete: a process killed at any moment leaves
+    the old directory (or nothing, if there was none) or the complete new export, never a mix, and never deletes the
+    old export before the new one is in place. An existing non-empty directory needs ``overwrite=True``.
     """
     tuner = getattr(peft_model, "base_model", None)
     if not isinstance(tuner, SmearModel):
@@ -173,16 +175,11 @@ def _check_distributions(
 
 
 def _write_atomically(target: Path, config: PeftConfig, weights: dict[str, torch.Tensor]) -> None:
-    """Write into a sibling temporary directory, then move it into place: a crash leaves no half-written adapter."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        staging.chmod(0o755)  # mkdtemp's private 0700 is not what a saved model directory should have
+    """Write the adapter into a staging directory beside ``target``, then swap it into place in one step (see
+    :mod:`peft_smear.core.atomic`): a kill at any moment leaves the old directory or the new adapter, never a mix and
+    never nothing; the old one is deleted only once the new one is in place."""
+    with atomic.staged_directory(target) as staging:
         config.save_pretrained(staging)
-        save_file(weights, staging / "adapter_model.safetensors", metadata={"format": "pt"})
-        if target.exists():
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
-        os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        atomic.step(f"wrote {CONFIG_NAME}")
+        save_file(weights, staging / SAFETENSORS_WEIGHTS_NAME, metadata={"format": "pt"})
+        atomic.step(f"wrote {SAFETENSORS_WEIGHTS_NAME}")

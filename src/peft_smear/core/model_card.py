@@ -19,6 +19,7 @@ from huggingface_hub import ModelCard
 from torch import nn
 
 from ..version import __version__
+from .atomic import destination
 from .experts import EXPERT_KINDS
 from .experts.adapter import DEFAULT_REDUCTION_FACTOR
 from .layer import SmearLinear
@@ -223,7 +224,8 @@ def _section(
         "```",
         "",
         "```python",
-        usage or _load_snippet(config, adapter_id or str(directory), base_model),
+        # a save being staged loads from its target, not from the staging directory the card is written in
+        usage or _load_snippet(config, adapter_id or str(destination(directory)), base_model),
         "```",
     ]
     for call_input in ROUTERS[routing].call_inputs:

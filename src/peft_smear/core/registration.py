@@ -119,8 +119,9 @@ def register(config_cls: type, tuner_cls: type, prefix: str) -> None:
 
 def route_peft_model_method(name: str, smear_method: Callable) -> None:
     """Make ``PeftModel.<name>(...)`` call ``smear_method(peft_method, model, ...)`` when the model's active adapter
-    is SMEAR; every other PEFT model keeps PEFT's method. Used for the model card and ``push_to_hub``, which PEFT
-    offers no hook for. Idempotent: a second call replaces the routing, never stacks it."""
+    is SMEAR; every other PEFT model keeps PEFT's method. Used for the model card, ``push_to_hub`` and the atomic
+    ``save_pretrained``, which PEFT offers no hook for. Idempotent: a second call replaces the routing, never stacks
+    it."""
     current = getattr(PeftModel, name)
     peft_method = getattr(current, "__smear_peft_method__", current)
 
@@ -134,9 +135,13 @@ def route_peft_model_method(name: str, smear_method: Callable) -> None:
     setattr(PeftModel, name, method)
 
 
-def install(config_cls: type, tuner_cls: type, model_card: Callable, push_to_hub: Callable) -> None:
+def install(
+    config_cls: type, tuner_cls: type, model_card: Callable, push_to_hub: Callable, save_pretrained: Callable
+) -> None:
     """Everything ``import peft_smear`` changes in PEFT, in one place: the ``"SMEAR"`` type in PEFT's registries,
-    and SMEAR's model card and ``push_to_hub`` for models whose active adapter is SMEAR (others keep PEFT's)."""
+    and SMEAR's model card, ``push_to_hub`` and atomic ``save_pretrained`` for models whose active adapter is SMEAR
+    (others keep PEFT's)."""
     register(config_cls, tuner_cls, tuner_cls.prefix)
     route_peft_model_method("create_or_update_model_card", model_card)
     route_peft_model_method("push_to_hub", push_to_hub)
+    route_peft_model_method("save_pretrained", save_pretrained)

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..core import atomic
 from .moefy import emoe_gates, moefy
 
 
@@ -28,7 +28,9 @@ GATE_SUFFIX = ":gate_weight"  # the learned gate's weight of a layer, in the par
 
 def save_emoe(model: nn.Module, directory: str | os.PathLike) -> None:
     """Write the EMoE settings and partition of ``model`` (a transformers model or a ``PeftModel``) into
-    ``directory`` (created if needed; e.g. the adapter's own). Each file is written whole or not at all."""
+    ``directory`` (created if needed; e.g. the adapter's own). The directory is replaced in one step with a copy in
+    which both files are new and everything else is as it was (see :mod:`peft_smear.core.atomic`): a kill at any
+    moment leaves the old pair of files or the new pair, never one of each."""
     gates = emoe_gates(model)
     if not gates:
         raise ValueError("The model has no EMoE layer to save; call moefy(model) first.")
@@ -46,12 +48,15 @@ def save_emoe(model: nn.Module, directory: str | os.PathLike) -> None:
         "layers": list(gates),
     }
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     tensors = {name: gate.group_of.detach().cpu().contiguous() for name, gate in gates.items()}
     if learned:
         tensors.update({name + GATE_SUFFIX: gate.weight.detach().cpu().contiguous() for name, gate in gates.items()})
-    _write_atomically(directory / PARTITION_NAME, lambda path: save_file(tensors, str(path)))
-    _write_atomically(directory / CONFIG_NAME, lambda path: path.write_text(json.dumps(config, indent=2) + "\n"))
+    # Both files change together: the directory is staged with everything else in it carried over, then swapped.
+    with atomic.staged_directory(directory, keep_others=True, rewrites=[PARTITION_NAME, CONFIG_NAME]) as staging:
+        save_file(tensors, str(staging / PARTITION_NAME))
+        atomic.step(f"wrote {PARTITION_NAME}")
+        (staging / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        atomic.step(f"wrote {CONFIG_NAME}")
 
 
 def load_emoe(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
@@ -77,14 +82,3 @@ def load_emoe(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
             for name, emoe_gate in emoe_gates(model).items():
                 emoe_gate.weight.copy_(tensors[name + GATE_SUFFIX])
     return model
-
-
-def _write_atomically(path: Path, write) -> None:
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(handle)
-    try:
-        write(Path(temporary))
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise

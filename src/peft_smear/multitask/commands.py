@@ -71,7 +71,11 @@ def add_train_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
     parser.add_argument("--seed", type=int, default=0, help="training seed; the data splits never change (default: 0)")
     parser.add_argument("--output-dir", default="smear-run", help="where the run is saved (default: smear-run)")
     parser.add_argument("--cache-dir", help="data cache (default: $PEFT_SMEAR_CACHE or ~/.cache/peft_smear)")
-    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --output-dir")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty --output-dir (it stays complete until the new run is; a failed run changes nothing)",
+    )
     parser.set_defaults(run=train_command)
     return parser
 

@@ -23,6 +23,7 @@ from peft import PeftConfig, PeftModel, get_peft_model
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, Trainer, TrainingArguments, set_seed
 from transformers.trainer_callback import PrinterCallback
 
+from ..core import atomic
 from ..core.arguments import name_path_pairs
 from ..core.config import SmearConfig
 from ..core.export import check_exportable, export_merged_adapter, refuse_occupied
@@ -70,7 +71,11 @@ def default_model_dir() -> Path:
 
 
 def train(args: argparse.Namespace) -> dict[str, float]:
-    """The ``train`` job; returns the test metrics (also in ``<output-dir>/metrics.json``)."""
+    """The ``train`` job; returns the test metrics (also in ``<output-dir>/metrics.json``). The run is written into a
+    staging directory beside ``--output-dir`` that replaces it in one step once the run is complete (see
+    :mod:`peft_smear.core.atomic`): a run that fails or is killed leaves no partial directory (a killed one leaves a
+    hidden staging directory, removed by the next run to the same output), and a previous run replaced with
+    ``--overwrite`` stays complete until then."""
     started = time.perf_counter()
     output_dir = Path(args.output_dir)
     refuse_occupied(output_dir, args.overwrite, "choose another directory or pass --overwrite")
@@ -100,49 +105,56 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     ratio = args.router_lr_ratio if args.router_lr_ratio is not None else ROUTERS[args.routing].default_lr_ratio
     if ratio != 1:
         optimizer = create_router_optimizer(peft_model, lr=args.learning_rate, router_lr_ratio=ratio)
-    trainer = fit(
-        peft_model,
-        splits["train"],
-        tasks,
-        collator,
-        output_dir,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        learning_rate=args.learning_rate,
-        seed=args.seed,
-        eval_dataset=splits["validation"],
-        eval_every=args.eval_every,
-        optimizer=optimizer,
-    )
-    trained = time.perf_counter()
+    # The whole run is written into a staging directory beside the output, which replaces it in one step at the end:
+    # a failed or killed run leaves no partial run, and a previous run stays until the new one is complete.
+    with atomic.staged_directory(output_dir) as run_dir:
+        trainer = fit(
+            peft_model,
+            splits["train"],
+            tasks,
+            collator,
+            run_dir,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            learning_rate=args.learning_rate,
+            seed=args.seed,
+            eval_dataset=splits["validation"],
+            eval_every=args.eval_every,
+            optimizer=optimizer,
+        )
+        trained = time.perf_counter()
 
-    output_dir.mkdir(parents=True, exist_ok=True)
-    peft_model.save_pretrained(str(output_dir))
-    run = {
-        "model": str(model_dir.resolve()),
-        "tasks": [asdict(task) for task in tasks],
-        "data": data_settings,
-        "max_length": args.max_length,
-    }
-    (output_dir / RUN_FILE).write_text(json.dumps(run, indent=2) + "\n")
+        peft_model.save_pretrained(str(run_dir))
+        atomic.step("wrote the adapter")
+        run = {
+            "model": str(model_dir.resolve()),
+            "tasks": [asdict(task) for task in tasks],
+            "data": data_settings,
+            "max_length": args.max_length,
+        }
+        (run_dir / RUN_FILE).write_text(json.dumps(run, indent=2) + "\n")
+        atomic.step(f"wrote {RUN_FILE}")
 
-    metrics = evaluate(trainer, splits["test"], tasks)
-    print("\n" + _metrics_table(metrics, tasks))
-    report = RoutingReport.collect(peft_model, batches_by_task(splits["test"], tasks, collator, args.batch_size))
-    report.save_json(output_dir / "routing.json")
-    report.save_heatmaps(output_dir / "routing.png")
-    usage = f'from peft_smear.multitask.training import load_run\n\nmodel = load_run("{output_dir}")'
-    write_model_card(peft_model, output_dir, usage=usage)
-    print("\n" + report.table())
-    summary = {
-        "split": "test",
-        "metrics": metrics,
-        "examples": {t.name: len(rows_of(splits["test"], i)) for i, t in enumerate(tasks)},
-        "steps": args.steps,
-        "train_seconds": round(trained - started, 1),
-        "total_seconds": round(time.perf_counter() - started, 1),
-    }
-    (output_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
+        metrics = evaluate(trainer, splits["test"], tasks)
+        print("\n" + _metrics_table(metrics, tasks))
+        report = RoutingReport.collect(peft_model, batches_by_task(splits["test"], tasks, collator, args.batch_size))
+        report.save_json(run_dir / "routing.json")
+        report.save_heatmaps(run_dir / "routing.png")
+        atomic.step("wrote the routing report")
+        usage = f'from peft_smear.multitask.training import load_run\n\nmodel = load_run("{output_dir}")'
+        write_model_card(peft_model, run_dir, usage=usage)
+        atomic.step("wrote the model card")
+        print("\n" + report.table())
+        summary = {
+            "split": "test",
+            "metrics": metrics,
+            "examples": {t.name: len(rows_of(splits["test"], i)) for i, t in enumerate(tasks)},
+            "steps": args.steps,
+            "train_seconds": round(trained - started, 1),
+            "total_seconds": round(time.perf_counter() - started, 1),
+        }
+        (run_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
+        atomic.step("wrote metrics.json")
     print(f"\nSaved the adapter, metrics and routing report to {output_dir} ({summary['total_seconds']:.0f} s).")
     return metrics
 
@@ -238,7 +250,9 @@ def export_tasks(
 ) -> list[Path]:
     """Write ``<output_dir>/<task>/``, for every task of the ``train`` run in ``run_dir``: the LoRA adapter that merges
     the experts with the task's mean routing over its ``split`` examples (see :func:`export_merged_adapter`), plus
-    the run's ``tasks.json`` and the task's name, so :func:`load_run` rebuilds the complete model for that task."""
+    the run's ``tasks.json`` and the task's name, so :func:`load_run` rebuilds the complete model for that task. Each
+    task's directory is replaced in one step once it is complete (see :mod:`peft_smear.core.atomic`): a kill leaves
+    every task's old export or its new one, never a part of one."""
     run_dir, output_dir = Path(run_dir), Path(output_dir)
     run = _read_run(run_dir)
     routing = json.loads((run_dir / "adapter_config.json").read_text()).get("routing", "smear")
@@ -249,8 +263,12 @@ def export_tasks(
     written = []
     for task in peft_model.get_base_model().tasks:
         target = output_dir / task.name
-        export_merged_adapter(peft_model, target, routing=batches[task.name], overwrite=overwrite)
-        (target / RUN_FILE).write_text(json.dumps({**run, "task": task.name}, indent=2) + "\n")
+        refuse_occupied(target, overwrite, "choose another directory or pass --overwrite")
+        # The adapter and its tasks.json replace the task's directory together, in one step.
+        with atomic.staged_directory(target) as staging:
+            export_merged_adapter(peft_model, staging, routing=batches[task.name], overwrite=True)
+            (staging / RUN_FILE).write_text(json.dumps({**run, "task": task.name}, indent=2) + "\n")
+            atomic.step(f"wrote {RUN_FILE}")
         print(f"{task.name}: merged LoRA of its mean routing over {split} examples -> {target}")
         written.append(target)
     return written
