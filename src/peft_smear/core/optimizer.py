@@ -26,7 +26,7 @@ def create_router_optimizer(
     """``optimizer_cls`` over the trainable parameters of ``model``, the routers' at ``lr * router_lr_ratio`` and all
     others (experts, heads, ``modules_to_save``) at ``lr``; ``kwargs`` go to the optimizer (e.g. ``weight_decay``).
 
-    A router's parameters are those of every :class:`~peft_smear.routers.Router` module, whatever the method (SMEAR's
+    A router's parameters are those of every :class:`~peft_smear.Router` module, whatever the method (SMEAR's
     weights and LayerNorms, REINFORCE's baseline, Latent Skills' logits). Pass the result to
     ``Trainer(optimizers=(optimizer, None))``: Trainer's schedule scales both rates alike.
     """
