@@ -6,8 +6,8 @@ The same script runs on one process and under any launcher; what is distributed,
     torchrun --nproc_per_node 2 examples/train_accelerate.py          # DDP on 2 GPUs, or 2 CPU processes (gloo)
     accelerate launch --config_file examples/accelerate_configs/fsdp.yaml examples/train_accelerate.py --model DIR
 
-Accelerate configs for DDP, FSDP, FSDP2 and DeepSpeed ZeRO-2/3 are in ``examples/accelerate_configs/``; the README's
-"Multi-GPU" section lists the commands and what was verified where.
+Accelerate configs for DDP, FSDP, FSDP2 and DeepSpeed ZeRO-2/3 are in ``examples/accelerate_configs/``;
+``docs/multi-gpu.md`` lists the commands and what was verified where.
 
 What it shows, top to bottom:
 

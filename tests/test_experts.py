@@ -536,14 +536,12 @@ def test_t5_example_places_an_adapter_after_every_sub_layer(capsys):
     assert "routing blocks: 2 per encoder layer, 3 per decoder layer" in capsys.readouterr().out
 
 
-def test_readme_t5_snippet_runs_and_matches_the_example():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    blocks = [block.split("```")[0] for block in readme.split("```python")[1:]]
-    snippet = next(block for block in blocks if 'expert_type="adapter"' in block).replace(
-        'T5ForConditionalGeneration.from_pretrained("google/t5-v1_1-base")', "tiny_t5_v1_1()"
-    )
+def test_the_docs_t5_snippet_matches_the_example():
+    page = (Path(__file__).resolve().parents[1] / "docs" / "experts.md").read_text()
+    blocks = [block.split("```")[0] for block in page.split("```python")[1:]]
+    snippet = next(block for block in blocks if 'expert_type="adapter"' in block)
     example = load_example("t5_adapter_config")
-    namespace = {"peft_smear": peft_smear, "get_peft_model": get_peft_model, "tiny_t5_v1_1": example.tiny_t5_v1_1}
+    namespace = {"peft_smear": peft_smear, "get_peft_model": get_peft_model, "base_model": example.tiny_t5_v1_1()}
     exec(snippet, namespace)
     assert namespace["config"] == example.paper_t5_config()
     assert len(smear_layers(namespace["model"])) == 2 * 2 + 3 * 2

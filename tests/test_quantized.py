@@ -121,7 +121,7 @@ def test_smear_wraps_the_quantized_layers_without_touching_them(base_dir, quanti
 def smear_on_both_bases(base_dir, quantization: str, kind: str, **overrides):
     """SMEAR with identical weights on the quantized base and on its dequantized copy. The weights are copied before
     either model runs: bitsandbytes 0.50.2 corrupts 4-bit weights that its CPU inference kernel has repacked when
-    ``state_dict()`` is called afterwards (see README, Quantized base models)."""
+    ``state_dict()`` is called afterwards (see docs/llm.md, Quantized base models)."""
     quantized_base = quantized(base_dir, quantization)
     dense_base = dequantized_copy(base_dir, quantized_base)
     torch.manual_seed(0)

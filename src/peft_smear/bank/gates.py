@@ -1,6 +1,6 @@
 """PHATGOOSE's gate training: after an expert is trained, a gate vector per module learns, on that expert's own data
 and with everything else frozen, where in activation space the expert helps. PHATGOOSE and GLIDER route by these
-gates (:mod:`peft_smear.routers.library`)."""
+gates (:mod:`peft_smear.bank.routers`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Export the merged expert of a fixed routing as an adapter with one expert per module.
 
 For one fixed distribution ``p`` per layer the merged expert is an ordinary adapter of the same kind, and each expert
-kind writes it as such (:meth:`~peft_smear.experts.ExpertKind.export_weights`):
+kind writes it as such (:meth:`~peft_smear.core.experts.ExpertKind.export_weights`):
 
 * LoRA experts: SMEAR applies ``(sum_n p_n B_n)(sum_n p_n A_n) x * scaling``, exactly a LoRA with
   ``A = sum_n p_n A_n`` and ``B = sum_n p_n B_n`` at the same rank and scaling, which vanilla PEFT, vLLM, TGI and

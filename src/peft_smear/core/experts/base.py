@@ -4,7 +4,7 @@ A kind owns the expert parameters of one wrapped module (flat ``[num_experts, ..
 ``ParameterDict`` entry each) and says how to merge them by a routing distribution, pick one of them, apply one
 expert per example, and mix the experts' outputs. Everything else (routers, routing methods, expert dropout, the
 generation cache, saving and loading) is shared by all kinds. The kinds themselves are listed in
-:mod:`peft_smear.experts`.
+:mod:`peft_smear.core.experts`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class ExpertKind:
 
     An instance is made per module and adapter (it knows the module's sizes and the config); the parameters live in
     the layer's ParameterDicts and are passed in as :data:`Params`. A new kind subclasses this, implements the
-    methods that raise ``NotImplementedError``, and is added to :data:`peft_smear.experts.EXPERT_KINDS`; its
+    methods that raise ``NotImplementedError``, and is added to :data:`peft_smear.core.experts.EXPERT_KINDS`; its
     own config fields go into ``SmearConfig`` and are listed in ``options``.
     """
 
