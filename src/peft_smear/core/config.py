@@ -319,7 +319,9 @@ class SmearConfig(PeftConfig):
                     f"routing={self.routing!r}: {listing(settings, limit=60)}."
                 )
             defaults = {option.default for other in owners for option in other.options if option.name == name}
-            if value is None or defaults == {value}:
+            # Older adapters stored every method's options, the others at their defaults then (anything else was
+            # refused when they were built).
+            if value is None or defaults == {value} or self._saved_before_options:
                 continue
             methods = tuple(other.name for other in owners)
             raise ValueError(

@@ -247,6 +247,9 @@ class STGumbelRouter(ProbabilityRouter):
         return one_expert(index, probs.shape[-1], output_scale=1 - chosen.detach() + chosen)
 
 
+BASELINE_REDUCTION = 8  # the reference code's baseline: hidden width = the model's width / 8
+
+
 @dataclass
 class PolicyStep:
     """What REINFORCE needs from one layer to form its losses once the example's task loss is known."""
@@ -279,13 +282,18 @@ class ReinforceRouter(ProbabilityRouter):
             number(inclusive=True),
         ),
         Option("reinforce_value_weight", 1e-2, "weight gamma of the baseline's Huber loss", number(inclusive=True)),
-        Option("reinforce_baseline_hidden_size", 64, "width of the one-hidden-layer baseline network", integer(1)),
+        Option(
+            "reinforce_baseline_hidden_size",
+            None,
+            "width of the one-hidden-layer baseline network (default: the router's input width / 8, the reference's)",
+            integer(1),
+        ),
     )
 
     def __init__(self, features: int, config: SmearConfig, module_name: str) -> None:
         super().__init__(features, config, module_name)
         options = config.routing_options
-        hidden = options["reinforce_baseline_hidden_size"]
+        hidden = options["reinforce_baseline_hidden_size"] or max(1, features // BASELINE_REDUCTION)
         self.baseline_hidden_weight = nn.Parameter(torch.randn(hidden, features) / features**0.5)
         self.baseline_hidden_bias = nn.Parameter(torch.zeros(hidden))
         self.baseline_output_weight = nn.Parameter(torch.zeros(hidden))
