@@ -14,9 +14,11 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .card import write_emoe_card
 from .moefy import emoe_gates, moefy
 
 
@@ -28,7 +30,9 @@ GATE_SUFFIX = ":gate_weight"  # the learned gate's weight of a layer, in the par
 
 def save_emoe(model: nn.Module, directory: str | os.PathLike) -> None:
     """Write the EMoE settings and partition of ``model`` (a transformers model or a ``PeftModel``) into
-    ``directory`` (created if needed; e.g. the adapter's own). Each file is written whole or not at all."""
+    ``directory`` (created if needed; e.g. the adapter's own). Each file is written whole or not at all. The
+    directory's model card (README.md, made if missing) gets a section saying that loading it needs
+    :func:`load_emoe` on the base model before ``PeftModel.from_pretrained``."""
     gates = emoe_gates(model)
     if not gates:
         raise ValueError("The model has no EMoE layer to save; call moefy(model) first.")
@@ -52,6 +56,7 @@ def save_emoe(model: nn.Module, directory: str | os.PathLike) -> None:
         tensors.update({name + GATE_SUFFIX: gate.weight.detach().cpu().contiguous() for name, gate in gates.items()})
     _write_atomically(directory / PARTITION_NAME, lambda path: save_file(tensors, str(path)))
     _write_atomically(directory / CONFIG_NAME, lambda path: path.write_text(json.dumps(config, indent=2) + "\n"))
+    write_emoe_card(directory, config, CONFIG_NAME, PARTITION_NAME)
 
 
 def load_emoe(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
@@ -62,11 +67,15 @@ def load_emoe(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
     for path in (config_path, partition_path):
         if not path.is_file():
             raise FileNotFoundError(f"{directory} holds no saved EMoE model: {path.name} is missing.")
-    config = json.loads(config_path.read_text())
-    if config.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{config_path} has format {config.get('format')!r}; this version reads {FORMAT_VERSION}.")
-    tensors = load_file(str(partition_path))
-    gate = config.get("gate", "avg_k")
+    config = _read_config(config_path)
+    try:
+        tensors = load_file(str(partition_path))
+    except (OSError, SafetensorError) as error:
+        raise ValueError(
+            f"{partition_path} cannot be read ({error}); expected the safetensors file save_emoe writes: is it "
+            "truncated or corrupt?"
+        ) from None
+    gate = config["gate"]
     expected = config["layers"] + ([name + GATE_SUFFIX for name in config["layers"]] if gate == "learned" else [])
     if sorted(tensors) != sorted(expected):
         raise ValueError(f"{partition_path} holds {sorted(tensors)}; its config needs {sorted(expected)}.")
@@ -77,6 +86,43 @@ def load_emoe(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
             for name, emoe_gate in emoe_gates(model).items():
                 emoe_gate.weight.copy_(tensors[name + GATE_SUFFIX])
     return model
+
+
+EXPECTED_CONFIG = (
+    'the JSON object save_emoe writes: {"format": 1, "num_experts": N, "top_k": K, "gate": "avg_k" or "learned", '
+    '"layers": [FFN module names]}'
+)
+
+
+def _read_config(path: Path) -> dict:
+    """``emoe_config.json``, checked: every refusal names the file, the value, and what is expected."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON ({error}); expected {EXPECTED_CONFIG}.") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds a JSON {type(config).__name__}, not an object; expected {EXPECTED_CONFIG}.")
+    if config.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{path} has format {config.get('format')!r}; this version reads {FORMAT_VERSION}.")
+    missing = [key for key in ("num_experts", "top_k", "layers") if key not in config]
+    if missing:
+        raise ValueError(f"{path} has no {', '.join(map(repr, missing))}; expected {EXPECTED_CONFIG}.")
+    config.setdefault("gate", "avg_k")  # files written before learned gates existed
+    num_experts, top_k, gate, layers = (config[key] for key in ("num_experts", "top_k", "gate", "layers"))
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"{path}: num_experts is {num_experts!r}; expected a positive integer.")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"{path}: top_k is {top_k!r}; expected an integer in [1, num_experts={num_experts}].")
+    if gate not in ("avg_k", "learned"):
+        raise ValueError(f"{path}: gate is {gate!r}; expected 'avg_k' or 'learned'.")
+    if (
+        not isinstance(layers, list)
+        or not layers
+        or not all(isinstance(name, str) and name for name in layers)
+        or len(set(layers)) != len(layers)
+    ):
+        raise ValueError(f"{path}: layers is {layers!r}; expected a non-empty list of distinct FFN module names.")
+    return config
 
 
 def _write_atomically(path: Path, write) -> None:
