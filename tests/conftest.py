@@ -11,7 +11,7 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-from peft import get_peft_model
+from peft import LoraConfig, get_peft_model
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 from transformers import (
     BertConfig,
@@ -330,3 +330,26 @@ def reference_smear_forward(layer, config, x, token_mask, encoder_summary=None, 
         else:
             outputs.append(base_output(layer, xb * m["smear_ia3_l"]) if input_scaled else yb * m["smear_ia3_l"])
     return torch.stack(outputs)
+
+
+def save_bank_inputs(root, names: tuple[str, ...] = ("one", "two")) -> dict[str, Path]:
+    """A tiny Llama base (with tokenizer) in ``root/base``, one trained-looking LoRA adapter per name (ranks 2, 4,
+    6, ...) in ``root/<name>``, and prompt/response rows in ``root/data.jsonl``: what ``build-bank`` reads."""
+    root = Path(root)
+    tiny_llama().save_pretrained(root / "base")
+    tiny_tokenizer().save_pretrained(root / "base")
+    adapters = {}
+    for seed, name in enumerate(names, 1):
+        model = get_peft_model(
+            tiny_llama(), LoraConfig(r=2 * seed, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        )
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                if "lora_" in param_name:
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+        model.save_pretrained(root / name)
+        adapters[name] = root / name
+    rows = [{"prompt": f"w{i} w{i + 1} w{i + 2}", "response": f"w{i + 3} w{i + 4}"} for i in range(2, 40, 3)]
+    (root / "data.jsonl").write_text("\n".join(json.dumps(row) for row in rows))
+    return adapters

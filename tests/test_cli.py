@@ -170,7 +170,11 @@ def test_non_empty_output_is_refused_before_loading_and_overwrite_replaces_it(sa
     assert_refused(code, capsys, "exists and is not empty; pass --overwrite")
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
     assert export(base, adapter, tmp_path / "out", "--expert", "0", "--overwrite") == 0
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "README.md",
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
 
 
 def test_output_holding_an_input_is_refused_even_with_overwrite(saved, capsys):

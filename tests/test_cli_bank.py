@@ -6,32 +6,15 @@ from __future__ import annotations
 import json
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from conftest import random_batch, save_tiny_encoder, tiny_llama, tiny_tokenizer
+from conftest import random_batch, save_bank_inputs, save_tiny_encoder, tiny_llama
 from peft_smear import cli
 
 
-def saved_inputs(root):
-    tiny_llama().save_pretrained(root / "base")
-    tiny_tokenizer().save_pretrained(root / "base")
-    adapters = {}
-    for seed, (name, r) in enumerate([("one", 2), ("two", 4)], 1):
-        model = get_peft_model(
-            tiny_llama(), LoraConfig(r=r, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-        )
-        generator = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for param_name, param in model.named_parameters():
-                if "lora_" in param_name:
-                    param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
-        model.save_pretrained(root / name)
-        adapters[name] = root / name
-    rows = [{"prompt": f"w{i} w{i + 1} w{i + 2}", "response": f"w{i + 3} w{i + 4}"} for i in range(2, 40, 3)]
-    (root / "data.jsonl").write_text("\n".join(json.dumps(row) for row in rows))
-    return adapters
+saved_inputs = save_bank_inputs
 
 
 def test_build_bank_writes_a_bank_that_reproduces_its_adapters(tmp_path):

@@ -386,6 +386,34 @@ def test_load_emoe_refuses_missing_files_and_foreign_partitions(tmp_path):
     assert list(emoe_gates(reloaded)) == ["model.layers.1.mlp"]
 
 
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"format": 1, "num_experts": 8, "top_k": 3}', "has no 'layers'; expected the JSON object save_emoe writes"),
+        ('["model.layers.1.mlp"]', "holds a JSON list, not an object; expected the JSON object save_emoe writes"),
+        ("num_experts: 8", r"is not valid JSON \(Expecting value: line 1 column 1 \(char 0\)\); expected"),
+        ('{"format": 1, "num_experts": 8, "top_k": 9, "layers": ["x"]}', r"top_k is 9; expected an integer in \[1,"),
+        ('{"format": 1, "num_experts": 8, "top_k": 3, "layers": "x"}', "layers is 'x'; expected a non-empty list"),
+        ('{"format": 1, "num_experts": 8, "top_k": 3, "gate": "x", "layers": ["x"]}', "gate is 'x'; expected 'avg_k'"),
+    ],
+    ids=["no layers", "a list", "not json", "top_k too large", "layers not a list", "unknown gate"],
+)
+def test_a_malformed_config_is_refused_naming_the_file_and_what_is_expected(tmp_path, content, message):
+    save_emoe(moefy(tiny_llama(), N, K, layers=[1]), tmp_path)
+    (tmp_path / "emoe_config.json").write_text(content)
+    with pytest.raises(ValueError, match=message) as error:
+        load_emoe(tiny_llama(), tmp_path)
+    assert str(tmp_path / "emoe_config.json") in str(error.value)
+
+
+def test_a_truncated_partition_is_refused_naming_the_file(tmp_path):
+    save_emoe(moefy(tiny_llama(), N, K, layers=[1]), tmp_path)
+    partition = tmp_path / "emoe_partition.safetensors"
+    partition.write_bytes(partition.read_bytes()[:50])
+    with pytest.raises(ValueError, match=r"emoe_partition\.safetensors cannot be read .*truncated or corrupt"):
+        load_emoe(tiny_llama(), tmp_path)
+
+
 def test_a_partition_that_is_not_balanced_is_refused():
     labels = torch.arange(48) % 8
     labels[0] = 1

@@ -480,7 +480,7 @@ def test_fixed_distribution_export_equals_the_forced_smear_model(kind, tmp_path)
 def test_output_mixtures_are_refused_by_export(kind, tmp_path):
     model = smear(tiny_llama(), kind, routing="ensemble")
     with pytest.raises(ValueError, match="routing='ensemble', which mixes or scales the experts' outputs"):
-        export_merged_adapter(model, tmp_path / "out", routing={})
+        export_merged_adapter(model, tmp_path / "out", routing=[random_batch(2, 5)])
     assert not (tmp_path / "out").exists()
 
 

@@ -190,5 +190,9 @@ def test_non_empty_directory_needs_overwrite(llama_smear, tmp_path):
         export_merged_adapter(model, tmp_path / "out", routing=routing)
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
     export_merged_adapter(model, tmp_path / "out", routing=routing, overwrite=True)
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "README.md",
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
     assert [p.name for p in tmp_path.iterdir()] == ["out"], "no staging directory may be left behind"

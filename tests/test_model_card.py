@@ -45,12 +45,15 @@ def table(text: str) -> dict[str, str]:
 def test_a_new_card_describes_the_adapter_and_its_load_snippet_runs(tmp_path):
     model = smear_llama(tmp_path, num_experts=3, r=2, target_modules=["q_proj", "o_proj"])
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # before save: the adapter trains
-    base_total = sum(p.numel() for p in model.get_base_model().parameters() if not p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
     model.save_pretrained(tmp_path / "adapter")
 
     card = ModelCard.load(tmp_path / "adapter" / "README.md")
     assert set(card.data.tags) >= SMEAR_TAGS
-    assert card.data.library_name == "peft" and card.data.base_model == str(tmp_path / "base")
+    # The Hub reads base_model as a model id: a local directory is left out of the metadata, and out of the tags.
+    assert card.data.library_name == "peft" and card.data.base_model is None
+    assert not any(tag.startswith("base_model:") for tag in card.data.tags)
+    assert card.text.startswith("# SMEAR adapter for a `llama` model")
     text = card.text
     assert "https://arxiv.org/abs/2306.03745" in text and "pip install peft-smear" in text
     rows = table(text)
@@ -61,10 +64,7 @@ def test_a_new_card_describes_the_adapter_and_its_load_snippet_runs(tmp_path):
     against = "load-balancing weight 0.01, temperature 1, uniform warm-up 0 training calls"  # the library's defaults
     assert rows["against router collapse"] == against
     assert rows["target modules"] == "`o_proj`, `q_proj` (4 layers)"
-    assert (
-        rows["trainable parameters"]
-        == f"{trainable:,} ({100 * trainable / base_total:.2f}% of the base model's {base_total:,})"
-    )
+    assert rows["trainable parameters"] == f"{trainable:,} of all {total:,} ({100 * trainable / total:.4f}%)"
     assert "Framework versions" in text and f"- peft-smear {peft_smear.__version__}" in text
 
     (snippet,) = python_blocks(text)
@@ -152,7 +152,7 @@ def test_a_routing_report_adds_the_per_task_table_and_the_heatmap(tmp_path):
         model, {"alpha": [random_batch(3, 6, seed=1)], "beta": [random_batch(5, 6, seed=2)]}
     )
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # experts, routers, the head's copy
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
     directory = tmp_path / "run"
     model.save_pretrained(directory)
     report.save_json(directory / "routing.json")
@@ -161,7 +161,7 @@ def test_a_routing_report_adds_the_per_task_table_and_the_heatmap(tmp_path):
 
     text = (directory / "README.md").read_text()
     assert text.count(SECTION_BEGIN) == 1 and python_blocks(text) == ["model = load_the_run()\n"]
-    counts = f"{trainable:,} ({100 * trainable / frozen:.2f}% of the base model's {frozen:,})"
+    counts = f"{trainable:,} of all {total:,} ({100 * trainable / total:.4f}%)"
     assert table(text)["trainable parameters"] == counts
     assert "![Mean routing of each task (rows) over the experts (columns), per router](routing.png)" in text
     for t, (task, examples) in enumerate((("alpha", 3), ("beta", 5))):

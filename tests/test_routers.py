@@ -513,13 +513,19 @@ def test_every_method_saves_and_reloads_exactly(routing, tmp_path):
 
 @pytest.mark.parametrize("routing", ["ensemble", "top_k", "dselect_k"])
 def test_export_refuses_methods_whose_output_is_not_one_lora(routing, tmp_path):
+    """A mixture of their experts is no merged expert, and neither is a task's mean routing; one expert is itself."""
     model = bert_with(routing)
     layer_names = [n for n, m in model.base_model.model.named_modules() if isinstance(m, SmearLinear)]
     with pytest.raises(ValueError, match="mixes or scales the experts' outputs"):
         peft_smear.export_merged_adapter(
-            model, tmp_path / "out", routing={name: torch.tensor([1.0, 0, 0, 0]) for name in layer_names}
+            model, tmp_path / "out", routing={name: torch.tensor([0.5, 0.5, 0, 0]) for name in layer_names}
         )
+    batches = classification_data(n_batches=1)
+    with pytest.raises(ValueError, match="mixes or scales the experts' outputs"):
+        peft_smear.export_merged_adapter(model, tmp_path / "out", routing=iter(batches))
     assert not (tmp_path / "out").exists()
+    one_hot = {name: torch.tensor([0.0, 1, 0, 0]) for name in layer_names}
+    assert peft_smear.export_merged_adapter(model, tmp_path / "out", routing=one_hot).peft_type == "LORA"
 
 
 def test_st_gumbel_temperature_anneals_with_training_calls():

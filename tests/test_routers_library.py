@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from peft import get_peft_model
+from peft import PeftModel, get_peft_model
+from safetensors.torch import load_file
 
 import peft_smear
 from conftest import random_batch, tiny_llama
@@ -299,13 +300,25 @@ def test_gradient_checkpointing_gives_the_same_gradients(routing):
 
 
 @pytest.mark.parametrize("routing", PER_TOKEN)
-def test_export_refuses_per_token_routing(routing, tmp_path):
+def test_export_refuses_per_token_routing_but_exports_one_expert(routing, tmp_path):
     model = library_model(routing)
     with pytest.raises(ValueError, match="routes every token on its own"):
         peft_smear.export_merged_adapter(
-            model, tmp_path / "out", routing={name: torch.tensor([1.0, 0, 0]) for name in layers(model)}
+            model, tmp_path / "out", routing={name: torch.tensor([0.5, 0.5, 0]) for name in layers(model)}
         )
+    with pytest.raises(ValueError, match="routes every token on its own"):
+        peft_smear.export_merged_adapter(model, tmp_path / "out", routing=[random_batch(2, 5)])
     assert not (tmp_path / "out").exists()
+    # One expert is a plain LoRA whatever routes it: exported, it is that expert's A and B, loadable by PEFT.
+    config = peft_smear.export_merged_adapter(
+        model, tmp_path / "out", routing={name: torch.tensor([0.0, 0, 1]) for name in layers(model)}
+    )
+    assert config.peft_type == "LORA"
+    saved = load_file(tmp_path / "out" / "adapter_model.safetensors")
+    for name, layer in layers(model).items():
+        assert torch.equal(saved[f"base_model.model.{name}.lora_A.weight"], layer.smear_lora_A["default"][2])
+        assert torch.equal(saved[f"base_model.model.{name}.lora_B.weight"], layer.smear_lora_B["default"][2])
+    PeftModel.from_pretrained(tiny_llama(seed=0), tmp_path / "out")
 
 
 def test_arrow_needs_lora_experts_and_checks_its_options():

@@ -9,12 +9,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from peft import PeftConfig, PeftModel, PeftType
+from safetensors import SafetensorError
 from tqdm import tqdm
 from transformers import (
     AutoModel,
@@ -28,11 +30,11 @@ from transformers import (
 )
 
 from .bank.command import add_build_bank_command
-from .core.arguments import CommandError, positive_int
+from .core.arguments import CommandError, Parser, one_line, positive_int, report_error
 from .core.checks import listing
 from .core.config import SmearConfig
 from .core.experts import EXPERT_KINDS
-from .core.export import export_merged_adapter, refuse_occupied
+from .core.export import check_exportable, export_merged_adapter, refuse_occupied
 from .core.layer import SmearLinear
 from .core.registration import SmearPeftType
 from .multitask.commands import add_export_tasks_command, add_train_command
@@ -50,18 +52,37 @@ AUTO_MODEL_CLASSES = {
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 
 
+# What bad input raises (paths, names, values, unreadable or corrupt files, existing outputs, missing optional
+# packages): reported as one `error:` line with exit code 2.
+USER_ERRORS = (CommandError, ValueError, OSError, ImportError, SafetensorError)
+TRACEBACK_VARIABLE = "PEFT_SMEAR_TRACEBACK"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run ``peft-smear`` with ``argv`` (default: ``sys.argv[1:]``) and return the exit code."""
+    """Run ``peft-smear`` with ``argv`` (default: ``sys.argv[1:]``) and return the exit code. Every error is one
+    ``peft-smear <command>: error: ...`` line on stderr: exit code 2 for bad input, 1 for anything else (a bug: set
+    ``PEFT_SMEAR_TRACEBACK=1`` to see its traceback), 130 when interrupted."""
     args = build_parser().parse_args(argv)
     try:
         return args.run(args) or 0
-    except CommandError as error:
-        print(f"peft-smear {args.command}: error: {error}", file=sys.stderr)
-        return 2
+    except USER_ERRORS as error:
+        return report_error(args.command, error)
+    except KeyboardInterrupt:
+        print(f"peft-smear {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:
+        if os.environ.get(TRACEBACK_VARIABLE):
+            raise
+        print(
+            f"peft-smear {args.command}: error: unexpected {type(error).__name__}: {one_line(error)} (set "
+            f"{TRACEBACK_VARIABLE}=1 for the traceback, and please report it)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="peft-smear", description="Tools for SMEAR adapters.")
+    parser = Parser(prog="peft-smear", description="Tools for SMEAR adapters.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     export = commands.add_parser(
         "export",
@@ -126,6 +147,10 @@ def export_command(args: argparse.Namespace) -> None:
             f"(0 to {config.num_experts - 1})."
         )
     if args.task_data is not None:
+        try:
+            check_exportable(config.routing, f"--adapter {args.adapter}", "pass --expert INDEX instead of --task-data")
+        except ValueError as error:
+            raise CommandError(str(error)) from None
         texts = _task_texts(args.task_data, args.text_column, args.task)
         tokenizer = _load_tokenizer(args.base_model, args.adapter)
 
@@ -147,7 +172,13 @@ def export_command(args: argparse.Namespace) -> None:
         task = f" of task {args.task!r}" if args.task is not None else ""
         described = f"the mean routing of {len(texts)} examples{task} from {args.task_data}"
     exported = export_merged_adapter(
-        model, args.output, routing=routing, adapter_name=args.adapter_name, overwrite=args.overwrite
+        model,
+        args.output,
+        routing=routing,
+        adapter_name=args.adapter_name,
+        overwrite=args.overwrite,
+        source=str(args.adapter),
+        task=None if args.task is None else f"`{args.task}`",
     )
 
     shape = f"{len(exported.target_modules)} target modules"
@@ -241,11 +272,19 @@ def _load_tokenizer(*directories: Path) -> PreTrainedTokenizerBase:
 
 
 def _load_model(auto_class: type, base_model: Path, adapter: Path, adapter_name: str) -> PeftModel:
-    base = auto_class.from_pretrained(base_model, local_files_only=True)
+    try:
+        base = auto_class.from_pretrained(base_model, local_files_only=True)
+    except (OSError, ValueError, SafetensorError) as error:
+        raise CommandError(f"--base-model {base_model}: cannot load it as a {auto_class.__name__}: {error}") from None
     try:
         model = PeftModel.from_pretrained(base, adapter, adapter_name=adapter_name, local_files_only=True)
     except ValueError as error:  # strict loading: trained on another base model, or with another head size
         raise CommandError(f"--adapter {adapter} does not fit --base-model {base_model}: {error}") from None
+    except (OSError, SafetensorError) as error:  # a missing, truncated or corrupt weights file
+        raise CommandError(
+            f"--adapter {adapter}: cannot read its weights ({type(error).__name__}: {error}); expected the "
+            "adapter_model.safetensors that save_pretrained() writes."
+        ) from None
     return model.eval()
 
 

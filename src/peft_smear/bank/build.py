@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from peft.utils import load_peft_weights
+from safetensors import SafetensorError
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
@@ -118,9 +120,19 @@ def read_lora_adapter(name: str, source: AdapterSource, base_model: nn.Module) -
     else:
         try:
             config = PeftConfig.from_pretrained(str(source))
-            state = load_peft_weights(str(source))
         except (OSError, ValueError) as error:
-            raise ValueError(f"Adapter {name!r}: cannot read a PEFT adapter from {str(source)!r}: {error}") from error
+            raise ValueError(
+                f"Adapter {name!r}: cannot read a PEFT adapter from {str(source)!r}: {error} (expected a saved PEFT "
+                "LoRA adapter: a directory with adapter_config.json and its weights, or a Hub id)"
+            ) from error
+        try:
+            state = load_peft_weights(str(source))
+        except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError, SafetensorError) as error:
+            raise ValueError(
+                f"Adapter {name!r}: cannot read the weights of {str(source)!r} ({type(error).__name__}: {error}); "
+                "expected the adapter_model.safetensors that save_pretrained() writes: is the file truncated or "
+                "corrupt?"
+            ) from error
     peft_type = getattr(config.peft_type, "value", config.peft_type)
     if peft_type != "LORA":
         raise ValueError(f"Adapter {name!r} is a {peft_type} adapter; a bank is built from LoRA adapters.")

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from ..core.arguments import CommandError, positive_int
 from ..core.export import refuse_occupied
 from ..core.routers import ROUTERS
+from .routers import GateRouter
 
 
 def add_build_bank_command(commands: argparse._SubParsersAction) -> None:
@@ -52,7 +53,18 @@ def add_build_bank_command(commands: argparse._SubParsersAction) -> None:
     described.add_argument("--description-model", type=Path, metavar="PATH", help="causal LM dir or .gguf file")
     described.add_argument("--embedding-model", type=Path, metavar="DIR", help="sentence encoder (e.g. MiniLM)")
     training = parser.add_argument_group("training over the bank")
-    training.add_argument("--gate-data", action="append", default=[], metavar="NAME=FILE", help="PHATGOOSE gates")
+    training.add_argument(
+        "--gate-data",
+        action="append",
+        default=[],
+        metavar="NAME=FILE",
+        help="an expert's own data, to train its gates (routings with gates: " + ", ".join(_gated_routings()) + ")",
+    )
+    training.add_argument(
+        "--untrained-gates",
+        action="store_true",
+        help="allow experts without --gate-data: their gates stay untrained (zero), so they score every token alike",
+    )
     training.add_argument("--gate-steps", type=positive_int, default=100, metavar="N", help="per expert (100)")
     training.add_argument("--gate-lr", type=float, default=5e-3, help="gate learning rate (5e-3)")
     training.add_argument("--router-data", type=Path, metavar="FILE", help="mixed data: train the SMEAR router")
@@ -94,11 +106,34 @@ def build_bank_command(args: argparse.Namespace) -> None:
     described = descriptions or examples
     if ROUTERS[args.routing].needs_task_descriptions and (args.embedding_model is None or not described):
         raise CommandError(f"--routing {args.routing} needs descriptions (or --examples) and --embedding-model.")
+    if args.embedding_model is not None:
+        _require_file(args.embedding_model, "--embedding-model", "config.json")
+    if args.description_model is not None and not args.description_model.exists():
+        raise CommandError(f"--description-model {args.description_model} does not exist.")
+    if args.router_data is not None and ROUTERS[args.routing].over_existing_adapters:
+        raise CommandError(
+            "--router-data trains a learned router (e.g. smear) over the bank on mixed data; "
+            f"--routing {args.routing} is not trained that way: "
+            + (
+                "its gates train on each expert's own data (--gate-data)."
+                if args.routing in _gated_routings()
+                else "it has nothing to train."
+            )
+        )
+    gate_rows = _gate_rows(args, adapters)
+    router_rows = _read_rows(args.router_data) if args.router_data is not None else None
 
-    task_type = args.task_type or PeftConfig.from_pretrained(str(next(iter(adapters.values())))).task_type
+    first, first_path = next(iter(adapters.items()))
+    try:
+        task_type = args.task_type or PeftConfig.from_pretrained(str(first_path)).task_type
+    except ValueError as error:  # PEFT's config of a bad adapter_config.json
+        raise CommandError(f"--adapter {first}={first_path}: invalid adapter_config.json: {error}") from None
     if task_type not in ("CAUSAL_LM", "SEQ_CLS"):
         raise CommandError(f"build-bank handles CAUSAL_LM and SEQ_CLS adapters, got task type {task_type!r}.")
-    tokenizer = AutoTokenizer.from_pretrained(args.base_model, local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.base_model, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise CommandError(f"--base-model {args.base_model} has no loadable tokenizer: {error}") from None
     if tokenizer.pad_token is None:  # padding never reaches a router, so any known token pads
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     if examples:
@@ -110,13 +145,21 @@ def build_bank_command(args: argparse.Namespace) -> None:
     if descriptions and args.embedding_model is not None:
         from transformers import AutoModel
 
-        encoder = AutoModel.from_pretrained(args.embedding_model, local_files_only=True).eval()
-        encoder_tokenizer = AutoTokenizer.from_pretrained(args.embedding_model, local_files_only=True)
+        try:
+            encoder = AutoModel.from_pretrained(args.embedding_model, local_files_only=True).eval()
+            encoder_tokenizer = AutoTokenizer.from_pretrained(args.embedding_model, local_files_only=True)
+        except (OSError, ValueError) as error:
+            raise CommandError(f"--embedding-model {args.embedding_model}: cannot load it: {error}") from None
         ordered = [descriptions[name] for name in adapters]
         embeddings = dict(zip(adapters, embed_texts(ordered, encoder, encoder_tokenizer).tolist(), strict=True))
 
     auto_class = AutoModelForCausalLM if task_type == "CAUSAL_LM" else AutoModelForSequenceClassification
-    base = auto_class.from_pretrained(args.base_model, local_files_only=True)
+    try:
+        base = auto_class.from_pretrained(args.base_model, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise CommandError(
+            f"--base-model {args.base_model}: cannot load it as a {auto_class.__name__}: {error}"
+        ) from None
     settings: dict[str, Any] = {"routing": args.routing, "task_type": task_type}
     try:
         bank = build_expert_bank(
@@ -131,22 +174,56 @@ def build_bank_command(args: argparse.Namespace) -> None:
     except ValueError as error:
         raise CommandError(str(error)) from None
 
-    def batches(path: Path) -> list[dict[str, torch.Tensor]]:
-        rows = _read_rows(path)
+    def batches(path: Path, rows: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]]:
         return list(
             _training_batches(tokenizer, rows, task_type, args.batch_size, args.max_length, path, CommandError)
         )
 
-    gate_data = {name: batches(Path(path)) for name, path in _pairs(args.gate_data, "--gate-data", CommandError)}
+    gate_data = {name: batches(path, rows) for name, (path, rows) in gate_rows.items()}
     if gate_data:
         train_phatgoose_gates(bank, gate_data, steps=args.gate_steps, learning_rate=args.gate_lr, progress=True)
-    if args.router_data is not None:
-        _train_router(bank, batches(args.router_data), args.router_steps, args.router_lr)
+    if router_rows is not None:
+        if not any(p.requires_grad for p in bank.parameters()):
+            raise CommandError(
+                f"--router-data: a bank routed by {args.routing!r} has no trainable parameters (its experts are "
+                "frozen unless --trainable-experts); choose a learned routing such as smear."
+            )
+        _train_router(bank, batches(args.router_data, router_rows), args.router_steps, args.router_lr)
 
     _save_atomically(bank, args.output, args.overwrite)
+    untrained = sorted(set(adapters) - set(gate_data)) if args.routing in _gated_routings() else []
     print(
         f"Wrote a bank of {len(adapters)} experts ({', '.join(adapters)}), routing={args.routing!r}, to {args.output}"
+        + (f"; the gates of {', '.join(untrained)} are untrained (--untrained-gates)" if untrained else "")
     )
+
+
+def _gated_routings() -> list[str]:
+    """The routing methods whose routers hold PHATGOOSE gates, trained on each expert's own data."""
+    return [name for name, router in ROUTERS.items() if issubclass(router, GateRouter)]
+
+
+def _gate_rows(args: argparse.Namespace, adapters: dict[str, Path]) -> dict[str, tuple[Path, list[dict[str, Any]]]]:
+    """Each expert's gate data, read and checked before any model is loaded: only for routings with gates, and for
+    every expert unless ``--untrained-gates`` says some stay untrained."""
+    gated = _gated_routings()
+    paths = _named_paths(args.gate_data, "--gate-data", CommandError)
+    if paths and args.routing not in gated:
+        raise CommandError(
+            f"--gate-data trains PHATGOOSE gates, and --routing {args.routing} has none (routings with gates: "
+            f"{', '.join(gated)})."
+        )
+    unknown = sorted(set(paths) - set(adapters))
+    if unknown:
+        raise CommandError(f"--gate-data names {unknown}, which are not among the adapters {list(adapters)}.")
+    missing = [name for name in adapters if name not in paths]
+    if args.routing in gated and missing and not args.untrained_gates:
+        raise CommandError(
+            f"--routing {args.routing} routes by gates trained on each expert's own data: give --gate-data "
+            f"NAME=FILE for {', '.join(missing)} (or pass --untrained-gates to keep their gates untrained, which "
+            "routes every token alike)."
+        )
+    return {name: (path, _read_rows(path)) for name, path in paths.items()}
 
 
 def _train_router(model, batches: list[dict[str, torch.Tensor]], steps: int, learning_rate: float) -> None:
@@ -205,8 +282,11 @@ def _load_causal_lm(path: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     directory, gguf = (path.parent, {"gguf_file": path.name}) if path.suffix == ".gguf" else (path, {})
-    model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32, **gguf)
-    return model.eval(), AutoTokenizer.from_pretrained(directory, local_files_only=True, **gguf)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32, **gguf)
+        return model.eval(), AutoTokenizer.from_pretrained(directory, local_files_only=True, **gguf)
+    except (OSError, ValueError) as error:
+        raise CommandError(f"--description-model {path}: cannot load it as a causal LM: {error}") from None
 
 
 def _save_atomically(model, target: Path, overwrite: bool) -> None:

@@ -61,6 +61,7 @@ class ArrowRouter(Router):
     )
     per_token = True
     exportable = False
+    over_existing_adapters = True
     expert_types = ("lora",)
     options = (
         Option("arrow_top_k", 3, "experts per token (3, PEFT's default)", integer(1)),
@@ -107,6 +108,8 @@ class GateRouter(Router):
     training for one expert (:meth:`start_gate_training`): then only that expert acts, on every token, scaled by its
     gate's sigmoid, which is PHATGOOSE's training protocol."""
 
+    over_existing_adapters = True
+
     def __init__(self, features: int, config: SmearConfig, module_name: str) -> None:
         super().__init__(features, config, module_name)
         self.gate = nn.Parameter(torch.zeros(config.num_experts, features))
@@ -119,6 +122,10 @@ class GateRouter(Router):
             raise ValueError(f"expert must be in [0, {self.num_experts}), got {expert}.")
         self.gate_training_expert = expert
         self.per_token = True  # an instance attribute shadows the class's trait
+
+    def untrained_experts(self) -> list[int]:
+        """The experts whose gate is still zero: never trained (:func:`peft_smear.train_phatgoose_gates`)."""
+        return [int(i) for i in (self.gate.detach() == 0).all(dim=-1).nonzero().flatten()]
 
     def stop_gate_training(self) -> None:
         self.gate_training_expert = None
@@ -170,11 +177,35 @@ def query_embeddings(value: Any) -> torch.Tensor:
     return value
 
 
+def _query_embeddings_example(config: SmearConfig) -> str:
+    size = len(config.expert_embeddings[0]) if config.expert_embeddings else "D"
+    example = config.expert_descriptions[0] if config.expert_descriptions else "Answer the question about the text."
+    return "\n".join(
+        [
+            "from transformers import AutoModel, AutoTokenizer",
+            "",
+            "# The sentence encoder that embedded the experts' task descriptions (its embeddings have "
+            f"{size} dimensions),",
+            "# e.g. the directory build-bank's --embedding-model named.",
+            'encoder = AutoModel.from_pretrained("ENCODER").eval()',
+            'encoder_tokenizer = AutoTokenizer.from_pretrained("ENCODER")',
+            "# inputs: a tokenised batch, e.g. tokenizer(texts, padding=True, return_tensors='pt'); one task "
+            "description",
+            "# per example, written like the experts' descriptions (here, the first expert's).",
+            f"descriptions = [{example!r}] * inputs['input_ids'].shape[0]",
+            "query = peft_smear.embed_texts(descriptions, encoder, encoder_tokenizer)  # [batch, "
+            f"{size}], unit length",
+            "outputs = model(**inputs, smear_query_embeddings=query)  # generate() takes it too",
+        ]
+    )
+
+
 QUERY_EMBEDDINGS = CallInput(
     "smear_query_embeddings",
-    "an embedding of each example's task description, [batch, embedding size] (peft_smear.embed_texts): GLIDER's "
-    "global routing input",
+    "an embedding of each example's task description, [batch, embedding size] (peft_smear.embed_texts, with the "
+    "encoder that embedded the experts' descriptions): GLIDER's global routing input",
     query_embeddings,
+    example=_query_embeddings_example,
 )
 
 

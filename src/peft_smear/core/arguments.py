@@ -3,11 +3,31 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
 
 class CommandError(Exception):
     """A problem with the command's input: reported as one ``error:`` line and exit code 2, without a traceback."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one ``<prog>: error: ...`` line, exit code 2, like every other
+    error of the commands (argparse's own prints the usage first). Its subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+
+def one_line(message: object) -> str:
+    """``message`` with its line breaks and runs of spaces folded into single spaces."""
+    return " ".join(str(message).split())
+
+
+def report_error(command: str, error: BaseException | str) -> int:
+    """Print ``error`` as the one line ``peft-smear <command>: error: ...`` on stderr and return exit code 2."""
+    print(f"peft-smear {command}: error: {one_line(error)}", file=sys.stderr)
+    return 2
 
 
 def positive_int(text: str) -> int:

@@ -14,7 +14,8 @@ kind writes it as such (:meth:`~peft_smear.core.experts.ExpertKind.export_weight
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from . import atomic
 from .experts import EXPERT_KINDS
 from .layer import SmearLinear
 from .model import SmearModel, get_routing_weights
+from .model_card import write_export_card
 from .routers import ROUTERS
 
 
@@ -41,6 +43,9 @@ def export_merged_adapter(
     routing: Routing,
     adapter_name: str = "default",
     overwrite: bool = False,
+    source: str | None = None,
+    task: str | None = None,
+    usage: str | None = None,
 ) -> PeftConfig:
     """Write the merged expert of ``routing`` as an adapter directory and return its config: a PEFT LoRA adapter for
     LoRA experts, a PEFT IA3 adapter for IA3 experts, a single-expert SMEAR adapter for bottleneck adapter experts.
@@ -54,9 +59,17 @@ def export_merged_adapter(
       over all the task's examples, and the export is the merged expert *of that mean routing*. Because A and B are
       merged separately, that is not the average of the examples' own merged experts.
 
-    The directory is replaced in one step once the new export is complete: a process killed at any moment leaves
-    the old directory (or nothing, if there was none) or the complete new export, never a mix, and never deletes the
-    old export before the new one is in place. An existing non-empty directory needs ``overwrite=True``.
+    One expert (a one-hot routing) can be exported from an adapter of any routing method: it is that expert, however
+    the method routes. Other routings only from methods whose output is one merged or chosen expert
+    (``Router.exportable``): a per-token router or an output mixture has no single expert to export.
+
+    The directory is replaced in one step once the new export, card included, is complete: a process killed at any
+    moment leaves the old directory (or nothing, if there was none) or the complete new export, never a mix. An
+    existing non-empty directory needs ``overwrite=True``. It
+    gets a model card (``README.md``) that says what it was exported from (``source``, e.g. the SMEAR adapter's
+    directory or Hub id, when given), with which routing (``task``: the task of a task's batches, in the card's
+    Markdown, e.g. ``"`topic` (validation split)"``) and how to load it (``usage``: Python code that replaces the
+    load snippet).
     """
     tuner = getattr(peft_model, "base_model", None)
     if not isinstance(tuner, SmearModel):
@@ -65,7 +78,9 @@ def export_merged_adapter(
         )
     if adapter_name not in tuner.peft_config:
         raise ValueError(f"No adapter named {adapter_name!r}; adapters: {sorted(tuner.peft_config)}.")
-    check_exportable(tuner.peft_config[adapter_name].routing, f"Adapter {adapter_name!r}")
+    method, what = tuner.peft_config[adapter_name].routing, f"Adapter {adapter_name!r}"
+    if not isinstance(routing, Mapping):  # a task's mean routing: refused before any batch is routed
+        check_exportable(method, what)
     target = Path(save_directory)
     refuse_occupied(target, overwrite, "pass overwrite=True to replace it")
 
@@ -74,7 +89,7 @@ def export_merged_adapter(
         for name, module in tuner.model.named_modules()
         if isinstance(module, SmearLinear) and adapter_name in module.expert_kind
     }
-    distributions = _routing_distributions(peft_model, layers, routing, adapter_name)
+    distributions, examples = _routing_distributions(peft_model, layers, routing, adapter_name, method, what)
     kinds = {name: layer.expert_kind[adapter_name] for name, layer in layers.items()}
     weights = {}
     with torch.no_grad():
@@ -90,26 +105,87 @@ def export_merged_adapter(
     smear_config = tuner.peft_config[adapter_name]
     fan_in_fan_out = any(isinstance(layer.get_base_layer(), Conv1D) for layer in layers.values())
     exported_config = EXPERT_KINDS[smear_config.expert_type].export_config(smear_config, kinds, fan_in_fan_out)
-    _write_atomically(target, exported_config, {k: v.detach().cpu().contiguous() for k, v in weights.items()})
+    exported_from = ExportedRouting.of(routing, distributions, examples, smear_config, task)
+    parameters = sum(tensor.numel() for tensor in weights.values())
+
+    def card(directory: Path) -> None:
+        write_export_card(
+            directory, exported_config, peft_model, adapter_name, exported_from, parameters, source, usage
+        )
+
+    _write_atomically(target, exported_config, {k: v.detach().cpu().contiguous() for k, v in weights.items()}, card)
     return exported_config
 
 
-def check_exportable(routing_method: str, what: str) -> None:
-    """Refuse routing methods whose layer output is not one expert, before any work is done."""
+def check_exportable(
+    routing_method: str, what: str, one_expert: str = "a one-hot routing, {module name: one-hot}"
+) -> None:
+    """Refuse, before any work is done, to export a routing other than one expert (a task's mean routing, a fixed
+    distribution) from a routing method whose layer output is not one merged or chosen expert. ``one_expert``: how
+    the caller exports one expert instead, for the message."""
+    reason = _why_not_one_expert(routing_method)
+    if reason is not None:
+        raise ValueError(
+            f"{what} uses routing={routing_method!r}, which {reason}, so no single expert reproduces its routing. "
+            f"Only one of its experts can be exported: {one_expert}."
+        )
+
+
+def _why_not_one_expert(routing_method: str) -> str | None:
     router = ROUTERS[routing_method]
     if router.per_token:
-        raise ValueError(
-            f"{what} uses routing={routing_method!r}, which routes every token on its own and mixes the experts' "
-            "outputs per token, so no single expert reproduces it. Export a fixed routing of an exportable method "
-            "instead, e.g. one expert of the bank (routing={module: one-hot}) or a glider_merge / smear routing."
-        )
+        return "routes every token on its own and mixes the experts' outputs per token"
     if not router.exportable:
-        refused = tuple(name for name, other in ROUTERS.items() if not other.exportable)
-        raise ValueError(
-            f"{what} uses routing={routing_method!r}, which mixes or scales the experts' outputs instead of merging "
-            "their parameters, so no single expert reproduces it. Export works for routing methods that apply one "
-            f"merged or chosen expert: not {refused}."
-        )
+        return "mixes or scales the experts' outputs instead of merging their parameters"
+    return None
+
+
+@dataclass(frozen=True)
+class ExportedRouting:
+    """What an export merged, in the model card's words: one expert, one example, a task's mean, or a distribution."""
+
+    kind: str
+    """``"expert"``, ``"example"``, ``"task"`` or ``"fixed"``."""
+    expert: int | None = None
+    expert_name: str | None = None
+    examples: int | None = None
+    task: str | None = None
+
+    @classmethod
+    def of(
+        cls,
+        routing: Routing,
+        distributions: dict[str, torch.Tensor],
+        examples: int | None,
+        config: Any,
+        task: str | None,
+    ) -> ExportedRouting:
+        if examples is not None:
+            return cls("task", examples=examples, task=task)
+        experts = {_one_hot_index(p) for p in distributions.values()}
+        if len(experts) == 1 and None not in experts:
+            (expert,) = experts
+            names = config.expert_names
+            return cls("expert", expert=expert, expert_name=names[expert] if names else None)
+        batched = any(torch.as_tensor(weights).dim() == 2 for weights in routing.values())
+        return cls("example" if batched else "fixed")
+
+    def describe(self) -> str:
+        if self.kind == "expert":
+            name = f" (`{self.expert_name}`)" if self.expert_name else ""
+            return f"expert {self.expert}{name} of every layer: that expert alone, exactly"
+        if self.kind == "task":
+            of_task = f" of task {self.task}" if self.task else ""
+            return f"the mean routing of {self.examples} examples{of_task}, fixed: the merged expert of that routing"
+        if self.kind == "example":
+            return "the routing of one example, fixed: that example's merged expert, exactly"
+        return "a fixed distribution over the experts per layer: the merged expert of that routing"
+
+
+def _one_hot_index(p: torch.Tensor) -> int | None:
+    """The expert a one-hot distribution selects, else ``None``."""
+    index = int(p.argmax())
+    return index if bool(p[index] == 1) and int((p != 0).sum()) == 1 else None
 
 
 def refuse_occupied(directory: Path, overwrite: bool, hint: str) -> None:
@@ -119,12 +195,24 @@ def refuse_occupied(directory: Path, overwrite: bool, hint: str) -> None:
 
 
 def _routing_distributions(
-    peft_model: torch.nn.Module, layers: dict[str, SmearLinear], routing: Routing, adapter_name: str
-) -> dict[str, torch.Tensor]:
+    peft_model: torch.nn.Module,
+    layers: dict[str, SmearLinear],
+    routing: Routing,
+    adapter_name: str,
+    method: str,
+    what: str,
+) -> tuple[dict[str, torch.Tensor], int | None]:
+    """Each layer's distribution, and the number of examples when they are a task's mean routing."""
+    examples = None
     if isinstance(routing, Mapping):
         distributions = {}
         for name, weights in routing.items():
             weights = torch.as_tensor(weights).detach().float()
+            if weights.dim() == 3:
+                raise ValueError(
+                    f"Routing weights for {name!r} have shape {tuple(weights.shape)}, one distribution per token: "
+                    "no single expert reproduces them. Export one expert (a one-hot routing) instead."
+                )
             if weights.dim() == 2:
                 if weights.shape[0] != 1:
                     raise ValueError(
@@ -133,17 +221,21 @@ def _routing_distributions(
                     )
                 weights = weights[0]
             distributions[name] = weights
+        if _why_not_one_expert(method) is not None and any(
+            p.dim() != 1 or _one_hot_index(p) is None for p in distributions.values()
+        ):
+            check_exportable(method, what)
     elif isinstance(routing, Iterable):
-        distributions = _mean_routing(peft_model, routing, adapter_name)
+        distributions, examples = _mean_routing(peft_model, routing, adapter_name)
     else:
         raise TypeError(f"routing must be a mapping of routing weights or an iterable of batches, got {routing!r}.")
     _check_distributions(distributions, layers, adapter_name)
-    return {name: distributions[name].cpu() for name in layers}
+    return {name: distributions[name].cpu() for name in layers}, examples
 
 
 def _mean_routing(
     peft_model: torch.nn.Module, batches: Iterable[Mapping[str, Any]], adapter_name: str
-) -> dict[str, torch.Tensor]:
+) -> tuple[dict[str, torch.Tensor], int]:
     totals: dict[str, torch.Tensor] = {}
     examples = 0
     for batch in batches:
@@ -153,7 +245,7 @@ def _mean_routing(
         examples += next(iter(routing.values())).shape[0]
     if not examples:
         raise ValueError("The task has no examples: routing is an empty iterable of batches.")
-    return {name: total / examples for name, total in totals.items()}
+    return {name: total / examples for name, total in totals.items()}, examples
 
 
 def _check_distributions(
@@ -174,12 +266,16 @@ def _check_distributions(
             raise ValueError(f"Routing for {name!r} must be a distribution (>= 0, summing to 1), got {p.tolist()}.")
 
 
-def _write_atomically(target: Path, config: PeftConfig, weights: dict[str, torch.Tensor]) -> None:
-    """Write the adapter into a staging directory beside ``target``, then swap it into place in one step (see
-    :mod:`peft_smear.core.atomic`): a kill at any moment leaves the old directory or the new adapter, never a mix and
-    never nothing; the old one is deleted only once the new one is in place."""
+def _write_atomically(
+    target: Path, config: PeftConfig, weights: dict[str, torch.Tensor], card: Callable[[Path], None]
+) -> None:
+    """Write the adapter and its card into a staging directory beside ``target``, then swap it into place in one
+    step (see :mod:`peft_smear.core.atomic`): a kill at any moment leaves the old directory or the new adapter, never
+    a mix and never nothing; the old one is deleted only once the new one is in place."""
     with atomic.staged_directory(target) as staging:
         config.save_pretrained(staging)
         atomic.step(f"wrote {CONFIG_NAME}")
         save_file(weights, staging / SAFETENSORS_WEIGHTS_NAME, metadata={"format": "pt"})
         atomic.step(f"wrote {SAFETENSORS_WEIGHTS_NAME}")
+        card(staging)
+        atomic.step("wrote README.md")

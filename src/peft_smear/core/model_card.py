@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import peft
-from huggingface_hub import ModelCard
+from huggingface_hub import ModelCard, ModelCardData
 from torch import nn
 
 from ..version import __version__
@@ -33,6 +33,7 @@ SECTION_BEGIN = "<!-- peft-smear: begin (generated; rewritten on every save) -->
 SECTION_END = "<!-- peft-smear: end -->"
 FRAMEWORK_HEADING = "### Framework versions"
 ROUTING_JSON, ROUTING_HEATMAP = "routing.json", "routing.png"
+BASE_MODEL_TAG = "base_model:adapter:"
 
 # The model classes of the load snippet, by PEFT task type: (transformers Auto class, PEFT AutoPeftModel class).
 AUTO_CLASSES = {
@@ -112,18 +113,14 @@ def _amend(
     path = directory / "README.md"
     card = ModelCard.load(path)
     base_model = _base_model_id(peft_model)
-    old_tags = ModelCard(previous).data.tags or [] if previous is not None else []
-    new_tags = {*old_tags, *(card.data.tags or []), *CARD_TAGS, *tags}
-    new_tags.discard("base_model:adapter:")  # PEFT's tag for a base model without a name
-    card.data.tags = sorted(new_tags)
-    if base_model:
-        card.data.base_model = base_model
-    elif not card.data.base_model:
-        card.data.pop("base_model", None)
+    previous_data = ModelCard(previous).data if previous is not None else None
+    old_tags = (previous_data.tags or []) if previous_data is not None else []
+    card.data.tags = sorted({*old_tags, *(card.data.tags or []), *CARD_TAGS, *tags})
+    _set_base_model(card, base_model, previous_data.base_model if previous_data is not None else None)
 
     section = "\n".join([SECTION_BEGIN, _section(peft_model, directory, adapter_id, usage, base_model), SECTION_END])
     if previous is None:
-        text = f"# SMEAR adapter for {base_model or 'a transformers model'}\n\n{section}\n"
+        text = f"# SMEAR adapter for {_base_model_words(peft_model, base_model)}\n\n{section}\n"
     else:
         text = card.text
         if SECTION_BEGIN in text and SECTION_END in text:
@@ -160,7 +157,9 @@ def _section(
     layers = [m for m in peft_model.modules() if isinstance(m, SmearLinear) and name in m.expert_kind]
     router_inputs = sorted({layer.router_input[name] for layer in layers})
     n, routing, options = config.num_experts, config.routing, config.routing_options
+    router = ROUTERS[routing]
     expert = EXPERT_KINDS[config.expert_type].title
+    bank = _bank_words(config)
     if routing == "smear":
         pitch = (
             f"Every adapted layer holds {n} {expert} experts and a small router. For each example the router reads "
@@ -169,24 +168,32 @@ def _section(
             f"by plain backpropagation, without task labels, and the adapter costs about one {expert}'s compute "
             f"instead of {n}."
         )
+    elif router.over_existing_adapters:
+        pitch = (
+            f"Every adapted layer holds {n} {expert} expert{'s' * (n != 1)}, routed by `{routing}`, a router made for "
+            f"a bank of existing, separately trained adapters rather than for experts trained with it: "
+            f"{routing_description(config)}."
+        )
     else:
         pitch = (
             f"Every adapted layer holds {n} {expert} expert{'s' * (n != 1)}. This adapter uses one of the routing "
             f"methods the SMEAR paper compares with instead of SMEAR's merging, `{routing}`: "
             f"{routing_description(config)}."
         )
+    if bank:
+        pitch += " " + bank
     rows = [
         ("method", f"SMEAR (`peft_type: SMEAR`), [paper]({PAPER_URL})"),
         ("experts per layer (N)", str(n)),
         ("expert", f"`{config.expert_type}`: {expert_description(config)}"),
-        ("routing", f"`{routing}`: {routing_description(config)}"),
-        (
-            "router input",
-            f"`{config.router_input}`: "
-            + "; ".join(f"`{source}`, {ROUTER_INPUT_DESCRIPTIONS[source]}" for source in router_inputs)
-            if ROUTERS[routing].reads_content
-            else "no learned router",
+        *([("experts", _listing_in_order(config.expert_names))] if config.expert_names else []),
+        *(
+            [("expert task descriptions", "; ".join(f"`{e}`: {_cell(d)}" for e, d in _described(config)))]
+            if config.expert_descriptions
+            else []
         ),
+        ("routing", f"`{routing}`: {routing_description(config)}"),
+        ("router input", _router_input_words(config, router, router_inputs)),
         ("expert dropout", f"{config.expert_dropout:g}"),
         *(
             [
@@ -204,7 +211,9 @@ def _section(
             "target modules",
             f"{_listing(sorted({layer.module_name.rsplit('.', 1)[-1] for layer in layers}))} ({len(layers)} layers)",
         ),
-        ("trainable parameters", _parameter_counts(peft_model, name)),
+        *_untrained_experts(layers, name, config),
+        ("trainable parameters", _trainable_parameters(peft_model)),
+        *_frozen_adapter_parameters(peft_model, name, config),
     ]
     if config.modules_to_save:
         rows.append(("trained in full", _listing(config.modules_to_save)))
@@ -228,8 +237,10 @@ def _section(
         usage or _load_snippet(config, adapter_id or str(destination(directory)), base_model),
         "```",
     ]
-    for call_input in ROUTERS[routing].call_inputs:
+    for call_input in router.call_inputs:
         lines += ["", f"Every call needs `{call_input.name}`: {call_input.help}."]
+        if call_input.example is not None:
+            lines += ["", "```python", call_input.example(config), "```"]
     lines += ["", "## Adapter", "", "| | |", "|---|---|", *(f"| {key} | {value} |" for key, value in rows)]
     report = directory / ROUTING_JSON
     if report.is_file():
@@ -237,25 +248,89 @@ def _section(
     return "\n".join(lines)
 
 
-def _parameter_counts(peft_model: nn.Module, adapter_name: str) -> str:
-    """The adapter's parameters (expert banks, routers, ``modules_to_save`` copies) against the base model's, counted
-    from the parameters themselves: the card is written from the main process only, so it must not gather a sharded
-    state dict. Parameters FSDP1 has flattened into shards have no countable size: then the row says so."""
+def _trainable_parameters(peft_model: Any) -> str:
+    """The model's trainable parameters and all its parameters, as ``PeftModel.print_trainable_parameters`` counts
+    and prints them (its ``trainable%`` is of all parameters, the adapter's included), counted from the parameters
+    themselves: the card is written from the main process only, so it must not gather a sharded state dict.
+    Parameters FSDP1 has flattened into shards have no countable size: then the row says so."""
+    if _sharded_by_fsdp(peft_model):
+        return "not counted here (the model is sharded by FSDP)"
+    trainable, total = peft_model.get_nb_trainable_parameters()
+    return f"{trainable:,} of all {total:,} ({100 * trainable / max(total, 1):.4f}%)"
+
+
+def _frozen_adapter_parameters(peft_model: nn.Module, adapter_name: str, config: Any) -> list[tuple[str, str]]:
+    """A row for the adapter's parameters that do not train (a bank's frozen experts), if there are any."""
+    if _sharded_by_fsdp(peft_model):
+        return []
+    frozen = sum(
+        getattr(param, "ds_numel", 0) or param.numel()
+        for name, param in peft_model.named_parameters()
+        if not param.requires_grad and _is_adapter_parameter(name, adapter_name)
+    )
+    if not frozen:
+        return []
+    why = " (the experts: `freeze_experts`)" if config.freeze_experts else ""
+    return [("frozen adapter parameters", f"{frozen:,}{why}")]
+
+
+def _untrained_experts(layers: list[SmearLinear], adapter_name: str, config: Any) -> list[tuple[str, str]]:
+    """A row naming the experts that no layer's router learned to route to (e.g. PHATGOOSE gates never trained)."""
+    untrained = None
+    for layer in layers:
+        experts = set(layer.smear_router[adapter_name].untrained_experts())
+        untrained = experts if untrained is None else untrained & experts
+    if not untrained:
+        return []
+    names = [config.expert_names[i] if config.expert_names else str(i) for i in sorted(untrained)]
+    return [
+        (
+            "untrained routing",
+            f"{_listing_in_order(names)}: the router's part for these experts was never trained (e.g. PHATGOOSE "
+            "gates still at zero), so it scores every token alike for them",
+        )
+    ]
+
+
+def _sharded_by_fsdp(peft_model: nn.Module) -> bool:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    if any(isinstance(module, FullyShardedDataParallel) for module in peft_model.modules()):
-        return "not counted here (the model is sharded by FSDP)"
-    adapters = {name: 0 for name in peft_model.peft_config}
-    total = 0
-    for name, param in peft_model.named_parameters():
-        size = getattr(param, "ds_numel", param.numel())  # DeepSpeed ZeRO-3 partitions hold their full size here
-        total += size
-        owner = next((adapter for adapter in adapters if _is_adapter_parameter(name, adapter)), None)
-        if owner is not None:
-            adapters[owner] += size
-    base = total - sum(adapters.values())
-    trained = adapters[adapter_name]
-    return f"{trained:,} ({100 * trained / max(base, 1):.2f}% of the base model's {base:,})"
+    return any(isinstance(module, FullyShardedDataParallel) for module in peft_model.modules())
+
+
+def _router_input_words(config: Any, router: Any, router_inputs: list[str]) -> str:
+    """What the router reads: each token's own state for per-token routers, else the pooled input of ``router_input``;
+    plus the ``smear_*`` inputs every call must carry."""
+    if router.per_token:
+        words = "each token's own hidden state where the layer's experts read it, token by token (never pooled)"
+    elif router.reads_content:
+        words = f"`{config.router_input}`: " + "; ".join(
+            f"`{source}`, {ROUTER_INPUT_DESCRIPTIONS[source]}" for source in router_inputs
+        )
+    else:
+        words = "no learned router"
+    if router.call_inputs:
+        words += "; and every call's " + ", ".join(f"`{call_input.name}`" for call_input in router.call_inputs)
+    return words
+
+
+def _bank_words(config: Any) -> str:
+    """A sentence on a bank's experts (``build_expert_bank`` names them), or nothing for experts trained here."""
+    if not config.expert_names:
+        return ""
+    state = "frozen" if config.freeze_experts else "trainable"
+    names = _listing_in_order(config.expert_names)
+    return f"The experts are {len(config.expert_names)} existing LoRA adapters ({names}), one per expert, {state}."
+
+
+def _cell(text: str) -> str:
+    """User text as one table cell: no line breaks, no column separators."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _described(config: Any) -> list[tuple[str, str]]:
+    names = config.expert_names or [str(i) for i in range(len(config.expert_descriptions))]
+    return list(zip(names, config.expert_descriptions, strict=False))
 
 
 def _is_adapter_parameter(name: str, adapter_name: str) -> bool:
@@ -350,10 +425,136 @@ def _base_model_id(peft_model: Any) -> str | None:
 
 
 def _looks_like_repo_id(name: str | None) -> bool:
-    return bool(name) and name.count("/") == 1 and not Path(name).exists() and not name.startswith((".", "/"))
+    """Whether ``name`` is a Hub model id (``owner/name``), not a local directory: the Hub reads the card's
+    ``base_model`` as one."""
+    return bool(name) and name.count("/") == 1 and not Path(name).exists() and not name.startswith((".", "/", "~"))
+
+
+def _set_base_model(card: ModelCard, base_model: str | None, previous: str | None) -> None:
+    """``base_model`` metadata (and PEFT's ``base_model:adapter:`` tag) only for a Hub id: the model's own, else the
+    one a user's card had; a local path is left out."""
+    hub_id = next((name for name in (base_model, previous) if _looks_like_repo_id(name)), None)
+    if hub_id is not None:
+        card.data.base_model = hub_id
+    else:
+        card.data.pop("base_model", None)
+    tags = {tag for tag in card.data.tags or [] if not tag.startswith(BASE_MODEL_TAG)}
+    card.data.tags = sorted(tags | ({f"{BASE_MODEL_TAG}{hub_id}"} if hub_id is not None else set()))
+
+
+def _base_model_words(peft_model: Any, base_model: str | None) -> str:
+    if _looks_like_repo_id(base_model):
+        return base_model
+    model_type = getattr(getattr(peft_model.get_base_model(), "config", None), "model_type", None)
+    return f"a `{model_type}` model" if model_type else "a transformers model"
+
+
+def _listing_in_order(names: Iterable[str]) -> str:
+    return ", ".join(f"`{name}`" for name in names)
 
 
 def _listing(names: Any) -> str:
     if isinstance(names, str):
         return f"`{names}` (regex)"
     return ", ".join(f"`{name}`" for name in sorted(names))
+
+
+def write_export_card(
+    directory: str | Path,
+    exported_config: Any,
+    peft_model: Any,
+    adapter_name: str,
+    routing: Any,
+    parameters: int,
+    source: str | None = None,
+    usage: str | None = None,
+) -> Path:
+    """The card of an adapter :func:`peft_smear.export_merged_adapter` wrote into ``directory``: what it was exported
+    from (``source``: the SMEAR adapter's directory or Hub id, when known), with which routing (``routing``, an
+    ``ExportedRouting``), its settings and ``parameters`` (every value it saved), and how to load it (``usage``
+    replaces the load snippet)."""
+    directory = Path(directory)
+    smear_config = peft_model.peft_config[adapter_name]
+    peft_type = str(getattr(exported_config.peft_type, "value", exported_config.peft_type))
+    needs_smear = peft_type == "SMEAR"
+    base_model = exported_config.base_model_name_or_path or _base_model_id(peft_model)
+    hub_id = base_model if _looks_like_repo_id(base_model) else None
+    kind = EXPERT_KINDS[smear_config.expert_type]
+    tags = {"peft", "peft-smear", "smear-export", peft_type.lower()}
+    if hub_id is not None:
+        tags.add(f"{BASE_MODEL_TAG}{hub_id}")
+    data = ModelCardData(library_name="peft", base_model=hub_id, tags=sorted(tags))
+    if exported_config.task_type == "CAUSAL_LM":
+        data.pipeline_tag = "text-generation"
+
+    if peft_type == "LORA":
+        adapter = f"PEFT LoRA, r={exported_config.r}, lora_alpha={exported_config.lora_alpha:g}" + (
+            ", rsLoRA scaling" if exported_config.use_rslora else ""
+        )
+    elif peft_type == "IA3":
+        adapter = "PEFT (IA)³ scaling vectors"
+    else:
+        adapter = f"SMEAR with one {kind.title} expert and `routing='single'` (no PEFT method is one)"
+    modules = sorted(exported_config.target_modules)
+    source_words = f"`{source}`" if source else "a SMEAR adapter"
+    names = smear_config.expert_names
+    origin = (
+        f"{source_words}: {smear_config.num_experts} {kind.title} experts per layer, routing `{smear_config.routing}`"
+        + (f", experts {_listing_in_order(names)}" if names else "")
+    )
+    rows = [
+        ("exported from", origin),
+        ("routing merged", routing.describe()),
+        ("adapter", f"`peft_type: {peft_type}`, {adapter}"),
+        ("target modules", f"{_listing(sorted({m.rsplit('.', 1)[-1] for m in modules}))} ({len(modules)} layers)"),
+        ("parameters", f"{parameters:,}"),
+    ]
+    if exported_config.modules_to_save:
+        rows.append(("trained in full", _listing(exported_config.modules_to_save)))
+    if exported_config.task_type:
+        rows.append(("task type", f"`{exported_config.task_type}`"))
+    plain = "loads with peft_smear imported" if needs_smear else "loads with plain PEFT, without peft_smear"
+    title = kind.exported_as[0].upper() + kind.exported_as[1:]
+    lines = [
+        f"# {title} exported from a SMEAR adapter",
+        "",
+        SECTION_BEGIN,
+        f"{title} written by [peft-smear]({PACKAGE_URL})'s `export_merged_adapter` from {source_words}, a "
+        f"[SMEAR]({PAPER_URL}) adapter"
+        + (f" for [`{hub_id}`](https://huggingface.co/{hub_id})" if hub_id else "")
+        + f", with one fixed routing: {routing.describe()}. It {plain}, at the cost of one {kind.title}, with no "
+        "router.",
+        "",
+        "## Usage",
+        "",
+        "```python",
+        usage or _export_snippet(exported_config, str(destination(directory)), base_model, needs_smear),
+        "```",
+        "",
+        "## Adapter",
+        "",
+        "| | |",
+        "|---|---|",
+        *(f"| {key} | {value} |" for key, value in rows),
+        SECTION_END,
+    ]
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n" + _with_framework_versions("\n".join(lines)))
+    path = directory / "README.md"
+    card.save(path)
+    return path
+
+
+def _export_snippet(config: Any, adapter_id: str, base_model: str | None, needs_smear: bool) -> str:
+    base = base_model or "BASE_MODEL"
+    auto = AUTO_CLASSES.get(config.task_type, ("AutoModel", None))[0]
+    lines = ["import peft_smear  # registers the SMEAR adapter type with PEFT"] if needs_smear else []
+    lines += [
+        "from peft import PeftModel",
+        f"from transformers import {auto}",
+        "",
+        f'base = {auto}.from_pretrained("{base}")',
+        f'model = PeftModel.from_pretrained(base, "{adapter_id}")',
+    ]
+    if not needs_smear:
+        lines.append("# model = model.merge_and_unload()  # or fold it into the base weights")
+    return "\n".join(lines)

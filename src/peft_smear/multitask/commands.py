@@ -4,16 +4,20 @@ only when a command runs (so ``peft-smear export`` and ``--help`` never import t
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Callable
 
-from ..core.arguments import positive_float, positive_int
+from ..core.arguments import CommandError, positive_float, positive_int
 from ..core.routers import ROUTERS
+from .routings import trainable_routings, why_not_trainable
 from .tasks import BENCHMARK_TASKS
 
 
-# What bad input (paths, names, values, existing outputs, missing optional packages) raises: reported in one line.
-USER_ERRORS = (ValueError, OSError, ImportError)
+def _routing_for_train(name: str) -> str:
+    if name not in ROUTERS:
+        raise argparse.ArgumentTypeError(f"invalid choice: {name!r} (choose from {', '.join(trainable_routings())})")
+    why = why_not_trainable(name)
+    if why is not None:
+        raise argparse.ArgumentTypeError(why)
+    return name
 
 
 def add_train_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -40,7 +44,13 @@ def add_train_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
         metavar="NAME=PATH",
         help="your own task from a CSV/JSON/JSONL file with text and label columns (repeatable)",
     )
-    parser.add_argument("--routing", choices=tuple(ROUTERS), default="smear", help="routing method (default: smear)")
+    parser.add_argument(
+        "--routing",
+        type=_routing_for_train,
+        default="smear",
+        metavar="{" + ",".join(trainable_routings()) + "}",
+        help="routing method (default: smear); the routers over a bank of existing adapters are `build-bank`'s",
+    )
     parser.add_argument("--num-experts", type=positive_int, help="experts per layer (default: 8; 1 for single)")
     parser.add_argument("--r", type=positive_int, default=8, help="rank of each LoRA expert (default: 8)")
     parser.add_argument("--steps", type=positive_int, default=250, help="training steps (default: 250)")
@@ -103,24 +113,23 @@ def add_export_tasks_command(subparsers: argparse._SubParsersAction) -> argparse
     return parser
 
 
-def train_command(args: argparse.Namespace) -> int:
-    """``peft-smear train``: 0 on success, 2 with a one-line error on bad input."""
+def train_command(args: argparse.Namespace) -> None:
+    """``peft-smear train``; bad input raises what :func:`peft_smear.cli.main` reports in one line."""
+    from .data import BenchmarkUnavailableError
     from .training import train
 
-    return _run(train, args, "train")
+    try:
+        train(args)
+    except BenchmarkUnavailableError as error:
+        raise CommandError(str(error)) from None
 
 
-def export_tasks_command(args: argparse.Namespace) -> int:
-    """``peft-smear export-tasks``: 0 on success, 2 with a one-line error on bad input."""
+def export_tasks_command(args: argparse.Namespace) -> None:
+    """``peft-smear export-tasks``; bad input raises what :func:`peft_smear.cli.main` reports in one line."""
+    from .data import BenchmarkUnavailableError
     from .training import export_tasks
 
-    return _run(lambda a: export_tasks(a.run_dir, a.output, a.split, a.batch_size, a.overwrite), args, "export-tasks")
-
-
-def _run(job: Callable[[argparse.Namespace], object], args: argparse.Namespace, command: str) -> int:
     try:
-        job(args)
-    except USER_ERRORS as error:
-        print(f"peft-smear {command}: error: {error}", file=sys.stderr)
-        return 2
-    return 0
+        export_tasks(args.run_dir, args.output, args.split, args.batch_size, args.overwrite)
+    except BenchmarkUnavailableError as error:
+        raise CommandError(str(error)) from None

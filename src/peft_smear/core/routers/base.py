@@ -61,6 +61,9 @@ class CallInput:
     per_token: bool = False
     """``[batch, tokens]`` (unpacked like the labels when rows pack several sequences) rather than one row per
     example (given per sequence, or per row for every sequence of it)."""
+    example: Callable[[SmearConfig], str] | None = None
+    """Python lines that compute the input for an adapter of this config and pass it to the model, for the model
+    card (``model`` and ``inputs`` are the loaded model and the tokenised batch)."""
 
 
 @dataclass
@@ -164,6 +167,13 @@ class Router(nn.Module):
     """The router's learning rate relative to the experts' when :func:`peft_smear.create_router_optimizer` is not
     told one (the paper's: 1, and 10 for Latent Skills' skill matrix)."""
 
+    over_existing_adapters: ClassVar[bool] = False
+    """Whether the method routes over a bank of existing, separately trained adapters
+    (:func:`peft_smear.build_expert_bank`) rather than experts trained together with their routing: what it routes by
+    comes from the finished experts (Arrow's prototypes), from training on each expert's own data (PHATGOOSE's
+    gates) or from each expert's task description (GLIDER). Training it from scratch with its experts is not the
+    method."""
+
     expert_types: ClassVar[tuple[str, ...] | None] = None
     """The ``SmearConfig.expert_type`` values the method works with (``None``: every kind)."""
 
@@ -201,6 +211,11 @@ class Router(nn.Module):
         examples' task losses, Adamix's consistency with a second pass), by name, already weighted. Called once per
         model call for every method an active adapter uses."""
         return {}
+
+    def untrained_experts(self) -> list[int]:
+        """The experts this router cannot route to by what it learned, because their part of it was never trained
+        (e.g. PHATGOOSE gates still at zero): the model card names them."""
+        return []
 
     def forward(self, inputs: RouterInputs) -> RoutingDecision:
         raise NotImplementedError

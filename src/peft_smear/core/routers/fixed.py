@@ -36,10 +36,24 @@ def task_id_tensor(value: Any) -> torch.Tensor:
     return value.long()
 
 
+def _task_ids_example(config: SmearConfig) -> str:
+    tasks = config.routed_tasks
+    return "\n".join(
+        [
+            "import torch",
+            "",
+            "task_ids = torch.tensor([0] * inputs['input_ids'].shape[0])  # each example's task id"
+            + (f", in [0, {tasks})" if tasks is not None else ""),
+            "outputs = model(**inputs, smear_task_ids=task_ids)",
+        ]
+    )
+
+
 TASK_IDS = CallInput(
     "smear_task_ids",
     "each example's task id, an integer tensor [batch]: what tag routing and Latent Skills route by",
     task_id_tensor,
+    example=_task_ids_example,
 )
 
 
