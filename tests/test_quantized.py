@@ -278,7 +278,7 @@ def test_half_precision_activations_on_a_4bit_base(base_dir, dtype):
     dense = get_peft_model(dense_base, smear_config("lora"))
     smear = get_peft_model(quantized_base, smear_config("lora"))
     copy_smear_weights(dense, smear)
-    assert all(tensor.dtype == torch.float32 for tensor in smear_state(smear).values())
+    assert all(tensor.dtype == torch.float32 for tensor in smear_state(smear).values() if tensor.is_floating_point())
     batch = batch_with_prompt()
     with torch.no_grad():
         actual, expected = real_logits(smear, batch), real_logits(dense, batch).float()
