@@ -262,41 +262,48 @@ def test_unexpected_adapter_weight_is_an_error(tmp_path):
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
-def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant):
+@pytest.mark.parametrize("options", [{}, {"routing": "dselect_k"}], ids=["smear_balanced", "dselect_k"])
+@pytest.mark.parametrize("loss_scale", [1.0, 0.25], ids=["loss", "scaled_loss"])
+def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant, options, loss_scale):
+    """With either kind of checkpointing the gradients equal those without, the routers' auxiliary losses included
+    (SMEAR's load balancing, DSelect-k's entropy), also when the loss is scaled before backward (gradient
+    accumulation, a mixed-precision loss scale): under reentrant checkpointing those losses train when the layers
+    are recomputed (peft_smear.core.aux_losses)."""
     batch = random_batch(3, 6, lengths=[6, 4, 2])
     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
     labels[:, :2] = -100
 
     def gradients(checkpointing: bool) -> dict[str, torch.Tensor]:
-        # Non-reentrant: with SMEAR's default load-balancing loss; reentrant refuses it (tested below), so without.
-        model = smear_llama(expert_dropout=0.3, **({"router_balance_weight": 0.0} if use_reentrant else {}))
+        dropout = {} if options.get("routing") == "dselect_k" else {"expert_dropout": 0.3}
+        model = smear_llama(**dropout, **options)
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
             model.enable_input_require_grads()
         model.train()
         torch.manual_seed(123)  # same expert-dropout draws in both runs
-        model(**batch, labels=labels).loss.backward()
+        output = model(**batch, labels=labels)
+        assert output.smear_aux_losses, "an auxiliary loss takes part"
+        (output.loss * loss_scale).backward()
         return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
     plain, checkpointed = gradients(False), gradients(True)
     assert plain.keys() == checkpointed.keys() and plain
+    assert any("router" in name and grad.abs().sum() > 0 for name, grad in plain.items())
     for name, grad in plain.items():
         torch.testing.assert_close(checkpointed[name], grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize(
-    ("options", "loss"),
-    [({}, "router_balance"), ({"routing": "dselect_k"}, "dselect_k_entropy"), ({"routing": "reinforce"}, "reinforce")],
-)
-def test_reentrant_checkpointing_refuses_auxiliary_losses_it_would_leave_without_gradient(options, loss):
-    model = smear_llama(**options)
+def test_reentrant_checkpointing_refuses_reinforce_whose_policy_steps_would_not_train():
+    """REINFORCE's losses need the reward, known only after the output: computed without autograd (reentrant
+    checkpointing), its policy steps could train nothing, so a training call refuses them."""
+    model = smear_llama(routing="reinforce")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     model.enable_input_require_grads()
     model.train()
     batch = random_batch(2, 6)
     labels = batch["input_ids"].clone()
     labels[:, :2] = -100  # a two-token prompt to route on
-    with pytest.raises(RuntimeError, match=rf"auxiliary losses \({loss}\) were computed with autograd disabled"):
+    with pytest.raises(RuntimeError, match=r"routing reinforce recorded its training signal with autograd disabled"):
         model(**batch, labels=labels)
     with torch.no_grad():  # an evaluation-style call in training mode has nothing to train: no error
         model(**batch, labels=labels)

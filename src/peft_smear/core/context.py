@@ -87,10 +87,17 @@ class RoutingContext:
     left: dict[str, list[Any]] = field(default_factory=lambda: defaultdict(list))
     """What routers left during the current call for their method's ``finish_call``, by method name."""
 
-    losses_without_autograd: set[str] = field(default_factory=set)
-    """Names of this call's auxiliary losses (and of the methods that left something for ``finish_call``) that a layer
-    computed with autograd disabled, as reentrant gradient checkpointing runs its layers: they could not train
-    anything (see :meth:`add_aux_loss`)."""
+    aux_losses_without_autograd: bool = False
+    """Whether a layer computed an auxiliary loss of this call with autograd disabled, as reentrant gradient
+    checkpointing runs its layers: the loss then trains through :mod:`peft_smear.core.aux_losses`."""
+
+    aux_gradient_scale: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    """The gradient the model's loss passes on to the auxiliary losses' term, recorded in backward for the layers that
+    gradient checkpointing recomputes (see :mod:`peft_smear.core.aux_losses`)."""
+
+    left_without_autograd: set[str] = field(default_factory=set)
+    """Names of the methods that left something for ``finish_call`` with autograd disabled: what they left cannot
+    train anything (see :meth:`leave_for_finish`)."""
 
     _prompt_masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
     _token_ids: dict[int | None, list[torch.Tensor]] = field(default_factory=dict, repr=False)
@@ -99,7 +106,8 @@ class RoutingContext:
 
     def begin_model_call(self) -> None:
         """Forget the previous call's auxiliary losses."""
-        self.aux_losses, self.left, self.losses_without_autograd = {}, defaultdict(list), set()
+        self.aux_losses, self.left, self.left_without_autograd = {}, defaultdict(list), set()
+        self.aux_losses_without_autograd, self.aux_gradient_scale = False, torch.zeros(())
 
     def set_call_inputs(self, values: dict[str, torch.Tensor]) -> None:
         """Record the checked ``smear_*`` inputs of a new call."""
@@ -160,24 +168,21 @@ class RoutingContext:
             self.statistics.observe(*key, decision.weights)
 
     def add_aux_loss(self, name: str, value: torch.Tensor) -> None:
-        """Add a layer's auxiliary loss to this call's (see :meth:`_note_autograd`)."""
-        self._note_autograd(name)
+        """Add a layer's auxiliary loss to this call's."""
+        if not torch.is_grad_enabled():
+            self.aux_losses_without_autograd = True
         self.aux_losses[name] = self.aux_losses[name] + value if name in self.aux_losses else value
 
     def leave_for_finish(self, method: str, item: Any) -> None:
-        """Keep ``item`` for ``method``'s ``finish_call``, once the output exists (see :meth:`_note_autograd`)."""
-        self._note_autograd(method)
+        """Keep ``item`` for ``method``'s ``finish_call``, once the output exists. Kept with autograd disabled (as
+        reentrant checkpointing runs the layers), it could not train anything: the call refuses it then."""
+        if not torch.is_grad_enabled():
+            self.left_without_autograd.add(method)
         self.left[method].append(item)
 
     def left_for_finish(self, method: str) -> list[Any]:
         """What ``method``'s routers left during this call, handed over once."""
         return self.left.pop(method, [])
-
-    def _note_autograd(self, name: str) -> None:
-        """Remember a loss computed with autograd off, so that a call that itself runs with autograd (whose loss
-        would silently lack that term's gradient, as under reentrant checkpointing) can refuse it."""
-        if not torch.is_grad_enabled():
-            self.losses_without_autograd.add(name)
 
     def token_mask_for(self, batch_size: int, seq_len: int) -> torch.Tensor | None:
         """The padding mask of the ``seq_len`` tokens a layer sees now.

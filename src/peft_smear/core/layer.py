@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from .aux_losses import hook_aux_loss, in_backward
 from .base_layers import output_may_be_locked_view
 from .context import RouterInputs
 from .experts import EXPERT_KINDS, EXPERT_PARAMETER_NAMES, ExpertKind
@@ -119,13 +120,12 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         x_each = packing.unpack(x) if packing is not None else x
         tokens = x_each.reshape(x_each.shape[0], -1, x_each.shape[-1])  # [examples, tokens, in]
         # Kinds that change the module's input (IA3 on a feed-forward input) act before it runs.
-        inputs = x
+        inputs, decisions = x, []
         for name in adapters:
             kind = self.expert_kind[name]
             if kind.scales_input:
-                scaled = kind.scale_input(tokens, self.expert_params(name), self.route(name, x_each)).reshape(
-                    x_each.shape
-                )
+                decisions.append(self.route(name, x_each))
+                scaled = kind.scale_input(tokens, self.expert_params(name), decisions[-1]).reshape(x_each.shape)
                 inputs = packing.pack(scaled) if packing is not None else scaled
         # 1. The base output, on the rows as they came.
         y = self._base_output(inputs, *args, **kwargs)
@@ -138,9 +138,25 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             # 2. What the router reads: the module's input, or its output for kinds that route on it.
             routed = out.reshape(y_each.shape) if kind.routes_on_output else x_each
             # 3. The router's decision for each example. 4. The experts' contribution, added to its output.
-            out = kind.output(tokens, out, self.expert_params(name), self.route(name, routed))
+            decisions.append(self.route(name, routed))
+            out = kind.output(tokens, out, self.expert_params(name), decisions[-1])
         result = out.reshape(y_each.shape)
-        return packing.pack(result) if packing is not None else result
+        result = packing.pack(result) if packing is not None else result
+        return self._carry_aux_losses(result, decisions)
+
+    def _carry_aux_losses(self, output: torch.Tensor, decisions: list[RoutingDecision]) -> torch.Tensor:
+        """Add the routers' auxiliary losses to the call's; when reentrant gradient checkpointing recomputes this
+        layer inside backward, carry them on the output instead, so that they train (:mod:`.aux_losses`)."""
+        losses = [(name, value) for decision in decisions for name, value in decision.aux_losses.items()]
+        if not losses:
+            return output
+        # Traced by torch.compile without this branch (no graph break per layer): with a compiled model, use
+        # non-reentrant checkpointing, as torch recommends, for these losses to train.
+        if not torch.compiler.is_compiling() and in_backward():
+            return hook_aux_loss(output, sum(value for _, value in losses), self.routing_context.aux_gradient_scale)
+        for name, value in losses:
+            self.routing_context.add_aux_loss(name, value)
+        return output
 
     def _base_output(self, inputs: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         result = self.base_layer(inputs, *args, **kwargs)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .aux_losses import probe_for
 from .base_layers import check_base_layer
 from .checks import listing
 from .config import SmearConfig
@@ -136,26 +137,35 @@ class SmearModel(BaseTuner):
         if self._second_pass:
             return output
         context = self.routing_context
-        if model.training and torch.is_grad_enabled() and context.losses_without_autograd:
-            names = ", ".join(sorted(context.losses_without_autograd))
+        if model.training and torch.is_grad_enabled() and context.left_without_autograd:
+            names = ", ".join(sorted(context.left_without_autograd))
             raise RuntimeError(
-                f"The routers' auxiliary losses ({names}) were computed with autograd disabled inside a training call "
-                "that has autograd on, which is what reentrant gradient checkpointing does: they would not train the "
-                "routers. Use non-reentrant checkpointing, gradient_checkpointing_kwargs={'use_reentrant': False} "
-                "(transformers' default; PEFT's prepare_model_for_kbit_training takes the same argument), or turn "
-                "the losses off (router_balance_weight=0.0 for SMEAR's load balancing)."
+                f"routing {names} recorded its training signal with autograd disabled inside a training call that has "
+                "autograd on, which is what reentrant gradient checkpointing does: it would not train the routers. "
+                "Use non-reentrant checkpointing, gradient_checkpointing_kwargs={'use_reentrant': False} "
+                "(transformers' default; PEFT's prepare_model_for_kbit_training takes the same argument)."
             )
-        losses = dict(context.aux_losses)
+        aux = dict(context.aux_losses)
         call = ModelCall(self, model, args, kwargs, output, self._call_labels)
+        finished = {}
         for router in dict.fromkeys(ROUTERS[config.routing] for config in self._active_configs()):
-            losses.update(router.finish_call(call))
+            finished.update(router.finish_call(call))
+        losses = {**aux, **finished}
         if not losses:
             return output
         labels = self._call_labels
+        loss = output[0] if isinstance(output, tuple) else getattr(output, "loss", None)
+        if loss is not None and (labels is not None or not isinstance(output, tuple)):
+            if aux and context.aux_losses_without_autograd and model.training and torch.is_grad_enabled():
+                # Computed without a graph (reentrant checkpointing): they train when the layers are recomputed.
+                loss = loss + probe_for(loss, sum(aux.values()), context.aux_gradient_scale)
+            elif aux:
+                loss = loss + sum(aux.values())
+            loss = loss + sum(finished.values()) if finished else loss
         if isinstance(output, tuple):  # return_dict=False: the loss, when there is one, comes first
-            return (output[0] + sum(losses.values()), *output[1:]) if labels is not None else output
-        if getattr(output, "loss", None) is not None:
-            output.loss = output.loss + sum(losses.values())
+            return (loss, *output[1:]) if labels is not None else output
+        if loss is not None:
+            output.loss = loss
         output.smear_aux_losses = {name: value.detach() for name, value in losses.items()}
         return output
 

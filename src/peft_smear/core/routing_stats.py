@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .aux_losses import in_backward
+
 
 COLLAPSE_THRESHOLD = 0.9
 """A router has collapsed when every group of examples (every task, or all examples) sends more than this share of its
@@ -30,12 +32,6 @@ def collapsed_routers(mean_routing: torch.Tensor, threshold: float = COLLAPSE_TH
     routing distribution of each group of examples (e.g. each task) at each router (see :data:`COLLAPSE_THRESHOLD`)."""
     top_weight, top_expert = mean_routing.max(dim=-1)  # [groups, routers]
     return (top_weight > threshold).all(dim=0) & (top_expert == top_expert[0]).all(dim=0)
-
-
-def in_backward() -> bool:
-    """Whether autograd is running a backward pass now: gradient checkpointing re-runs layer forwards there, and
-    those repeats of a decision already observed must not count twice."""
-    return torch._C._current_graph_task_id() != -1
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -86,6 +86,10 @@ class RoutingDecision:
 
     output_scale: torch.Tensor | None = None
     """``[batch]`` multiplier of the expert's output: Top-k's probability, ST-Gumbel's straight-through factor."""
+
+    aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Auxiliary losses of this decision, by name, already weighted (training only): the layer adds them to the
+    call's and carries them through gradient checkpointing (see :mod:`peft_smear.core.aux_losses`)."""
 
     per_example_expert: tuple[torch.Tensor, ...] | None = None
     """Each example's expert (merged by ``weights``, or the chosen one), once built: kept so that a decision reused

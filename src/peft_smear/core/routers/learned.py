@@ -132,10 +132,11 @@ class ProbabilityRouter(NormalisedInputRouter):
             uniform = drop_experts(torch.zeros_like(probs), dropout).softmax(dim=-1)
             warming = (self.training_calls <= self.warmup_steps).to(probs.dtype)
             probs = probs * (1 - warming) + uniform * warming
+        decision = self.decide(probs, normed, context)
         if self.training and self.balance_weight > 0:
             mean = probs.mean(dim=0)
-            context.add_aux_loss("router_balance", self.balance_weight * (self.num_experts * mean.square().sum() - 1))
-        return self.decide(probs, normed, context)
+            decision.aux_losses["router_balance"] = self.balance_weight * (self.num_experts * mean.square().sum() - 1)
+        return decision
 
     def decide(self, probs: torch.Tensor, normed: torch.Tensor, context: RoutingContext) -> RoutingDecision:
         raise NotImplementedError
@@ -418,10 +419,10 @@ class DSelectKRouter(NormalisedInputRouter):
             selector_logits, selector_weights_logits, self.num_experts, self.gamma
         )
         if self.training:
+            decision = mixed(weights)
             if self.entropy_weight > 0:
-                entropy = self.entropy_weight * dselect_k_entropy(selector_outputs)
-                inputs.context.add_aux_loss("dselect_k_entropy", entropy)
-            return mixed(weights)
+                decision.aux_losses["dselect_k_entropy"] = self.entropy_weight * dselect_k_entropy(selector_outputs)
+            return decision
         if self.soft_inference:
             return mixed(weights)
         selected = selector_outputs.argmax(dim=-1)  # [batch, k]: each selector's expert
