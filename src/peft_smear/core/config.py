@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal
 
@@ -282,6 +283,8 @@ class SmearConfig(PeftConfig):
                     f"{len(rows) if isinstance(rows, (list, tuple)) else rows!r} rows."
                 )
             self.expert_embeddings = [[float(v) for v in row] for row in rows]
+            if not all(math.isfinite(v) for row in self.expert_embeddings for v in row):
+                raise ValueError("expert_embeddings must be finite numbers; they hold a NaN or an infinity.")
 
     def _validate_expert_type(self) -> None:
         if self.expert_type not in EXPERT_KINDS:

@@ -212,6 +212,8 @@ class RoutingContext:
             self._prompt_masks[prefix_length] = prompt_mask(
                 (batch_size, seq_len), self.attention_mask, self.labels, routing_mask, prefix_length
             )
+            if self.packing is not None and routing_mask is None and prefix_length is None and self.labels is not None:
+                self._refuse_boundary_prompts(self._prompt_masks[prefix_length])
         mask = self._prompt_masks[prefix_length]
         if mask.shape != (batch_size, seq_len):
             raise ValueError(
@@ -220,6 +222,21 @@ class RoutingContext:
                 "full sequence, or use generate(), which routes once at prefill and reuses that routing."
             )
         return mask
+
+    def _refuse_boundary_prompts(self, prompts: torch.Tensor) -> None:
+        """Packing collators (TRL's, transformers' DataCollatorWithFlattening) set the label of every sequence's first
+        token to -100, a boundary, not a prompt: plain-text SFT packed that way would route each sequence on its first
+        token alone, where the same data unpacked has no prompt and is refused. A packed call in which every sequence's
+        prompt is its first token alone is refused too (a one-token prompt among longer ones is a prompt)."""
+        require(
+            (prompts.sum(dim=1) != 1).any(),
+            lambda: (
+                "Prompt routing found that every packed sequence's prompt is its first token alone: packing marks "
+                "each sequence's first label -100, so the data labels every token after it and has no prompt to route on "
+                "(plain-text SFT). Train on prompt/completion data, pass smear_routing_mask, or set "
+                "SmearConfig(routing_prefix_length=k) to route on the first k tokens."
+            ),
+        )
 
     def _warn_if_unmarked_packing(self, prefix_length: int | None) -> None:
         """Warn once when labels look like several sequences packed in a row that came without boundaries. Reading

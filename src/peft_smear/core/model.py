@@ -101,6 +101,9 @@ class SmearModel(BaseTuner):
         :meth:`ModelCall.run_again`, keeps the first's)."""
         if self._second_pass:
             return
+        tokens = next((arguments[n] for n in ("input_ids", "inputs_embeds") if arguments.get(n) is not None), None)
+        if tokens is not None and tokens.shape[0] == 0:
+            raise ValueError("The batch is empty (0 examples): a SMEAR model routes each example, so give it one.")
         if call_inputs or not self._generating:
             self._set_call_inputs(call_inputs)
         self._call_labels = arguments.get("labels")

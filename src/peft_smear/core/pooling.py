@@ -96,7 +96,16 @@ def prompt_mask(
                 f"smear_routing_mask must be [batch, tokens] with at most {seq_len} tokens, "
                 f"got shape {tuple(routing_mask.shape)}."
             )
-        return real & F.pad(explicit, (0, seq_len - explicit.shape[1]), value=False)
+        selected = real & F.pad(explicit, (0, seq_len - explicit.shape[1]), value=False)
+        empty = ~selected.any(dim=1) & real.any(dim=1)
+        require(
+            ~empty.any(),
+            lambda: (
+                f"smear_routing_mask selects none of the real tokens of example(s) "
+                f"{empty.nonzero().flatten().tolist()}: every example needs at least one token to route on."
+            ),
+        )
+        return selected
 
     if prefix_length is not None:
         return real & (real.cumsum(dim=1) <= prefix_length)

@@ -1,0 +1,124 @@
+"""Bad input gets a clear error naming the value and what is allowed, and nothing is silently misread: non-finite
+settings, task ids of every integer dtype (bools refused), misspelled or empty routing inputs, packed plain-text data,
+empty batches."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+from peft import get_peft_model
+
+import peft_smear
+from conftest import VOCAB, random_batch, tiny_bert, tiny_llama
+from peft_smear import SmearConfig
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize(
+    ("name", "settings"),
+    [
+        ("lora_alpha", {}),
+        ("router_init_std", {}),
+        ("router_balance_weight", {}),
+        ("router_temperature", {}),
+        ("gumbel_temperature", {"routing": "st_gumbel"}),
+        ("gumbel_min_temperature", {"routing": "st_gumbel"}),
+        ("gumbel_anneal_rate", {"routing": "st_gumbel"}),
+        ("reinforce_value_weight", {"routing": "reinforce"}),
+        ("dselect_k_gamma", {"routing": "dselect_k"}),
+        ("expert_dropout", {}),
+    ],
+)
+def test_a_non_finite_number_is_refused_naming_the_setting(name, settings, value):
+    with pytest.raises(
+        ValueError, match=rf"^{name} must be a (finite number|probability).*got {re.escape(repr(value))}"
+    ):
+        SmearConfig(**settings, **{name: value})
+
+
+def test_non_finite_expert_embeddings_and_a_non_list_target_are_refused():
+    with pytest.raises(ValueError, match="expert_embeddings must be finite numbers"):
+        SmearConfig(routing="glider", num_experts=2, expert_embeddings=[[0.1, math.nan], [0.2, 0.3]])
+    with pytest.raises(ValueError, match=r"target_modules must be a list of module names or a regex string, got 123"):
+        SmearConfig(target_modules=123)
+
+
+def tagged(routing: str):
+    options = {"num_tasks": 3} if routing == "latent_skills" else {}
+    config = SmearConfig(
+        routing=routing, num_experts=3, r=2, target_modules=["query", "value"], task_type="SEQ_CLS", **options
+    )
+    torch.manual_seed(0)
+    return get_peft_model(tiny_bert(), config).eval()
+
+
+@pytest.mark.parametrize("routing", ["tag", "latent_skills"])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8, torch.int8])
+def test_task_ids_of_any_integer_dtype_route_as_int64(routing, dtype):
+    model = tagged(routing)
+    batch = random_batch(3, 5, seed=1)
+    with torch.no_grad():
+        expected = model(**batch, smear_task_ids=torch.tensor([2, 0, 1])).logits
+        got = model(**batch, smear_task_ids=torch.tensor([2, 0, 1], dtype=dtype)).logits
+        from_list = model(**batch, smear_task_ids=[2, 0, 1]).logits
+    assert torch.equal(got, expected) and torch.equal(from_list, expected)
+
+
+@pytest.mark.parametrize("routing", ["tag", "latent_skills"])
+def test_boolean_task_ids_are_refused_not_read_as_a_mask(routing):
+    model = tagged(routing)
+    with pytest.raises(
+        ValueError, match=r"smear_task_ids must be an integer tensor \[batch\] .*not bool.*got torch.bool"
+    ):
+        model(**random_batch(3, 5), smear_task_ids=torch.tensor([True, True, True]))
+    with pytest.raises(ValueError, match=r"smear_task_ids must be integers, got \[True, 0, 1\]"):
+        model(**random_batch(3, 5), smear_task_ids=[True, 0, 1])
+
+
+def test_a_misspelled_smear_keyword_is_an_error_not_ignored():
+    model = get_peft_model(tiny_llama(), SmearConfig(task_type="CAUSAL_LM"))
+    with pytest.raises(TypeError, match=r"Unknown SMEAR input\(s\) \['smear_routing_mak'\]; the smear_ inputs are"):
+        model(**random_batch(2, 5), smear_routing_mak=torch.ones(2, 5))
+    with pytest.raises(TypeError, match="smear_routing_mak"):
+        model.generate(**random_batch(1, 4), smear_routing_mak=torch.ones(1, 4), max_new_tokens=1)
+
+
+def test_a_routing_mask_row_that_selects_no_token_is_an_error():
+    model = get_peft_model(tiny_llama(), SmearConfig(task_type="CAUSAL_LM"))
+    mask = torch.tensor([[1, 1, 0, 0, 0], [0, 0, 0, 0, 0]])
+    with pytest.raises(ValueError, match=r"smear_routing_mask selects none of the real tokens of example\(s\) \[1\]"):
+        model(**random_batch(2, 5), smear_routing_mask=mask)
+
+
+def packed_plain_text(rows: int = 1) -> dict[str, torch.Tensor]:
+    """Plain-text SFT packed as TRL and DataCollatorWithFlattening pack it: every token labelled but each sequence's
+    first."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, VOCAB, (rows, 12), generator=generator)
+    labels = ids.clone()
+    positions = torch.cat([torch.arange(5), torch.arange(7)]).expand(rows, 12)
+    labels[:, 0] = labels[:, 5] = -100  # the packing collators' sequence boundaries
+    return {"input_ids": ids, "labels": labels, "position_ids": positions, "use_cache": False}
+
+
+def test_packed_plain_text_is_refused_as_the_same_data_unpacked_is():
+    model = get_peft_model(tiny_llama(), SmearConfig(task_type="CAUSAL_LM")).train()
+    with pytest.raises(ValueError, match="every packed sequence's prompt is its first token alone"):
+        model(**packed_plain_text())
+    unpacked = random_batch(2, 6)
+    with pytest.raises(ValueError, match="Prompt routing found no prompt"):
+        model(**unpacked, labels=unpacked["input_ids"])
+    prefixed = get_peft_model(tiny_llama(), SmearConfig(task_type="CAUSAL_LM", routing_prefix_length=2)).train()
+    assert torch.isfinite(prefixed(**packed_plain_text()).loss)  # the way out the message names
+
+
+def test_an_empty_batch_is_refused_in_one_clear_line():
+    model = get_peft_model(tiny_llama(), SmearConfig(task_type="CAUSAL_LM"))
+    empty = {"input_ids": torch.zeros(0, 5, dtype=torch.long), "attention_mask": torch.zeros(0, 5, dtype=torch.long)}
+    with pytest.raises(ValueError, match=r"^The batch is empty \(0 examples\)"):
+        model(**empty)
+    with pytest.raises(ValueError, match=r"^The batch is empty"):
+        peft_smear.get_routing_weights(model, **empty)
