@@ -24,8 +24,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.checks import choice, integer, number, require_integer, require_number
-from ..core.routers.base import CallInput, Option, Router, RoutingDecision, merged, mixed, top_k_renormalised
+from ..core.checks import choice, integer, number, require_number
+from ..core.routers.base import (
+    CallInput,
+    Option,
+    Router,
+    RoutingDecision,
+    merged,
+    mixed,
+    require_top_k,
+    top_k_renormalised,
+)
 
 
 if TYPE_CHECKING:
@@ -75,13 +84,7 @@ class ArrowRouter(Router):
 
     @classmethod
     def validate(cls, config: SmearConfig) -> None:
-        require_integer(
-            "arrow_top_k",
-            config.routing_options["arrow_top_k"],
-            minimum=1,
-            maximum=config.num_experts,
-            maximum_name="num_experts",
-        )
+        require_top_k(config, "arrow_top_k")
 
     def prototypes(self, lora_A: torch.Tensor, lora_B: torch.Tensor) -> torch.Tensor:
         """``[N, in]`` fp32, cached until either bank tensor is replaced or changed in place (its storage or its
@@ -157,9 +160,7 @@ class PhatgooseRouter(GateRouter):
 
     @classmethod
     def validate(cls, config: SmearConfig) -> None:
-        require_integer(
-            "phatgoose_top_k", config.routing_options["phatgoose_top_k"], minimum=1, maximum=config.num_experts
-        )
+        require_top_k(config, "phatgoose_top_k")
 
     def forward(self, inputs: RouterInputs) -> RoutingDecision:
         if self.gate_training_expert is not None:
@@ -270,13 +271,7 @@ class GliderRouter(GateRouter):
 
     @classmethod
     def validate(cls, config: SmearConfig) -> None:
-        require_integer(
-            "glider_top_k",
-            config.routing_options["glider_top_k"],
-            minimum=1,
-            maximum=config.num_experts,
-            maximum_name="num_experts",
-        )
+        require_top_k(config, "glider_top_k")
         if config.expert_embeddings is None:
             raise ValueError(
                 f"routing={cls.name!r} compares each example's task-description embedding with each expert's: set "

@@ -216,18 +216,8 @@ def _make_sibling(real: Path, kind: str) -> tuple[Path, int | None]:
 def _lock(path: Path) -> int | None:
     """Hold an exclusive ``flock`` on ``path`` (a directory) until :func:`_unlock`: a running save's sibling is never
     taken for a stale one. ``None`` where locks are unavailable."""
-    if fcntl is None:
-        return None
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
+    fd = _try_lock(path)
+    return None if fd is False else fd
 
 
 def _try_lock(path: Path) -> int | bool | None:

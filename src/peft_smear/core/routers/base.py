@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checks import Check
+from ..checks import Check, require_integer
 
 
 if TYPE_CHECKING:
@@ -107,6 +107,13 @@ def mixed(weights: torch.Tensor) -> RoutingDecision:
 def one_expert(index: torch.Tensor, num_experts: int, output_scale: torch.Tensor | None = None) -> RoutingDecision:
     weights = F.one_hot(index, num_experts).float()
     return RoutingDecision(weights=weights, expert_index=index, output_scale=output_scale)
+
+
+def require_top_k(config: SmearConfig, name: str) -> None:
+    """A routing option that counts experts kept per example or token: an integer in ``[1, num_experts]``."""
+    require_integer(
+        name, config.routing_options[name], minimum=1, maximum=config.num_experts, maximum_name="num_experts"
+    )
 
 
 def top_k_renormalised(probs: torch.Tensor, k: int) -> torch.Tensor:

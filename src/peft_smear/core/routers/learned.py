@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checks import choice, integer, number, require_integer
-from .base import Option, Router, RoutingDecision, merged, mixed, one_expert, with_defaults
+from ..checks import choice, integer, number
+from .base import Option, Router, RoutingDecision, merged, mixed, one_expert, require_top_k, with_defaults
 from .dselect_k_gate import dselect_k_entropy, dselect_k_gate, dselect_k_num_bits, init_dselect_k_
 
 
@@ -188,9 +188,7 @@ class TopKRouter(ProbabilityRouter):
 
     @classmethod
     def validate(cls, config: SmearConfig) -> None:
-        require_integer(
-            "top_k", config.routing_options["top_k"], minimum=1, maximum=config.num_experts, maximum_name="num_experts"
-        )
+        require_top_k(config, "top_k")
 
     def decide(self, probs: torch.Tensor, normed: torch.Tensor, context: RoutingContext) -> RoutingDecision:
         if self.k == 1:
