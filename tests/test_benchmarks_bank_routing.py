@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
 
 import peft_smear
 from conftest import import_script, tiny_llama
@@ -47,10 +47,12 @@ def test_the_tiny_preset_reports_every_method_in_both_settings(bank_routing, tin
     held_in, held_out = output.split("### Held-in")[1].split("### Held-out")
     held_out = held_out.split("### Targets")[0]
     baselines = ["oracle expert", "multi-task LoRA", "base model (no expert)"]
-    for method in [*baselines, *bank_routing.METHODS]:
+    for method in [*baselines, *bank_routing.METHODS, *bank_routing.MERGES]:
         assert f"| {method} |" in held_in
-    for method in ["base model (no expert)", *bank_routing.METHODS]:
+    for method in ["base model (no expert)", *bank_routing.METHODS, *bank_routing.MERGES]:
         assert f"| {method} |" in held_out
+    for merge in bank_routing.MERGES:  # one LoRA, no routing
+        assert re.search(rf"^\| {re.escape(merge)} \|.* – \| \d+\.\d\d× \|$", held_in, re.M)
     assert "| oracle expert |" not in held_out  # the task's own expert is what held-out leaves out
     for row in re.findall(r"^\| (?:Arrow|PHATGOOSE|GLIDER.*?|SMEAR over the bank|GLIDER merge) \|.*$", held_in, re.M):
         retrieval = float(row.split("|")[-3])
@@ -62,6 +64,22 @@ def test_the_tiny_preset_reports_every_method_in_both_settings(bank_routing, tin
     section = (root / "RESULTS.md").read_text()
     assert "- Command: `python benchmarks/bank_routing.py --preset tiny --threads 1" in section
     assert section.count("- held-in: GLIDER") == 2 and section.count("- held-out: GLIDER") == 2
+
+
+@pytest.mark.parametrize("combination_type", ["linear", "ties", "ties_svd", "dare_ties", "svd", "cat"])
+def test_uniform_merge_weights_merge_copies_of_one_expert_into_that_expert(bank_routing, combination_type, tmp_path):
+    torch.manual_seed(0)
+    lora = get_peft_model(tiny_llama(), LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+    lora.save_pretrained(tmp_path / "expert")
+    bank = peft_smear.build_expert_bank(tiny_llama(), {name: tmp_path / "expert" for name in "abc"})
+    weights = bank_routing.uniform_merge_weights(combination_type, 3)
+    options = {"density": 1.0} if combination_type in ("ties", "ties_svd", "dare_ties") else {}
+    peft_smear.merge_experts(bank, tmp_path / "merged", weights=weights, combination_type=combination_type, **options)
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8]])}
+    with torch.no_grad():
+        expected = lora(**batch).logits
+        merged = PeftModel.from_pretrained(tiny_llama(), tmp_path / "merged").eval()(**batch).logits
+    torch.testing.assert_close(merged, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_accuracy_on_right_padded_batches_equals_a_loop_over_unpadded_prompts(bank_routing):

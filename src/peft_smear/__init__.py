@@ -17,6 +17,7 @@ from .core.config import SmearConfig
 from .core.export import export_merged_adapter
 from .core.hub import push_to_hub
 from .core.layer import SmearLinear
+from .core.merging import merge_experts
 from .core.model import SmearModel, get_routing_weights
 from .core.model_card import create_or_update_model_card, write_model_card
 from .core.optimizer import create_router_optimizer
@@ -47,6 +48,7 @@ __all__ = [
     "embed_texts",
     "export_merged_adapter",
     "get_routing_weights",
+    "merge_experts",
     "register_router",
     "train_phatgoose_gates",
     "write_model_card",
