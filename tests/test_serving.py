@@ -105,6 +105,32 @@ def test_each_row_of_a_mixed_task_batch_equals_its_task_expert_alone(exports):
     assert not torch.allclose(logits[1], model.base_model(**batch, adapter_names=["expert-1"] * 6).logits[1])
 
 
+def test_a_classifiers_exports_serve_a_mixed_task_batch_each_row_through_its_own_head(tmp_path):
+    """A classifier's exports keep their heads (``modules_to_save``): ``adapter_names=`` routes each row through its
+    task's LoRA and head, as that export alone."""
+    smear = smear_model(tiny_bert(), task_type="SEQ_CLS")
+    heads = [param for name, param in smear.named_parameters() if "modules_to_save" in name]
+    generator = torch.Generator().manual_seed(0)
+    for task in ("a", "b"):
+        with torch.no_grad():
+            for param in heads:  # each task's head differs, as after training on it
+                param.add_(torch.randn(param.shape, generator=generator))
+        routing = {name: torch.eye(3)[int(task == "b")] for name in layer_names(smear)}
+        peft_smear.export_merged_adapter(smear, tmp_path / task, routing=routing)
+    served = PeftModel.from_pretrained(tiny_bert(), tmp_path / "a", adapter_name="a").eval()
+    served.load_adapter(tmp_path / "b", adapter_name="b")
+    batch, tasks = prompts(rows=4), ["a", "b", "b", "a"]
+    with torch.no_grad():
+        mixed = served(**batch, adapter_names=tasks).logits
+        alone = {}
+        for task in ("a", "b"):
+            served.set_adapter(task)
+            alone[task] = served(**batch).logits
+    for row, task in enumerate(tasks):
+        torch.testing.assert_close(mixed[row], alone[task][row], rtol=0, atol=1e-5)
+    assert not torch.allclose(alone["a"], alone["b"])
+
+
 # --- hot-swapping into a compiled model ----------------------------------------------------------------------------
 
 

@@ -7,7 +7,7 @@ before it is handed over, against the base model it is meant for, and names ever
 
 A classifier exported from a SMEAR adapter keeps its head in ``modules_to_save`` (the head is trained in full, not a
 LoRA): no server takes it, so it is refused here. Serve such an adapter with PEFT itself, where mixed-task batches
-(``adapter_names=``) and hot-swapping work as for any LoRA adapter.
+(``adapter_names=``) send each row through its own task's LoRA and head.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def _config_failures(config: dict, base_model: torch.nn.Module) -> list[str]:
         names = ", ".join(sorted(saved)) if isinstance(saved, list) else str(saved)
         failures.append(
             f"modules_to_save holds {names} (saved in full, e.g. a classification head, which servers refuse; serve "
-            "this adapter with PEFT, whose adapter_names= mixed batches and hot-swapping load heads too)"
+            "this adapter with PEFT, whose adapter_names= mixed batches run each row through its own task's head)"
         )
     if config.get("use_dora"):
         failures.append("use_dora is true (vLLM refuses DoRA)")
