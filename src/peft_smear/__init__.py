@@ -26,12 +26,14 @@ from .core.routers import ROUTERS, Router, register_router
 from .core.routing_report import RoutingReport
 from .core.routing_stats import RoutingStatistics
 from .core.saving import save_pretrained
+from .core.serving import NotServerReadyError, check_server_ready
 from .version import __version__
 
 
 __all__ = [
     "ROUTERS",
     "SUPPORTED_PEFT_RANGE",
+    "NotServerReadyError",
     "Router",
     "RoutingReport",
     "RoutingStatistics",
@@ -43,6 +45,7 @@ __all__ = [
     "SmearRoutingCallback",
     "__version__",
     "build_expert_bank",
+    "check_server_ready",
     "create_router_optimizer",
     "describe_tasks",
     "embed_texts",
