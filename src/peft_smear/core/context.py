@@ -232,8 +232,8 @@ class RoutingContext:
             (prompts.sum(dim=1) != 1).any(),
             lambda: (
                 "Prompt routing found that every packed sequence's prompt is its first token alone: packing marks "
-                "each sequence's first label -100, so the data labels every token after it and has no prompt to route on "
-                "(plain-text SFT). Train on prompt/completion data, pass smear_routing_mask, or set "
+                "each sequence's first label -100, so the data labels every token after it and has no prompt to "
+                "route on (plain-text SFT). Train on prompt/completion data, pass smear_routing_mask, or set "
                 "SmearConfig(routing_prefix_length=k) to route on the first k tokens."
             ),
         )
