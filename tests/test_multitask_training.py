@@ -200,6 +200,49 @@ def test_exported_lora_equals_smear_forced_to_the_tasks_mean_routing(run, export
         torch.testing.assert_close(lora(**batch).logits, forced, atol=1e-5, rtol=0)
 
 
+def test_export_tasks_writes_the_tasks_mean_update_exact_or_truncated(run, tmp_path, capsys):
+    run_dir, model = run
+    exact, truncated = tmp_path / "exact", tmp_path / "truncated"
+    assert (
+        run_cli("export-tasks", "--run", run_dir, "--output", exact, "--batch-size", 8, "--form", "mean_update") == 0
+    )
+    assert (
+        f"topic (validation split): the mean update, exactly, as a LoRA of rank {EXPERTS * 2}"
+        in capsys.readouterr().out
+    )
+    options = ["--batch-size", 8, "--form", "mean_update", "--rank", 3]
+    assert run_cli("export-tasks", "--run", run_dir, "--output", truncated, *options) == 0
+    assert "count (validation split): the mean update truncated to rank 3, keeping " in capsys.readouterr().out
+    assert PeftConfig.from_pretrained(str(truncated / "count")).r == 3
+    assert "## Energy kept per module" in (truncated / "count" / "README.md").read_text()
+
+    # The exact export's update is the average of the task's examples' own merged experts.
+    config = PeftConfig.from_pretrained(str(exact / "topic"))
+    assert config.r == EXPERTS * 2
+    name, layer = next((n, m) for n, m in model.base_model.model.named_modules() if isinstance(m, SmearLinear))
+    A, B = layer.smear_lora_A["default"].double(), layer.smear_lora_B["default"].double()
+    total, count = 0, 0
+    for batch in training.run_batches(run_dir, "validation", batch_size=8)["topic"]:
+        for p in get_routing_weights(model, **batch)[name].double():
+            total = total + torch.einsum("n,nor->or", p, B) @ torch.einsum("n,nri->ri", p, A)
+            count += 1
+    expected = layer.expert_kind["default"].scaling * total.detach() / count
+    weights = load_file(exact / "topic" / "adapter_model.safetensors")
+    exported = (
+        weights[f"base_model.model.{name}.lora_B.weight"].double()
+        @ weights[f"base_model.model.{name}.lora_A.weight"].double()
+    )
+    exported = config.lora_alpha / config.r * exported
+    assert ((exported - expected).norm() / expected.norm()).item() <= 1e-6
+
+    refused = ["--form", "mean_update", "--rank", EXPERTS * 2 + 1]
+    assert run_cli("export-tasks", "--run", run_dir, "--output", tmp_path / "bad", *refused) == 2
+    assert f"--rank {EXPERTS * 2 + 1} is more than the exact mean update's rank" in capsys.readouterr().err
+    assert run_cli("export-tasks", "--run", run_dir, "--output", tmp_path / "bad", "--rank", 2) == 2
+    assert "--rank truncates the mean update: it needs --form mean_update" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
 def test_bad_input_is_a_clear_error(run, workspace, tmp_path, capsys):
     root, task_files = workspace
     run_dir, _ = run

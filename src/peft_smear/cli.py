@@ -30,11 +30,19 @@ from transformers import (
 )
 
 from .bank.command import add_build_bank_command
-from .core.arguments import CommandError, Parser, one_line, positive_int, report_error
+from .core.arguments import (
+    CommandError,
+    Parser,
+    add_form_arguments,
+    form_summary,
+    one_line,
+    positive_int,
+    report_error,
+)
 from .core.checks import listing
 from .core.config import SmearConfig
 from .core.experts import EXPERT_KINDS
-from .core.export import check_exportable, export_merged_adapter, refuse_occupied
+from .core.export import check_export_form, check_exportable, export_merged_adapter, refuse_occupied
 from .core.layer import SmearLinear
 from .core.registration import SmearPeftType
 from .multitask.commands import add_export_tasks_command, add_train_command
@@ -92,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
             "module (same target modules, plus any modules_to_save head): for LoRA experts a plain PEFT LoRA adapter "
             "of the same rank and alpha, for IA3 experts a plain PEFT IA3 adapter, both loading without peft_smear; "
             "for bottleneck adapter experts a single-expert SMEAR adapter (routing='single'). The routing is either "
-            "a task's mean routing, from a file of its examples, or one expert of every layer."
+            "a task's, from a file of its examples (its mean routing, or with --form mean_update the average of the "
+            "examples' own merged experts), or one expert of every layer."
         ),
         epilog="Bad input is reported as one 'error:' line with exit code 2, and nothing is written.",
     )
@@ -105,13 +114,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         metavar="FILE",
         help=(
-            "a CSV, JSON or JSONL file of the task's examples: export the merged expert of their mean routing. Each "
+            "a CSV, JSON or JSONL file of the task's examples: export the merged expert of their mean routing (or "
+            "their mean update, see --form). Each "
             "row is one model input, tokenised with the base model's tokenizer (else the adapter's). For a causal "
             "LM the rows are prompts without responses, routed on their prompt tokens as generate() routes a bare "
             "prompt; for an encoder-decoder they are encoder inputs."
         ),
     )
     routing.add_argument("--expert", type=int, metavar="INDEX", help="export expert INDEX (from 0) of every layer")
+    add_form_arguments(export)
     data = export.add_argument_group("task data options")
     data.add_argument("--text-column", default="text", metavar="NAME", help="the column of the texts (default: text)")
     data.add_argument("--task", metavar="NAME", help="keep only the rows whose 'task' column is NAME")
@@ -146,6 +157,10 @@ def export_command(args: argparse.Namespace) -> None:
             f"--expert {args.expert} is out of range: the adapter has {config.num_experts} experts "
             f"(0 to {config.num_experts - 1})."
         )
+    try:
+        check_export_form(config, args.form, args.rank, task=args.task_data is not None, names=("--form", "--rank"))
+    except ValueError as error:
+        raise CommandError(str(error)) from None
     if args.task_data is not None:
         try:
             check_exportable(config.routing, f"--adapter {args.adapter}", "pass --expert INDEX instead of --task-data")
@@ -170,11 +185,14 @@ def export_command(args: argparse.Namespace) -> None:
             batches, total=math.ceil(len(texts) / args.batch_size), desc="Routing", unit="batch", file=sys.stderr
         )
         task = f" of task {args.task!r}" if args.task is not None else ""
-        described = f"the mean routing of {len(texts)} examples{task} from {args.task_data}"
+        what = "mean routing" if args.form == "mean_routing" else "mean update"
+        described = f"the {what} of {len(texts)} examples{task} from {args.task_data}"
     exported = export_merged_adapter(
         model,
         args.output,
         routing=routing,
+        form=args.form,
+        rank=args.rank,
         adapter_name=args.adapter_name,
         overwrite=args.overwrite,
         source=str(args.adapter),
@@ -183,11 +201,13 @@ def export_command(args: argparse.Namespace) -> None:
 
     shape = f"{len(exported.target_modules)} target modules"
     if exported.peft_type == PeftType.LORA:
-        shape = f"r={exported.r}, lora_alpha={exported.lora_alpha}, {shape}"
+        shape = f"r={exported.r}, lora_alpha={exported.lora_alpha:g}, {shape}"
     head = f", modules_to_save {sorted(set(exported.modules_to_save))}" if exported.modules_to_save else ""
     smear = exported.peft_type == SmearPeftType.SMEAR
     print(f"Wrote {EXPERT_KINDS[config.expert_type].exported_as} to {args.output}")
     print(f"  routing: {described}")
+    if args.task_data is not None:
+        print(f"  form: {form_summary(exported, args.form)}")
     print(f"  {shape}{head}")
     print("Load it with peft_smear imported:" if smear else "Load it with plain PEFT (peft_smear not needed):")
     print(

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
+
+from .export import DEFAULT_FORM, FORMS, energy_summary
 
 
 class CommandError(Exception):
@@ -57,3 +60,42 @@ def name_path_pairs(entries: Sequence[str], option: str) -> dict[str, str]:
             raise ValueError(f"{option} names {name!r} twice.")
         pairs[name] = path
     return pairs
+
+
+def add_form_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--form`` and ``--rank``: how a task is exported (``peft-smear export --task-data`` and ``export-tasks``)."""
+    group = parser.add_argument_group("how a task is exported")
+    group.add_argument(
+        "--form",
+        choices=FORMS,
+        default=DEFAULT_FORM,
+        help=(
+            "mean_routing: the merged expert of the task's mean routing, at the experts' rank r; mean_update: the "
+            "average of the examples' own merged experts, exactly (for LoRA experts one LoRA of rank num_experts * "
+            "r; for IA3 experts the same as mean_routing; refused for bottleneck adapters) or truncated by --rank "
+            f"(default: {DEFAULT_FORM})"
+        ),
+    )
+    group.add_argument(
+        "--rank",
+        type=positive_int,
+        metavar="K",
+        help="with --form mean_update and LoRA experts: truncate the mean update by SVD to rank K (at most "
+        "num_experts * r), reporting the share of its energy kept (default: exact)",
+    )
+
+
+def form_summary(exported: Any, form: str) -> str:
+    """What a task's export holds, for the printed summary: its form, rank and, truncated, the energy it keeps."""
+    if form == "mean_routing":
+        return "the merged expert of the mean routing"
+    energy = getattr(exported, "energy_kept", None)
+    if energy is None:
+        return "the mean update: for these experts, exactly the merged expert of the mean routing"
+    (module, least), average = energy_summary(energy)
+    if least == 1:
+        return f"the mean update, exactly, as a LoRA of rank {exported.r}"
+    return (
+        f"the mean update truncated to rank {exported.r}, keeping {average:.2%} of its energy on average over the "
+        f"modules and {least:.2%} at least ({module}; every module in the adapter's README.md)"
+    )

@@ -9,13 +9,19 @@ kind writes it as such (:meth:`~peft_smear.core.experts.ExpertKind.export_weight
 * IA3 experts: a PEFT IA3 adapter with ``l = sum_n p_n l_n``, loadable and mergeable by vanilla PEFT too;
 * bottleneck adapter experts: no PEFT method is one, so a SMEAR adapter with a single expert and
   ``routing="single"`` (no router, one adapter's cost), which loads wherever ``peft_smear`` is imported.
+
+A task (many examples, each routed its own way) is exported in one of two forms. ``"mean_routing"``: the merged
+expert of the task's mean routing, ``B(p̄) A(p̄)``, at the experts' rank. ``"mean_update"``: the average of the
+examples' own merged experts, ``E_b[B(p_b) A(p_b)] = sum_ij E[p_i p_j] B_i A_j``, which for LoRA experts is one LoRA
+of rank ``N * r`` exactly, or its SVD truncation to a chosen rank; for IA3 experts (linear in their vector) it *is*
+the mean routing's merged expert; for bottleneck adapters (nonlinear) no single adapter is it, and it is refused.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +40,10 @@ from .routers import ROUTERS
 
 
 Routing = Mapping[str, torch.Tensor] | Iterable[Mapping[str, Any]]
+FORMS = ("mean_routing", "mean_update")
+"""How a task's routing is exported (``form`` of :func:`export_merged_adapter`)."""
+DEFAULT_FORM = "mean_routing"
+"""The form a task is exported in unless told otherwise (Python, ``peft-smear export`` and ``export-tasks``)."""
 
 
 def export_merged_adapter(
@@ -41,6 +51,8 @@ def export_merged_adapter(
     save_directory: str | os.PathLike,
     *,
     routing: Routing,
+    form: str = DEFAULT_FORM,
+    rank: int | None = None,
     adapter_name: str = "default",
     overwrite: bool = False,
     source: str | None = None,
@@ -55,9 +67,22 @@ def export_merged_adapter(
     * the routing weights of one example, as returned by :func:`get_routing_weights` for a batch of size 1
       (``{module name: [1, num_experts]}``): that example's merged expert, exactly;
     * a fixed distribution per router, ``{module name: [num_experts]}`` (e.g. one-hot to extract one expert);
-    * a task: an iterable (not a mapping) of input batches. Each router gets the mean of its routing distributions
-      over all the task's examples, and the export is the merged expert *of that mean routing*. Because A and B are
-      merged separately, that is not the average of the examples' own merged experts.
+    * a task: an iterable (not a mapping) of input batches, routed once. ``form`` says what is exported:
+
+      - ``"mean_routing"``: each router gets the mean of its routing distributions over the task's examples, and the
+        export is the merged expert *of that mean routing*, at the experts' rank. Because A and B are merged
+        separately, that is not the average of the examples' own merged experts: the two differ by
+        ``sum_ij Cov(p)_ij B_i A_j``.
+      - ``"mean_update"``: that average itself, ``E_b[B(p_b) A(p_b)] = sum_ij E[p_i p_j] B_i A_j``, from the second
+        moment of each router's routing. For LoRA experts it is written exactly as one plain LoRA of rank ``N * r``
+        (``rank=None``), or as its best rank-``rank`` approximation (SVD, ``1 <= rank <= N * r``), whose share of
+        the update's energy kept is reported per module (see below). The exported ``lora_alpha`` keeps PEFT's
+        scaling (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA) the experts' own. For IA3 experts, which are
+        linear in their vector, the mean routing's merged expert already is the mean update, and is what this
+        writes; bottleneck adapters are nonlinear, no single adapter is their mean update, and it is refused.
+
+    For one example or a fixed distribution both forms are the same merged expert, which is written at the experts'
+    rank whatever ``form`` says; ``rank`` applies to a task's mean update only.
 
     One expert (a one-hot routing) can be exported from an adapter of any routing method: it is that expert, however
     the method routes. Other routings only from methods whose output is one merged or chosen expert
@@ -69,7 +94,11 @@ def export_merged_adapter(
     gets a model card (``README.md``) that says what it was exported from (``source``, e.g. the SMEAR adapter's
     directory or Hub id, when given), with which routing (``task``: the task of a task's batches, in the card's
     Markdown, e.g. ``"`topic` (validation split)"``) and how to load it (``usage``: Python code that replaces the
-    load snippet).
+    load snippet); a truncated mean update's card lists the energy kept per module.
+
+    The returned config is the exported adapter's. It also carries ``energy_kept``: for a LoRA task's mean update,
+    ``{module name: share of the mean update's energy (squared Frobenius norm) the export keeps}`` (all 1 when exact),
+    else ``None``; it is not saved with the config.
     """
     tuner = getattr(peft_model, "base_model", None)
     if not isinstance(tuner, SmearModel):
@@ -78,8 +107,11 @@ def export_merged_adapter(
         )
     if adapter_name not in tuner.peft_config:
         raise ValueError(f"No adapter named {adapter_name!r}; adapters: {sorted(tuner.peft_config)}.")
-    method, what = tuner.peft_config[adapter_name].routing, f"Adapter {adapter_name!r}"
-    if not isinstance(routing, Mapping):  # a task's mean routing: refused before any batch is routed
+    smear_config = tuner.peft_config[adapter_name]
+    method, what = smear_config.routing, f"Adapter {adapter_name!r}"
+    is_task = not isinstance(routing, Mapping)
+    check_export_form(smear_config, form, rank, task=is_task)
+    if is_task:  # a task's mean routing: refused before any batch is routed
         check_exportable(method, what)
     target = Path(save_directory)
     refuse_occupied(target, overwrite, "pass overwrite=True to replace it")
@@ -89,23 +121,39 @@ def export_merged_adapter(
         for name, module in tuner.model.named_modules()
         if isinstance(module, SmearLinear) and adapter_name in module.expert_kind
     }
-    distributions, examples = _routing_distributions(peft_model, layers, routing, adapter_name, method, what)
+    distributions, second_moments, examples = _routing_distributions(
+        peft_model, layers, routing, adapter_name, method, what
+    )
+    kind = EXPERT_KINDS[smear_config.expert_type]
+    low_rank = is_task and form == "mean_update" and kind.mean_update == "low_rank"
+    exported_rank = (rank or smear_config.num_experts * smear_config.r) if low_rank else None
     kinds = {name: layer.expert_kind[adapter_name] for name, layer in layers.items()}
-    weights = {}
+    weights, energy_kept = {}, {} if low_rank else None
     with torch.no_grad():
         for name, layer in layers.items():
             params = layer.expert_params(adapter_name)
-            for suffix, tensor in kinds[name].export_weights(params, distributions[name]).items():
+            if low_rank:
+                exported, energy_kept[name] = kinds[name].export_mean_update(params, second_moments[name], rank)
+            else:
+                exported = kinds[name].export_weights(params, distributions[name])
+            for suffix, tensor in exported.items():
                 weights[f"base_model.model.{name}.{suffix}"] = tensor
     # modules_to_save (e.g. a classification head) are stored exactly as PEFT stores them for every adapter type.
     for key, value in get_peft_model_state_dict(peft_model, adapter_name=adapter_name).items():
         if ".smear_" not in key:
             weights[key] = value
 
-    smear_config = tuner.peft_config[adapter_name]
     fan_in_fan_out = any(isinstance(layer.get_base_layer(), Conv1D) for layer in layers.values())
-    exported_config = EXPERT_KINDS[smear_config.expert_type].export_config(smear_config, kinds, fan_in_fan_out)
+    exported_config = kind.export_config(smear_config, kinds, fan_in_fan_out, rank=exported_rank)
     exported_from = ExportedRouting.of(routing, distributions, examples, smear_config, task)
+    if is_task and form == "mean_update":
+        exported_from = replace(
+            exported_from,
+            form=form,
+            rank=exported_rank,
+            truncated=rank is not None,
+            energy_kept=energy_kept,
+        )
     parameters = sum(tensor.numel() for tensor in weights.values())
 
     def card(directory: Path) -> None:
@@ -114,7 +162,47 @@ def export_merged_adapter(
         )
 
     _write_atomically(target, exported_config, {k: v.detach().cpu().contiguous() for k, v in weights.items()}, card)
+    exported_config.energy_kept = energy_kept  # not a dataclass field: not saved in adapter_config.json
     return exported_config
+
+
+def check_export_form(
+    config: Any, form: str, rank: int | None, *, task: bool = True, names: tuple[str, str] = ("form", "rank")
+) -> None:
+    """Refuse, before any work is done, a ``form`` or ``rank`` that :func:`export_merged_adapter` cannot write for
+    an adapter of ``config`` (a ``SmearConfig``); ``task``: the routing is a task's batches (not one fixed routing);
+    ``names``: what the caller calls the two settings, for the message (``("--form", "--rank")``)."""
+    form_name, rank_name = names
+    if form not in FORMS:
+        raise ValueError(f"{form_name} must be one of {', '.join(FORMS)}, got {form!r}.")
+    kind = EXPERT_KINDS[config.expert_type]
+    if task and form == "mean_update" and kind.mean_update is None:
+        raise ValueError(
+            f"{form_name} mean_update is refused for {kind.title} experts: they are nonlinear in their parameters, so "
+            f"no single {kind.title} equals the average of the examples' own merged experts; use {form_name} "
+            "mean_routing."
+        )
+    if rank is None:
+        return
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"{rank_name} must be a positive integer, got {rank!r}.")
+    if not task:
+        raise ValueError(
+            f"{rank_name} truncates a task's mean update; one expert, one example or a fixed distribution is "
+            f"exported exactly at the experts' rank r={config.r}."
+        )
+    if form != "mean_update":
+        raise ValueError(f"{rank_name} truncates the mean update: it needs {form_name} mean_update, not {form!r}.")
+    if kind.mean_update != "low_rank":
+        raise ValueError(
+            f"{rank_name} applies to LoRA experts; the mean update of {kind.title} experts is exact and has no rank."
+        )
+    full = config.num_experts * config.r
+    if rank > full:
+        raise ValueError(
+            f"{rank_name} {rank} is more than the exact mean update's rank, num_experts * r = {config.num_experts} * "
+            f"{config.r} = {full}; leave it out for the exact update."
+        )
 
 
 def check_exportable(
@@ -150,6 +238,14 @@ class ExportedRouting:
     expert_name: str | None = None
     examples: int | None = None
     task: str | None = None
+    form: str = "mean_routing"
+    """A task's: ``"mean_routing"`` or ``"mean_update"``."""
+    rank: int | None = None
+    """The rank of a LoRA task's mean update as exported."""
+    truncated: bool = False
+    """Whether that mean update was truncated by SVD (else it is exact)."""
+    energy_kept: Mapping[str, float] | None = None
+    """A LoRA task's mean update: the share of its energy kept, per module."""
 
     @classmethod
     def of(
@@ -175,11 +271,28 @@ class ExportedRouting:
             name = f" (`{self.expert_name}`)" if self.expert_name else ""
             return f"expert {self.expert}{name} of every layer: that expert alone, exactly"
         if self.kind == "task":
-            of_task = f" of task {self.task}" if self.task else ""
-            return f"the mean routing of {self.examples} examples{of_task}, fixed: the merged expert of that routing"
+            examples = f"{self.examples} examples" + (f" of task {self.task}" if self.task else "")
+            if self.form == "mean_routing":
+                return f"the mean routing of {examples}, fixed: the merged expert of that routing"
+            mean_update = f"the mean update of {examples} (the average of their own merged experts)"
+            if self.rank is None:
+                return f"{mean_update}, exactly: their mean routing's merged expert (linear in their parameters)"
+            if not self.truncated:
+                return f"{mean_update}, exactly, as one LoRA of rank {self.rank} (num_experts * r)"
+            (module, least), average = energy_summary(self.energy_kept)
+            return (
+                f"{mean_update}, truncated by SVD to rank {self.rank}: {average:.2%} of its energy kept on average "
+                f"over the modules, {least:.2%} at least (`{module}`)"
+            )
         if self.kind == "example":
             return "the routing of one example, fixed: that example's merged expert, exactly"
         return "a fixed distribution over the experts per layer: the merged expert of that routing"
+
+
+def energy_summary(energy_kept: Mapping[str, float]) -> tuple[tuple[str, float], float]:
+    """The module that keeps the least of its mean update's energy, with that share, and the mean share."""
+    low = min(energy_kept.items(), key=lambda item: item[1])
+    return low, sum(energy_kept.values()) / len(energy_kept)
 
 
 def _one_hot_index(p: torch.Tensor) -> int | None:
@@ -201,9 +314,10 @@ def _routing_distributions(
     adapter_name: str,
     method: str,
     what: str,
-) -> tuple[dict[str, torch.Tensor], int | None]:
-    """Each layer's distribution, and the number of examples when they are a task's mean routing."""
-    examples = None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None, int | None]:
+    """Each layer's distribution; for a task, the second moment of each layer's routing ``E[p p^T]`` and the number
+    of examples too."""
+    examples, second_moments = None, None
     if isinstance(routing, Mapping):
         distributions = {}
         for name, weights in routing.items():
@@ -226,26 +340,34 @@ def _routing_distributions(
         ):
             check_exportable(method, what)
     elif isinstance(routing, Iterable):
-        distributions, examples = _mean_routing(peft_model, routing, adapter_name)
+        distributions, second_moments, examples = _task_routing(peft_model, routing, adapter_name)
     else:
         raise TypeError(f"routing must be a mapping of routing weights or an iterable of batches, got {routing!r}.")
     _check_distributions(distributions, layers, adapter_name)
-    return {name: distributions[name].cpu() for name in layers}, examples
+    if second_moments is not None:
+        second_moments = {name: second_moments[name] for name in layers}
+    return {name: distributions[name].cpu() for name in layers}, second_moments, examples
 
 
-def _mean_routing(
+def _task_routing(
     peft_model: torch.nn.Module, batches: Iterable[Mapping[str, Any]], adapter_name: str
-) -> tuple[dict[str, torch.Tensor], int]:
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
+    """Each router's mean routing ``E[p]`` and, in float64, its second moment ``E[p p^T]``, over a task's examples,
+    in one pass, and the number of examples."""
     totals: dict[str, torch.Tensor] = {}
+    products: dict[str, torch.Tensor] = {}
     examples = 0
     for batch in batches:
         routing = get_routing_weights(peft_model, adapter_name=adapter_name, **batch)
         for name, weights in routing.items():
             totals[name] = totals.get(name, 0) + weights.sum(dim=0).cpu()
+            p = weights.detach().double().cpu()
+            products[name] = products.get(name, 0) + p.T @ p
         examples += next(iter(routing.values())).shape[0]
     if not examples:
         raise ValueError("The task has no examples: routing is an empty iterable of batches.")
-    return {name: total / examples for name, total in totals.items()}, examples
+    means = {name: total / examples for name, total in totals.items()}
+    return means, {name: product / examples for name, product in products.items()}, examples
 
 
 def _check_distributions(

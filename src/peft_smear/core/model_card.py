@@ -536,12 +536,30 @@ def write_export_card(
         "| | |",
         "|---|---|",
         *(f"| {key} | {value} |" for key, value in rows),
+        *_energy_kept_section(routing),
         SECTION_END,
     ]
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n" + _with_framework_versions("\n".join(lines)))
     path = directory / "README.md"
     card.save(path)
     return path
+
+
+def _energy_kept_section(routing: Any) -> list[str]:
+    """A truncated mean update's share of energy kept, per module, in the order of the model's modules."""
+    if not getattr(routing, "truncated", False):
+        return []
+    return [
+        "",
+        "## Energy kept per module",
+        "",
+        f"The share of each module's mean update (its squared Frobenius norm) that the rank-{routing.rank} "
+        "truncation keeps; the relative error of the module's update is the square root of the rest.",
+        "",
+        "| module | energy kept |",
+        "|---|---|",
+        *(f"| `{module}` | {share:.4%} |" for module, share in routing.energy_kept.items()),
+    ]
 
 
 def _export_snippet(config: Any, adapter_id: str, base_model: str | None, needs_smear: bool) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..core.arguments import CommandError, positive_float, positive_int
+from ..core.arguments import CommandError, add_form_arguments, positive_float, positive_int
 from ..core.routers import ROUTERS
 from .routings import trainable_routings, why_not_trainable
 from .tasks import BENCHMARK_TASKS
@@ -94,8 +94,9 @@ def add_export_tasks_command(subparsers: argparse._SubParsersAction) -> argparse
     parser = subparsers.add_parser(
         "export-tasks",
         help="export one merged LoRA adapter per task from a `train` run",
-        description="For every task of a `train` run, merge the experts with the task's mean routing over its "
-        "examples and write the result as a plain PEFT LoRA adapter (with the task heads) to OUTPUT/<task>/.",
+        description="For every task of a `train` run, write a plain PEFT LoRA adapter (with the task heads) to "
+        "OUTPUT/<task>/: the experts merged with the task's mean routing over its examples (--form mean_routing), or "
+        "the average of the examples' own merged experts (--form mean_update), exactly or truncated by --rank.",
     )
     parser.add_argument(
         "--run", required=True, dest="run_dir", metavar="DIR", help="output directory of `peft-smear train`"
@@ -109,6 +110,7 @@ def add_export_tasks_command(subparsers: argparse._SubParsersAction) -> argparse
     )
     parser.add_argument("--batch-size", type=positive_int, default=64, help="examples per batch (default: 64)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing task adapters")
+    add_form_arguments(parser)
     parser.set_defaults(run=export_tasks_command)
     return parser
 
@@ -130,6 +132,8 @@ def export_tasks_command(args: argparse.Namespace) -> None:
     from .training import export_tasks
 
     try:
-        export_tasks(args.run_dir, args.output, args.split, args.batch_size, args.overwrite)
+        export_tasks(
+            args.run_dir, args.output, args.split, args.batch_size, args.overwrite, form=args.form, rank=args.rank
+        )
     except BenchmarkUnavailableError as error:
         raise CommandError(str(error)) from None

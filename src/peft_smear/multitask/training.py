@@ -24,9 +24,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, Trainer, Traini
 from transformers.trainer_callback import PrinterCallback
 
 from ..core import atomic
-from ..core.arguments import name_path_pairs
+from ..core.arguments import form_summary, name_path_pairs
 from ..core.config import SmearConfig
-from ..core.export import check_exportable, export_merged_adapter, refuse_occupied
+from ..core.export import DEFAULT_FORM, check_export_form, check_exportable, export_merged_adapter, refuse_occupied
 from ..core.model_card import write_model_card
 from ..core.optimizer import create_router_optimizer
 from ..core.routers import ROUTERS, TASK_IDS
@@ -271,17 +271,21 @@ def export_tasks(
     split: str = "validation",
     batch_size: int = 64,
     overwrite: bool = False,
+    form: str = DEFAULT_FORM,
+    rank: int | None = None,
 ) -> list[Path]:
-    """Write ``<output_dir>/<task>/``, for every task of the ``train`` run in ``run_dir``: the LoRA adapter that merges
-    the experts with the task's mean routing over its ``split`` examples (see :func:`export_merged_adapter`), plus
-    the run's ``tasks.json`` and the task's name, so :func:`load_run` rebuilds the complete model for that task. Each
-    task's directory is replaced in one step once it is complete (see :mod:`peft_smear.core.atomic`): a kill leaves
-    every task's old export or its new one, never a part of one."""
+    """Write ``<output_dir>/<task>/``, for every task of the ``train`` run in ``run_dir``: the LoRA adapter of the
+    task's ``split`` examples in ``form`` (the experts merged with their mean routing, or their mean update, exact or
+    truncated to ``rank``: see :func:`export_merged_adapter`), plus the run's ``tasks.json`` and the task's name, so
+    :func:`load_run` rebuilds the complete model for that task. Each task's directory is replaced in one step once it
+    is complete (see :mod:`peft_smear.core.atomic`): a kill leaves every task's old export or its new one, never a
+    part of one."""
     run_dir, output_dir = Path(run_dir), Path(output_dir)
     run = _read_run(run_dir)
-    routing = json.loads((run_dir / "adapter_config.json").read_text()).get("routing", "smear")
+    config = PeftConfig.from_pretrained(str(run_dir))
+    check_export_form(config, form, rank, names=("--form", "--rank"))
     one_expert = f"peft_smear.export_merged_adapter(load_run({str(run_dir)!r}), DIR, routing={{module: one-hot}})"
-    check_exportable(routing, f"The run {run_dir}", one_expert)
+    check_exportable(config.routing, f"The run {run_dir}", one_expert)
     refuse_occupied(output_dir, overwrite, "choose another directory or pass --overwrite")
     peft_model = load_run(run_dir)
     batches = run_batches(run_dir, split, batch_size)
@@ -292,10 +296,12 @@ def export_tasks(
         usage = f'from peft_smear.multitask.training import load_run\n\nmodel = load_run("{target}")'
         # The adapter, its card and its tasks.json replace the task's directory together, in one step.
         with atomic.staged_directory(target) as staging:
-            export_merged_adapter(
+            exported = export_merged_adapter(
                 peft_model,
                 staging,
                 routing=batches[task.name],
+                form=form,
+                rank=rank,
                 overwrite=True,
                 source=str(run_dir),
                 task=f"`{task.name}` ({split} split)",
@@ -303,7 +309,7 @@ def export_tasks(
             )
             (staging / RUN_FILE).write_text(json.dumps({**run, "task": task.name}, indent=2) + "\n")
             atomic.step(f"wrote {RUN_FILE}")
-        print(f"{task.name}: merged LoRA of its mean routing over {split} examples -> {target}")
+        print(f"{task.name} ({split} split): {form_summary(exported, form)} -> {target}")
         written.append(target)
     return written
 

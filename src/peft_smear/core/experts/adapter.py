@@ -200,7 +200,11 @@ class BottleneckAdapterExperts(ExpertKind):
 
     @classmethod
     def export_config(
-        cls, config: SmearConfig, modules: Mapping[str, ExpertKind], fan_in_fan_out: bool
+        cls,
+        config: SmearConfig,
+        modules: Mapping[str, ExpertKind],
+        fan_in_fan_out: bool,
+        rank: int | None = None,
     ) -> SmearConfig:
         """No PEFT method is a bottleneck adapter, so the export is a SMEAR adapter with one expert and
         ``routing="single"``: no router, the cost of one adapter, loadable wherever ``peft_smear`` is imported."""

@@ -59,6 +59,13 @@ class ExpertKind:
     exported_as: ClassVar[str]
     """What :meth:`export_weights` and :meth:`export_config` make, for messages (``"a LoRA adapter"``)."""
 
+    mean_update: ClassVar[str | None] = None
+    """How an export of a task's *mean update* (the average of its examples' own merged experts, ``form="mean_update"``
+    of :func:`~peft_smear.export_merged_adapter`) is written: ``"low_rank"``, by :meth:`export_mean_update` (LoRA: one
+    LoRA of rank ``N * r``, or its truncation); ``"mean_routing"``, as the merged expert of the task's mean routing,
+    which is the mean update exactly for a kind linear in its parameters (IA3); ``None``: no adapter with one expert is
+    the mean update (a nonlinear expert), and that form is refused."""
+
     routes_on_output: ClassVar[bool] = False
     """Whether the router pools the wrapped module's output (the expert's input) instead of its input."""
 
@@ -126,10 +133,25 @@ class ExpertKind:
         key suffix (the exported model's key is ``base_model.model.<module>.<suffix>``)."""
         raise NotImplementedError
 
+    def export_mean_update(
+        self, params: Params, second_moment: torch.Tensor, rank: int | None
+    ) -> tuple[dict[str, torch.Tensor], float]:
+        """For ``mean_update = "low_rank"`` kinds: the average of a task's examples' merged experts, from the second
+        moment of its routing ``E[p p^T] [N, N]``, as the exported adapter's weights of this module (exact when
+        ``rank`` is ``None``, else truncated to ``rank``), and the share of its energy that they keep."""
+        raise NotImplementedError
+
     @classmethod
-    def export_config(cls, config: SmearConfig, modules: Mapping[str, ExpertKind], fan_in_fan_out: bool) -> PeftConfig:
+    def export_config(
+        cls,
+        config: SmearConfig,
+        modules: Mapping[str, ExpertKind],
+        fan_in_fan_out: bool,
+        rank: int | None = None,
+    ) -> PeftConfig:
         """The config of the adapter :meth:`export_weights` writes, for these wrapped ``modules`` (by name);
-        ``fan_in_fan_out``: some of them are GPT-2 style ``Conv1D`` (``[in, out]`` weights)."""
+        ``fan_in_fan_out``: some of them are GPT-2 style ``Conv1D`` (``[in, out]`` weights); ``rank``: the rank of
+        what :meth:`export_mean_update` wrote, when it wrote the weights."""
         raise NotImplementedError
 
     def expert_for(self, params: Params, decision: RoutingDecision, dtype: torch.dtype) -> Expert:

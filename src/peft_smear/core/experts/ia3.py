@@ -48,6 +48,7 @@ class IA3Experts(ExpertKind):
     name = "ia3"
     title = "(IA)³"
     exported_as = "an IA3 adapter"
+    mean_update = "mean_routing"  # E_b[l(p_b)] = l(E_b[p_b]): the mean routing's merged expert is the mean update
     parameter_names = (VECTOR,)
     options = ("ia3_feedforward_modules",)
 
@@ -118,7 +119,13 @@ class IA3Experts(ExpertKind):
         return {"ia3_l": vector[None] if self.scales_input else vector[:, None]}
 
     @classmethod
-    def export_config(cls, config: SmearConfig, modules: Mapping[str, ExpertKind], fan_in_fan_out: bool) -> IA3Config:
+    def export_config(
+        cls,
+        config: SmearConfig,
+        modules: Mapping[str, ExpertKind],
+        fan_in_fan_out: bool,
+        rank: int | None = None,
+    ) -> IA3Config:
         return IA3Config(
             feedforward_modules=sorted(name for name, kind in modules.items() if kind.scales_input),
             fan_in_fan_out=fan_in_fan_out,

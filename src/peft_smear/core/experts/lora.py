@@ -61,6 +61,47 @@ def gather_lora_experts(
     return lora_A[expert_index].to(dtype), lora_B[up_index].transpose(1, 2).to(dtype)
 
 
+def mean_update_lora(
+    lora_A: torch.Tensor, lora_B: torch.Tensor, second_moment: torch.Tensor, rank: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One plain LoRA ``(A', B')`` whose update ``B' A'`` is the mean of a task's examples' own merged experts, and
+    the share of that mean's energy it keeps.
+
+    With ``S = E_b[p_b p_b^T]`` (``second_moment [N, N]``, the second moment of the task's routing), the mean update is
+    ``E_b[B(p_b) A(p_b)] = sum_ij S_ij B_i A_j = [B_1 ... B_N] (S ⊗ I_r) [A_1; ...; A_N]``, of rank at most ``N * r``.
+
+    * ``rank=None``: exactly that, as one LoRA of rank ``N * r``: ``B' = [B_1 ... B_N]``,
+      ``A' = (S ⊗ I_r) [A_1; ...; A_N]``; the energy kept is 1.
+    * ``rank=k``: its best rank-``k`` approximation (Eckart-Young), from the SVD of the small core left by a QR of
+      both factors, so the ``out x in`` matrix is never formed: ``B' = U_k sqrt(Σ_k)``, ``A' = sqrt(Σ_k) V_k^T``
+      (zero-padded to ``k`` when the update's rank is lower). The energy kept is ``sum_kept σ² / sum σ²``
+      (Frobenius; 1 for a zero update): the relative error of the truncation is its complement's square root.
+
+    ``A' [rank, in]`` and ``B' [out, rank]`` are computed in float64 and returned in the parameters' dtype; the
+    LoRA's scaling is the experts' own (the exported config keeps ``lora_alpha / r``, see ``export_config``).
+    """
+    n, r, in_features = lora_A.shape
+    out_features = lora_B.shape[1]
+    A, B = lora_A.detach().double(), lora_B.detach().double()
+    S = second_moment.detach().to(device=A.device, dtype=torch.float64)
+    stacked_B = B.permute(1, 0, 2).reshape(out_features, n * r)  # [B_1 ... B_N]
+    mixed_A = (S @ A.reshape(n, r * in_features)).reshape(n * r, in_features)  # (S ⊗ I_r) [A_1; ...; A_N]
+    if rank is None:
+        return mixed_A.to(lora_A.dtype), stacked_B.to(lora_B.dtype), 1.0
+    q_B, r_B = torch.linalg.qr(stacked_B)  # stacked_B = q_B r_B
+    q_A, r_A = torch.linalg.qr(mixed_A.T)  # mixed_A = r_A^T q_A^T
+    U, sigma, Vh = torch.linalg.svd(r_B @ r_A.T)  # the update is q_B U diag(sigma) Vh q_A^T
+    kept = sigma[:rank]
+    total = sigma.square().sum()
+    energy = 1.0 if total == 0 else float(kept.square().sum() / total)
+    root = kept.sqrt()
+    new_B = torch.zeros(out_features, rank, dtype=torch.float64, device=A.device)
+    new_A = torch.zeros(rank, in_features, dtype=torch.float64, device=A.device)
+    new_B[:, : len(kept)] = q_B @ (U[:, : len(kept)] * root)
+    new_A[: len(kept)] = (root[:, None] * Vh[: len(kept)]) @ q_A.T
+    return new_A.to(lora_A.dtype), new_B.to(lora_B.dtype), energy
+
+
 def add_per_example_experts(
     y: torch.Tensor,
     tokens: torch.Tensor,
@@ -118,6 +159,7 @@ class LoraExperts(ExpertKind):
     name = "lora"
     title = "LoRA"
     exported_as = "a LoRA adapter"
+    mean_update = "low_rank"
     parameter_names = ("smear_lora_A", "smear_lora_B")
     options = ("r", "lora_alpha", "use_rslora")
     init_schemes = (True, False, "gaussian", "smear")
@@ -157,11 +199,31 @@ class LoraExperts(ExpertKind):
             "lora_B.weight": merge_parameter(lora_B, distribution[None], lora_B.dtype)[0],
         }
 
+    def export_mean_update(
+        self, params: Params, second_moment: torch.Tensor, rank: int | None
+    ) -> tuple[dict[str, torch.Tensor], float]:
+        """The task's mean update as one plain LoRA, exact (rank ``N * r``) or truncated to ``rank``: see
+        :func:`mean_update_lora`."""
+        A, B, energy = mean_update_lora(params["smear_lora_A"], params["smear_lora_B"], second_moment, rank)
+        return {"lora_A.weight": A, "lora_B.weight": B}, energy
+
     @classmethod
-    def export_config(cls, config: SmearConfig, modules: Mapping[str, ExpertKind], fan_in_fan_out: bool) -> LoraConfig:
+    def export_config(
+        cls,
+        config: SmearConfig,
+        modules: Mapping[str, ExpertKind],
+        fan_in_fan_out: bool,
+        rank: int | None = None,
+    ) -> LoraConfig:
+        """At the experts' rank and alpha, or at ``rank`` (a mean update's) with the alpha that keeps PEFT's scaling
+        ``lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA) the experts' own."""
+        alpha = config.lora_alpha
+        if rank is not None and rank != config.r:
+            ratio = rank / config.r
+            alpha = config.lora_alpha * (math.sqrt(ratio) if config.use_rslora else ratio)
         return LoraConfig(
-            r=config.r,
-            lora_alpha=config.lora_alpha,
+            r=config.r if rank is None else rank,
+            lora_alpha=alpha,
             use_rslora=config.use_rslora,
             fan_in_fan_out=fan_in_fan_out,
             lora_dropout=0.0,
