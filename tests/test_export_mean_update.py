@@ -334,3 +334,21 @@ def test_cli_rank_with_one_expert_is_refused(saved, tmp_path, capsys):
     assert "--rank truncates a task's mean update" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
     assert export(root, tmp_path / "same", "--expert", 1, "--form", "mean_update") == 0  # the same in both forms
+
+
+def test_a_mean_routing_export_reports_its_measured_gap_to_the_mean_update(tmp_path):
+    """The card of a task's mean-routing export states, per module, how far its update is from the task's mean
+    update: the relative Frobenius distance, checked here against the explicit matrices."""
+    model = smear_model()
+    batches = task_batches()
+    config = export_merged_adapter(model, tmp_path / "task", routing=batches)
+    expected = average_updates(model, batches)
+    exported = exported_updates(tmp_path / "task")
+    card = (tmp_path / "task" / "README.md").read_text()
+    assert "## Gap to the task's mean update, per module" in card
+    gaps = dict(re.findall(r"\| `([\w.]+)` \| ([\d.]+)% \|", card))
+    assert config.peft_type == "LORA" and set(gaps) == set(expected)
+    for name, update in expected.items():
+        explicit = float((exported[name] - update).norm() / update.norm())
+        assert explicit > 1e-3, "the routers make the task's examples differ, so the mean routing is not exact"
+        assert float(gaps[name]) == pytest.approx(100 * explicit, abs=0.006), name  # the card rounds to 0.01%

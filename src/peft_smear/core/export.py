@@ -128,7 +128,7 @@ def export_merged_adapter(
     low_rank = is_task and form == "mean_update" and kind.mean_update == "low_rank"
     exported_rank = (rank or smear_config.num_experts * smear_config.r) if low_rank else None
     kinds = {name: layer.expert_kind[adapter_name] for name, layer in layers.items()}
-    weights, energy_kept = {}, {} if low_rank else None
+    weights, energy_kept, gaps = {}, {} if low_rank else None, {}
     with torch.no_grad():
         for name, layer in layers.items():
             params = layer.expert_params(adapter_name)
@@ -136,6 +136,8 @@ def export_merged_adapter(
                 exported, energy_kept[name] = kinds[name].export_mean_update(params, second_moments[name], rank)
             else:
                 exported = kinds[name].export_weights(params, distributions[name])
+                if is_task:  # the measured gap the card reports: mean routing's expert against the mean update
+                    gaps[name] = kinds[name].mean_routing_gap(params, distributions[name], second_moments[name])
             for suffix, tensor in exported.items():
                 weights[f"base_model.model.{name}.{suffix}"] = tensor
     # modules_to_save (e.g. a classification head) are stored exactly as PEFT stores them for every adapter type.
@@ -146,6 +148,8 @@ def export_merged_adapter(
     fan_in_fan_out = any(isinstance(layer.get_base_layer(), Conv1D) for layer in layers.values())
     exported_config = kind.export_config(smear_config, kinds, fan_in_fan_out, rank=exported_rank)
     exported_from = ExportedRouting.of(routing, distributions, examples, smear_config, task)
+    if is_task and gaps:
+        exported_from = replace(exported_from, mean_update_gap=gaps)
     if is_task and form == "mean_update":
         exported_from = replace(
             exported_from,
@@ -246,6 +250,8 @@ class ExportedRouting:
     """Whether that mean update was truncated by SVD (else it is exact)."""
     energy_kept: Mapping[str, float] | None = None
     """A LoRA task's mean update: the share of its energy kept, per module."""
+    mean_update_gap: Mapping[str, float] | None = None
+    """A task's mean routing: its merged expert's relative distance from the task's mean update, per module."""
 
     @classmethod
     def of(
@@ -273,7 +279,14 @@ class ExportedRouting:
         if self.kind == "task":
             examples = f"{self.examples} examples" + (f" of task {self.task}" if self.task else "")
             if self.form == "mean_routing":
-                return f"the mean routing of {examples}, fixed: the merged expert of that routing"
+                gap = ""
+                if self.mean_update_gap:
+                    values = list(self.mean_update_gap.values())
+                    gap = (
+                        f" (its update is {sum(values) / len(values):.1%} from the examples' mean update on average "
+                        f"over the modules, {max(values):.1%} at most)"
+                    )
+                return f"the mean routing of {examples}, fixed: the merged expert of that routing{gap}"
             mean_update = f"the mean update of {examples} (the average of their own merged experts)"
             if self.rank is None:
                 return f"{mean_update}, exactly: their mean routing's merged expert (linear in their parameters)"

@@ -546,7 +546,21 @@ def write_export_card(
 
 
 def _energy_kept_section(routing: Any) -> list[str]:
-    """A truncated mean update's share of energy kept, per module, in the order of the model's modules."""
+    """A truncated mean update's share of energy kept, or a mean routing's gap to the mean update, per module, in the
+    order of the model's modules."""
+    if getattr(routing, "mean_update_gap", None):
+        return [
+            "",
+            "## Gap to the task's mean update, per module",
+            "",
+            "How far this export's update (the merged expert of the task's mean routing) is from the average of the "
+            "task's examples' own merged experts: the relative Frobenius distance. `form=\"mean_update\"` exports "
+            "the latter exactly.",
+            "",
+            "| module | gap |",
+            "|---|---|",
+            *(f"| `{module}` | {gap:.2%} |" for module, gap in routing.mean_update_gap.items()),
+        ]
     if not getattr(routing, "truncated", False):
         return []
     return [

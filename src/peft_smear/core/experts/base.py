@@ -133,6 +133,11 @@ class ExpertKind:
         key suffix (the exported model's key is ``base_model.model.<module>.<suffix>``)."""
         raise NotImplementedError
 
+    def mean_routing_gap(self, params: Params, mean: torch.Tensor, second_moment: torch.Tensor) -> float:
+        """For ``mean_update = "low_rank"`` kinds: the relative distance of the mean routing's merged expert from the
+        task's mean update (0 where the two coincide)."""
+        return 0.0
+
     def export_mean_update(
         self, params: Params, second_moment: torch.Tensor, rank: int | None
     ) -> tuple[dict[str, torch.Tensor], float]:

@@ -102,6 +102,27 @@ def mean_update_lora(
     return new_A.to(lora_A.dtype), new_B.to(lora_B.dtype), energy
 
 
+def mean_routing_gap(
+    lora_A: torch.Tensor, lora_B: torch.Tensor, mean: torch.Tensor, second_moment: torch.Tensor
+) -> float:
+    """How far the merged expert of a task's mean routing, ``B(p̄) A(p̄)``, is from the task's mean update
+    ``E_b[B(p_b) A(p_b)]`` (see :func:`mean_update_lora`): ``||B(p̄) A(p̄) - E_b[B(p_b) A(p_b)]|| / ||E_b[...]||``
+    (Frobenius), computed from the factors (``||U V||² = tr(UᵀU VVᵀ)``), never forming an ``out x in`` matrix."""
+    n, r, in_features = lora_A.shape
+    A, B = lora_A.detach().double(), lora_B.detach().double()
+    p, S = mean.detach().to(A.device, torch.float64), second_moment.detach().to(A.device, torch.float64)
+    stacked_B = B.permute(1, 0, 2).reshape(-1, n * r)
+    mixed_A = (S @ A.reshape(n, r * in_features)).reshape(n * r, in_features)
+    merged_B, merged_A = torch.einsum("n,nor->or", p, B), torch.einsum("n,nri->ri", p, A)
+
+    def squared_norm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+        return torch.trace((left.T @ left) @ (right @ right.T))
+
+    exact = squared_norm(stacked_B, mixed_A)
+    difference = squared_norm(torch.cat([merged_B, -stacked_B], dim=1), torch.cat([merged_A, mixed_A], dim=0))
+    return 0.0 if exact == 0 else float((difference.clamp(min=0) / exact).sqrt())
+
+
 def add_per_example_experts(
     y: torch.Tensor,
     tokens: torch.Tensor,
@@ -198,6 +219,9 @@ class LoraExperts(ExpertKind):
             "lora_A.weight": merge_parameter(lora_A, distribution[None], lora_A.dtype)[0],
             "lora_B.weight": merge_parameter(lora_B, distribution[None], lora_B.dtype)[0],
         }
+
+    def mean_routing_gap(self, params: Params, mean: torch.Tensor, second_moment: torch.Tensor) -> float:
+        return mean_routing_gap(params["smear_lora_A"], params["smear_lora_B"], mean, second_moment)
 
     def export_mean_update(
         self, params: Params, second_moment: torch.Tensor, rank: int | None
