@@ -174,3 +174,33 @@ def test_training_steps_do_not_recompile(routing, options):
     for _ in range(3):
         compiled(**inputs).loss.backward()
     assert after_first >= 1 and len(built) == after_first
+
+
+@pytest.mark.parametrize("compiled_part", ["model", "decoder_layers"])
+def test_auxiliary_losses_train_when_compiled_under_reentrant_checkpointing(compiled_part):
+    """Compiling the whole model, or each decoder layer, leaves the recomputation that carries the routers' auxiliary
+    losses into backward (peft_smear.core.aux_losses) in place: the gradients equal eager ones without checkpointing,
+    the load-balancing loss's share included."""
+    inputs = inputs_for("prompt")
+
+    def gradients(compiled: bool) -> dict[str, torch.Tensor]:
+        model = smear_model("prompt", expert_dropout=0.0, router_balance_weight=1.0).train()
+        runner = model
+        if compiled:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+            model.enable_input_require_grads()
+            if compiled_part == "model":
+                runner = torch.compile(model, backend="aot_eager")
+            else:
+                for layer in model.base_model.model.model.layers:
+                    layer.compile(backend="aot_eager")
+        output = runner(**inputs)
+        assert output.smear_aux_losses, "the load-balancing loss takes part"
+        output.loss.backward()
+        return {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+
+    eager, compiled = gradients(False), gradients(True)
+    assert any("router" in name and grad.abs().sum() > 0 for name, grad in eager.items())
+    assert eager.keys() == compiled.keys()
+    for name, grad in eager.items():
+        torch.testing.assert_close(compiled[name], grad, atol=1e-5, rtol=1e-4, msg=name)

@@ -150,8 +150,8 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         losses = [(name, value) for decision in decisions for name, value in decision.aux_losses.items()]
         if not losses:
             return output
-        # Traced by torch.compile without this branch (no graph break per layer): with a compiled model, use
-        # non-reentrant checkpointing, as torch recommends, for these losses to train.
+        # Left out of compiled graphs (no graph break per layer): the recomputation inside backward runs eagerly even
+        # in a compiled model, so the losses train there too (tests/test_compile.py).
         if not torch.compiler.is_compiling() and in_backward():
             return hook_aux_loss(output, sum(value for _, value in losses), self.routing_context.aux_gradient_scale)
         for name, value in losses:
