@@ -20,9 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import peft
 import torch
-from huggingface_hub import ModelCard, ModelCardData
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from peft.utils import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
 from safetensors.torch import save_file
@@ -34,17 +32,7 @@ from .experts.base import exported_config_fields
 from .export import refuse_occupied
 from .layer import SmearLinear
 from .model import SmearModel, get_routing_weights
-from .model_card import (
-    AUTO_CLASSES,
-    BASE_MODEL_TAG,
-    PACKAGE_URL,
-    SECTION_BEGIN,
-    SECTION_END,
-    _base_model_id,
-    _listing,
-    _looks_like_repo_id,
-    _with_framework_versions,
-)
+from .model_card import write_merge_card
 
 
 COMBINATION_TYPES = (
@@ -193,7 +181,17 @@ def merge_experts(
         tensors = {key: value.detach().cpu().contiguous() for key, value in tensors.items()}
         save_file(tensors, staging / SAFETENSORS_WEIGHTS_NAME, metadata={"format": "pt"})
         atomic.step(f"wrote {SAFETENSORS_WEIGHTS_NAME}")
-        _write_card(staging, merged_config, peft_model, adapter_name, merge, parameters, source, usage)
+        write_merge_card(
+            staging,
+            merged_config,
+            peft_model,
+            adapter_name,
+            merge.combination(),
+            merge.weights,
+            parameters,
+            source,
+            usage,
+        )
         atomic.step("wrote README.md")
     return merged_config
 
@@ -434,78 +432,3 @@ def _weights_words(
     (vector,) = vectors
     labels = names or [str(i) for i in range(len(vector))]
     return "given, in every layer: " + ", ".join(f"`{label}` {w:g}" for label, w in zip(labels, vector, strict=True))
-
-
-def _write_card(
-    directory: Path,
-    config: LoraConfig,
-    peft_model: Any,
-    adapter_name: str,
-    merge: MergeDescription,
-    parameters: int,
-    source: str | None,
-    usage: str | None,
-) -> None:
-    smear_config = peft_model.peft_config[adapter_name]
-    base_model = config.base_model_name_or_path or _base_model_id(peft_model)
-    hub_id = base_model if _looks_like_repo_id(base_model) else None
-    tags = {"peft", "peft-smear", "smear-export", "lora", "model-merging"} | (
-        {f"{BASE_MODEL_TAG}{hub_id}"} if hub_id else set()
-    )
-    data = ModelCardData(library_name="peft", base_model=hub_id, tags=sorted(tags))
-    if config.task_type == "CAUSAL_LM":
-        data.pipeline_tag = "text-generation"
-    source_words = f"`{source}`" if source else "a SMEAR adapter"
-    names = smear_config.expert_names
-    experts = f"{smear_config.num_experts} LoRA experts per layer" + (
-        f" ({', '.join(f'`{name}`' for name in names)})" if names else ""
-    )
-    modules = sorted(config.target_modules)
-    rows = [
-        ("merged from", f"{source_words}: {experts}, routing `{smear_config.routing}`"),
-        ("combination", f"{merge.combination()}, by PEFT {peft.__version__}'s `add_weighted_adapter`, layer by layer"),
-        ("weights", merge.weights),
-        ("adapter", f"`peft_type: LORA`, r={config.r}, lora_alpha={config.lora_alpha:g}"),
-        ("target modules", f"{_listing(sorted({m.rsplit('.', 1)[-1] for m in modules}))} ({len(modules)} layers)"),
-        ("parameters", f"{parameters:,}"),
-    ]
-    if config.task_type:
-        rows.append(("task type", f"`{config.task_type}`"))
-    auto = AUTO_CLASSES.get(config.task_type, ("AutoModel", None))[0]
-    snippet = "\n".join(
-        [
-            "from peft import PeftModel",
-            f"from transformers import {auto}",
-            "",
-            f'base = {auto}.from_pretrained("{base_model or "BASE_MODEL"}")',
-            f'model = PeftModel.from_pretrained(base, "{atomic.destination(directory)}")',
-            "# model = model.merge_and_unload()  # or fold it into the base weights",
-        ]
-    )
-    lines = [
-        "# A LoRA merged from the experts of a SMEAR adapter",
-        "",
-        SECTION_BEGIN,
-        f"A plain PEFT LoRA written by [peft-smear]({PACKAGE_URL})'s `merge_experts`: the LoRA experts of "
-        f"{source_words} combined by PEFT's {merge.combination()} merge, weights {merge.weights}. It loads with "
-        "plain PEFT, without peft_smear, at the cost of one LoRA.",
-        "",
-        "## Usage",
-        "",
-        "```python",
-        usage or snippet,
-        "```",
-        "",
-        "## Adapter",
-        "",
-        "| | |",
-        "|---|---|",
-        *(f"| {key} | {value} |" for key, value in rows),
-        SECTION_END,
-    ]
-    ModelCard(f"---\n{data.to_yaml()}\n---\n" + _with_framework_versions("\n".join(lines))).save(
-        directory / "README.md"
-    )
-
-
-__all__ = ["COMBINATION_TYPES", "merge_experts"]

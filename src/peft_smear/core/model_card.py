@@ -9,7 +9,7 @@ only its tags grow and one delimited section is added, or replaced on the next s
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -478,14 +478,8 @@ def write_export_card(
     peft_type = str(getattr(exported_config.peft_type, "value", exported_config.peft_type))
     needs_smear = peft_type == "SMEAR"
     base_model = exported_config.base_model_name_or_path or _base_model_id(peft_model)
-    hub_id = base_model if _looks_like_repo_id(base_model) else None
     kind = EXPERT_KINDS[smear_config.expert_type]
-    tags = {"peft", "peft-smear", "smear-export", peft_type.lower()}
-    if hub_id is not None:
-        tags.add(f"{BASE_MODEL_TAG}{hub_id}")
-    data = ModelCardData(library_name="peft", base_model=hub_id, tags=sorted(tags))
-    if exported_config.task_type == "CAUSAL_LM":
-        data.pipeline_tag = "text-generation"
+    data, hub_id = _export_card_data(base_model, exported_config.task_type, {peft_type.lower()})
 
     if peft_type == "LORA":
         adapter = f"PEFT LoRA, r={exported_config.r}, lora_alpha={exported_config.lora_alpha:g}" + (
@@ -495,7 +489,6 @@ def write_export_card(
         adapter = "PEFT (IA)³ scaling vectors"
     else:
         adapter = f"SMEAR with one {kind.title} expert and `routing='single'` (no PEFT method is one)"
-    modules = sorted(exported_config.target_modules)
     source_words = f"`{source}`" if source else "a SMEAR adapter"
     names = smear_config.expert_names
     origin = (
@@ -506,7 +499,7 @@ def write_export_card(
         ("exported from", origin),
         ("routing merged", routing.describe()),
         ("adapter", f"`peft_type: {peft_type}`, {adapter}"),
-        ("target modules", f"{_listing(sorted({m.rsplit('.', 1)[-1] for m in modules}))} ({len(modules)} layers)"),
+        ("target modules", _target_modules_words(exported_config.target_modules)),
         ("parameters", f"{parameters:,}"),
     ]
     if exported_config.modules_to_save:
@@ -515,20 +508,103 @@ def write_export_card(
         rows.append(("task type", f"`{exported_config.task_type}`"))
     plain = "loads with peft_smear imported" if needs_smear else "loads with plain PEFT, without peft_smear"
     title = kind.exported_as[0].upper() + kind.exported_as[1:]
-    lines = [
-        f"# {title} exported from a SMEAR adapter",
-        "",
-        SECTION_BEGIN,
+    intro = (
         f"{title} written by [peft-smear]({PACKAGE_URL})'s `export_merged_adapter` from {source_words}, a "
         f"[SMEAR]({PAPER_URL}) adapter"
         + (f" for [`{hub_id}`](https://huggingface.co/{hub_id})" if hub_id else "")
         + f", with one fixed routing: {routing.describe()}. It {plain}, at the cost of one {kind.title}, with no "
-        "router.",
+        "router."
+    )
+    snippet = usage or _export_snippet(exported_config, str(destination(directory)), base_model, needs_smear)
+    return _save_export_card(
+        Path(directory),
+        data,
+        f"{title} exported from a SMEAR adapter",
+        intro,
+        snippet,
+        rows,
+        _energy_kept_section(routing),
+    )
+
+
+def write_merge_card(
+    directory: str | Path,
+    merged_config: Any,
+    peft_model: Any,
+    adapter_name: str,
+    combination: str,
+    weights: str,
+    parameters: int,
+    source: str | None = None,
+    usage: str | None = None,
+) -> Path:
+    """The card of a LoRA :func:`peft_smear.merge_experts` wrote into ``directory``: which experts it merged, by
+    which of PEFT's combinations (``combination``) and ``weights`` (both in words), and how to load it."""
+    smear_config = peft_model.peft_config[adapter_name]
+    base_model = merged_config.base_model_name_or_path or _base_model_id(peft_model)
+    data, _ = _export_card_data(base_model, merged_config.task_type, {"lora", "model-merging"})
+    source_words = f"`{source}`" if source else "a SMEAR adapter"
+    names = smear_config.expert_names
+    experts = f"{smear_config.num_experts} LoRA experts per layer" + (
+        f" ({', '.join(f'`{name}`' for name in names)})" if names else ""
+    )
+    rows = [
+        ("merged from", f"{source_words}: {experts}, routing `{smear_config.routing}`"),
+        ("combination", f"{combination}, by PEFT {peft.__version__}'s `add_weighted_adapter`, layer by layer"),
+        ("weights", weights),
+        ("adapter", f"`peft_type: LORA`, r={merged_config.r}, lora_alpha={merged_config.lora_alpha:g}"),
+        ("target modules", _target_modules_words(merged_config.target_modules)),
+        ("parameters", f"{parameters:,}"),
+    ]
+    if merged_config.task_type:
+        rows.append(("task type", f"`{merged_config.task_type}`"))
+    intro = (
+        f"A plain PEFT LoRA written by [peft-smear]({PACKAGE_URL})'s `merge_experts`: the LoRA experts of "
+        f"{source_words} combined by PEFT's {combination} merge, weights {weights}. It loads with plain PEFT, without "
+        "peft_smear, at the cost of one LoRA."
+    )
+    snippet = usage or _export_snippet(merged_config, str(destination(directory)), base_model, needs_smear=False)
+    title = "A LoRA merged from the experts of a SMEAR adapter"
+    return _save_export_card(Path(directory), data, title, intro, snippet, rows)
+
+
+def _export_card_data(
+    base_model: str | None, task_type: str | None, tags: set[str]
+) -> tuple[ModelCardData, str | None]:
+    """The metadata of a card for an adapter written from a SMEAR adapter, and the base model's Hub id (a local
+    path is no id: the Hub would read it as one)."""
+    hub_id = base_model if _looks_like_repo_id(base_model) else None
+    tags = {"peft", "peft-smear", "smear-export", *tags} | ({f"{BASE_MODEL_TAG}{hub_id}"} if hub_id else set())
+    data = ModelCardData(library_name="peft", base_model=hub_id, tags=sorted(tags))
+    if task_type == "CAUSAL_LM":
+        data.pipeline_tag = "text-generation"
+    return data, hub_id
+
+
+def _target_modules_words(target_modules: Iterable[str]) -> str:
+    modules = sorted(target_modules)
+    return f"{_listing(sorted({m.rsplit('.', 1)[-1] for m in modules}))} ({len(modules)} layers)"
+
+
+def _save_export_card(
+    directory: Path,
+    data: ModelCardData,
+    title: str,
+    intro: str,
+    snippet: str,
+    rows: list[tuple[str, str]],
+    sections: Sequence[str] = (),
+) -> Path:
+    lines = [
+        f"# {title}",
+        "",
+        SECTION_BEGIN,
+        intro,
         "",
         "## Usage",
         "",
         "```python",
-        usage or _export_snippet(exported_config, str(destination(directory)), base_model, needs_smear),
+        snippet,
         "```",
         "",
         "## Adapter",
@@ -536,7 +612,7 @@ def write_export_card(
         "| | |",
         "|---|---|",
         *(f"| {key} | {value} |" for key, value in rows),
-        *_energy_kept_section(routing),
+        *sections,
         SECTION_END,
     ]
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n" + _with_framework_versions("\n".join(lines)))
