@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import json
 import random
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -359,3 +360,27 @@ def save_bank_inputs(root, names: tuple[str, ...] = ("one", "two")) -> dict[str,
     rows = [{"prompt": f"w{i} w{i + 1} w{i + 2}", "response": f"w{i + 3} w{i + 4}"} for i in range(2, 40, 3)]
     (root / "data.jsonl").write_text("\n".join(json.dumps(row) for row in rows))
     return adapters
+
+
+LOAD_WITHOUT_SMEAR = """
+import sys, torch
+sys.modules["peft_smear"] = None  # any import of peft_smear now fails
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+base_dir, adapter_dir, batch_file, out_file = sys.argv[1:]
+model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir).eval()
+assert type(model.peft_config["default"]).__name__ == "LoraConfig"
+with torch.no_grad():
+    torch.save(model(**torch.load(batch_file)).logits, out_file)
+"""
+
+
+def logits_without_peft_smear(base_dir: Path, adapter_dir: Path, batch: dict[str, torch.Tensor], work: Path):
+    """The logits of ``batch`` from the LoRA adapter in ``adapter_dir`` on the causal LM in ``base_dir``, loaded by
+    plain PEFT in a fresh process where any import of peft_smear fails."""
+    torch.save(batch, work / "batch.pt")
+    (work / "load.py").write_text(LOAD_WITHOUT_SMEAR)
+    args = [work / "load.py", base_dir, adapter_dir, work / "batch.pt", work / "out.pt"]
+    result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return torch.load(work / "out.pt")

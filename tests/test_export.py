@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -13,7 +10,7 @@ from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 import peft_smear
-from conftest import BUILDERS, random_batch, tiny_llama, trained_like_smear
+from conftest import BUILDERS, logits_without_peft_smear, random_batch, tiny_llama, trained_like_smear
 from peft_smear import SmearConfig, SmearLinear, export_merged_adapter
 from peft_smear.core.routers.base import merged
 
@@ -95,33 +92,14 @@ def test_task_export_uses_the_mean_routing_of_the_task(tmp_path):
     )
 
 
-LOAD_WITHOUT_SMEAR = textwrap.dedent(
-    """
-    import sys, torch
-    sys.modules["peft_smear"] = None  # any import of peft_smear now fails
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-    base_dir, adapter_dir, batch_file, out_file = sys.argv[1:]
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir).eval()
-    assert type(model.peft_config["default"]).__name__ == "LoraConfig"
-    with torch.no_grad():
-        torch.save(model(**torch.load(batch_file)).logits, out_file)
-    """
-)
-
-
 def test_export_loads_where_peft_smear_cannot_be_imported(tmp_path):
     tiny_llama().save_pretrained(tmp_path / "base")
     config = SmearConfig(num_experts=3, r=4, init_weights=False, target_modules="all-linear")
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), config).eval()
     example = random_batch(1, 6, seed=5)
     export_merged_adapter(model, tmp_path / "lora", routing=peft_smear.get_routing_weights(model, **example))
-    torch.save(example, tmp_path / "batch.pt")
-    (tmp_path / "load.py").write_text(LOAD_WITHOUT_SMEAR)
-    args = [tmp_path / "base", tmp_path / "lora", tmp_path / "batch.pt", tmp_path / "out.pt"]
-    result = subprocess.run([sys.executable, tmp_path / "load.py", *map(str, args)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert (torch.load(tmp_path / "out.pt") - logits(model, example)).abs().max() <= 1e-5
+    loaded = logits_without_peft_smear(tmp_path / "base", tmp_path / "lora", example, tmp_path)
+    assert (loaded - logits(model, example)).abs().max() <= 1e-5
 
 
 def test_exported_adapter_merges_into_the_base_weights(tmp_path):

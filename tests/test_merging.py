@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
-import textwrap
 
 import peft.utils.merge_utils
 import pytest
@@ -18,7 +15,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 
 import peft_smear
-from conftest import BUILDERS, random_batch, tiny_llama, trained_like_smear
+from conftest import BUILDERS, logits_without_peft_smear, random_batch, tiny_llama, trained_like_smear
 from peft_smear import SmearConfig, SmearLinear, merge_experts
 from peft_smear.core.merging import COMBINATION_TYPES
 
@@ -269,21 +266,6 @@ def test_a_per_token_router_s_task_weights_average_the_real_tokens(tmp_path):
 # --- the written adapter -----------------------------------------------------------------------------------------
 
 
-LOAD_WITHOUT_SMEAR = textwrap.dedent(
-    """
-    import sys, torch
-    sys.modules["peft_smear"] = None  # any import of peft_smear now fails
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-    base_dir, adapter_dir, batch_file, out_file = sys.argv[1:]
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir).eval()
-    assert type(model.peft_config["default"]).__name__ == "LoraConfig"
-    with torch.no_grad():
-        torch.save(model(**torch.load(batch_file)).logits, out_file)
-    """
-)
-
-
 def test_the_merge_loads_without_peft_smear_and_gives_the_merged_update_s_logits(tmp_path):
     """Loaded by plain PEFT in a process where peft_smear cannot be imported, the merged LoRA gives the base model's
     logits with every layer's weight plus the explicit merged update (here PEFT's cat: sum_n w_n s B_n A_n)."""
@@ -294,18 +276,14 @@ def test_the_merge_loads_without_peft_smear_and_gives_the_merged_update_s_logits
     config = json.loads((tmp_path / "lora" / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA"
     batch = random_batch(2, 6, seed=7, lengths=[6, 4])
-    torch.save(batch, tmp_path / "batch.pt")
-    (tmp_path / "load.py").write_text(LOAD_WITHOUT_SMEAR)
-    args = [tmp_path / "base", tmp_path / "lora", tmp_path / "batch.pt", tmp_path / "out.pt"]
-    result = subprocess.run([sys.executable, tmp_path / "load.py", *map(str, args)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+    loaded = logits_without_peft_smear(tmp_path / "base", tmp_path / "lora", batch, tmp_path)
 
     base = tiny_llama()
     with torch.no_grad():
         for name, layer in smear_layers(model).items():
             A_n, B_n = layer.smear_lora_A["default"], layer.smear_lora_B["default"]
             base.get_submodule(name).weight += sum(w * 2.0 * B_n[n] @ A_n[n] for n, w in enumerate(weights))
-    torch.testing.assert_close(torch.load(tmp_path / "out.pt"), logits(base, batch), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(loaded, logits(base, batch), atol=1e-5, rtol=1e-5)
 
 
 def test_the_card_says_what_was_merged_and_dare_is_seeded(tmp_path):
