@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,12 @@ def test_every_routing_method_and_expert_kind_has_a_legacy_fixture() -> None:
 def test_a_legacy_adapter_loads_and_gives_the_logits_it_gave_when_saved(case: str) -> None:
     base = tiny_llama()
     base.load_state_dict(load_file(FIXTURES / "base_llama.safetensors"))
-    model = PeftModel.from_pretrained(base, FIXTURES / case).eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = PeftModel.from_pretrained(base, FIXTURES / case).eval()
+    # Nothing the adapter was trained with is missing: PEFT must not say otherwise (the routers' training clock,
+    # which older adapters lack, starts at 0 as it did for them).
+    assert not [str(w.message) for w in caught if "missing adapter keys" in str(w.message)]
     expected = load_file(FIXTURES / case / "expected.safetensors")
     logits = expected.pop("logits")
     with torch.no_grad():

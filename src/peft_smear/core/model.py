@@ -301,7 +301,7 @@ class SmearModel(BaseTuner):
         ones, which would leave a silently half-initialised adapter."""
         remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
         _check_adapter_state_dict(model, adapter_name, remapped)
-        return remapped
+        return _with_started_clocks(model, adapter_name, remapped)
 
 
 @dataclass
@@ -408,6 +408,20 @@ def _check_adapter_state_dict(model: nn.Module, adapter_name: str, state_dict: d
         raise ValueError(
             f"Cannot load SMEAR adapter {adapter_name!r}; its weights do not fit the model. " + "; ".join(problems)
         )
+
+
+def _with_started_clocks(
+    model: nn.Module, adapter_name: str, state_dict: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Adapters saved before routers kept their training clock get it at 0, where it started for them, so PEFT does
+    not warn that weights are missing from a checkpoint that lacks nothing it was trained with."""
+    prefix = "base_model.model."
+    started = {
+        key: torch.zeros((), dtype=torch.long)
+        for key in adapter_state_dict_keys(model, adapter_name)
+        if key.endswith(CLOCK_SUFFIX) and key not in state_dict and key.removeprefix(prefix) not in state_dict
+    }
+    return {**state_dict, **started} if started else state_dict
 
 
 def _listing(lines: list[str]) -> str:
