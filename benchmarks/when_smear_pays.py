@@ -466,7 +466,7 @@ def run_study(
         validation = row.get("validation_average")
         shown = f"validation {validation:.4f}, " if validation is not None else ""
         log(
-            f"{regime:<20} {run.method:<16} lr {run.learning_rate:.0e} seed {run.seed}: {shown}test "
+            f"{regime:<20} {run.method:<16} lr {run.learning_rate:.1e} seed {run.seed}: {shown}test "
             f"{row['test_average']:.4f} ({row['total_seconds']:.0f} s)"
             + (" (from the journal)" if from_journal else "")
         )
