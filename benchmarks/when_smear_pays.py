@@ -93,6 +93,7 @@ from quality import (
     _collapsed_share,
     _mean_task_similarity,
     _normalised_entropy,
+    _task_file,
     choose_learning_rates,
     csv_columns,
     run_one,
@@ -785,13 +786,6 @@ def write_csv(by_regime: dict[str, list[dict[str, Any]]], setups: dict[str, Setu
         writer.writeheader()
         for rows in by_regime.values():
             writer.writerows(rows)
-
-
-def _task_file(entry: str) -> tuple[str, str]:
-    name, separator, path = entry.partition("=")
-    if not separator or not name or not path:
-        raise argparse.ArgumentTypeError(f"--task-file takes NAME=PATH, got {entry!r}")
-    return name, path
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -300,8 +300,10 @@ class SmearModel(BaseTuner):
         """PEFT's key remapping, then a strict check: PEFT only warns about missing keys and ignores unexpected
         ones, which would leave a silently half-initialised adapter."""
         remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
-        _check_adapter_state_dict(model, adapter_name, remapped)
-        return _with_started_clocks(model, adapter_name, remapped)
+        missing_clocks = _check_adapter_state_dict(model, adapter_name, remapped)
+        # Adapters saved before routers kept their training clock lack it: it starts at 0, as it did for them, and is
+        # put in so that PEFT does not warn that weights are missing from a checkpoint that lacks nothing it needs.
+        return {**remapped, **{key: torch.zeros((), dtype=torch.long) for key in missing_clocks}}
 
 
 @dataclass
@@ -378,7 +380,8 @@ def _padding_mask(mask: torch.Tensor | None, name: str) -> torch.Tensor | None:
 CLOCK_SUFFIX = ".training_calls"  # Router.keeps_training_clock's buffer
 
 
-def _check_adapter_state_dict(model: nn.Module, adapter_name: str, state_dict: dict[str, torch.Tensor]) -> None:
+def _check_adapter_state_dict(model: nn.Module, adapter_name: str, state_dict: dict[str, torch.Tensor]) -> list[str]:
+    """Raise if ``state_dict`` does not fit the adapter; return the training clocks it lacks (model keys)."""
     model_state = model.state_dict()
     expected = adapter_state_dict_keys(model, adapter_name)
     prefix = "base_model.model."
@@ -392,8 +395,8 @@ def _check_adapter_state_dict(model: nn.Module, adapter_name: str, state_dict: d
         # Every key, not only the expert banks and routers: a modules_to_save head of another size must fail here too.
         if tuple(tensor.shape) != tuple(model_state[model_key].shape):
             mismatched.append(f"{key}: checkpoint {tuple(tensor.shape)}, model {tuple(model_state[model_key].shape)}")
-    # Adapters saved before routers kept their training clock lack it: the clock starts at 0, as it did for them.
-    missing = sorted(key for key in expected - provided if not key.endswith(CLOCK_SUFFIX))
+    absent = expected - provided
+    missing = sorted(key for key in absent if not key.endswith(CLOCK_SUFFIX))
     problems = []
     if mismatched:
         problems.append(
@@ -408,20 +411,7 @@ def _check_adapter_state_dict(model: nn.Module, adapter_name: str, state_dict: d
         raise ValueError(
             f"Cannot load SMEAR adapter {adapter_name!r}; its weights do not fit the model. " + "; ".join(problems)
         )
-
-
-def _with_started_clocks(
-    model: nn.Module, adapter_name: str, state_dict: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """Adapters saved before routers kept their training clock get it at 0, where it started for them, so PEFT does
-    not warn that weights are missing from a checkpoint that lacks nothing it was trained with."""
-    prefix = "base_model.model."
-    started = {
-        key: torch.zeros((), dtype=torch.long)
-        for key in adapter_state_dict_keys(model, adapter_name)
-        if key.endswith(CLOCK_SUFFIX) and key not in state_dict and key.removeprefix(prefix) not in state_dict
-    }
-    return {**state_dict, **started} if started else state_dict
+    return sorted(absent - set(missing))
 
 
 def _listing(lines: list[str]) -> str:
