@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import shlex
 import sys
 import time
 from unittest import mock
 
 import torch
-from common import add_results_option, load_description, machine_description, write_results
+from common import add_results_option, command_line, load_description, machine_description, write_results
 from peft import get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -108,10 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     load = (load_before, os.getloadavg())
     print(markdown_table(best))
     if args.append_results is not None:
-        environment = f"PYTHONPATH={os.environ['PYTHONPATH']} " if os.environ.get("PYTHONPATH") else ""
-        command = environment + shlex.join(
-            ["python", "benchmarks/arrow_prototypes.py", *(sys.argv[1:] if argv is None else argv)]
-        )
+        command = command_line("arrow_prototypes.py", argv)
         now = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         section = "\n".join(
             [

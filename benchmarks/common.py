@@ -1,4 +1,5 @@
-"""What every benchmark script shares: the machine it ran on, the load beside it, and the RESULTS.md writer.
+"""What every benchmark script shares: the machine it ran on, the load beside it, the command that reproduces it, the
+RESULTS.md writer, and the pool that runs training jobs side by side.
 
 Each script writes its section of ``benchmarks/RESULTS.md`` with the exact command, the machine and package versions,
 and the load averages before and after the run, so that no figure there is ever typed by hand. A run replaces the
@@ -9,10 +10,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import multiprocessing
 import os
 import platform
 import re
+import shlex
+import sys
+from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import peft
 import torch
@@ -47,6 +54,16 @@ def machine_description(device: str) -> str:
         f"peft {peft.__version__}, peft-smear {peft_smear.__version__}"
     )
     return "; ".join(parts)
+
+
+def command_line(script: str, argv: list[str] | None) -> str:
+    """The command that reproduces this run of ``benchmarks/<script>``: its arguments (``sys.argv``'s when ``argv`` is
+    None), after the ``PYTHONPATH`` and ``OMP_NUM_THREADS=1`` it ran with, which change what it imports and its
+    timings."""
+    arguments = sys.argv[1:] if argv is None else argv
+    threads = "OMP_NUM_THREADS=1 " if os.environ.get("OMP_NUM_THREADS") == "1" else ""
+    environment = f"PYTHONPATH={os.environ['PYTHONPATH']} " if os.environ.get("PYTHONPATH") else ""
+    return threads + environment + shlex.join(["python", f"benchmarks/{script}", *map(str, arguments)])
 
 
 RESULTS_HEADER = """# Benchmark results
@@ -97,3 +114,47 @@ def write_results(path: Path, section: str) -> None:
         sections[same] = section.rstrip("\n") + old[len(old.rstrip("\n")) :]  # the blank lines before the next one
         text = header + "".join(sections)
     path.write_text(text)
+
+
+_WORKER_STATE: Any = None
+
+
+def _start_worker(state: Any, threads: int | None) -> None:
+    global _WORKER_STATE
+    _WORKER_STATE = state
+    if threads is not None:
+        torch.set_num_threads(threads)
+    transformers.logging.set_verbosity_error()
+
+
+def _call_with_worker_state(function: Callable[..., Any], *args: Any) -> Any:
+    return function(*args, _WORKER_STATE)
+
+
+class RunPool:
+    """Training jobs side by side: ``submit(function, *args)`` runs ``function(*args, state)`` in one of ``jobs``
+    processes that each received ``state`` (the loaded data) once, or at once in this process when ``jobs`` is 1. The
+    processes are spawned, never forked: a fork of a process that has started torch's threads can deadlock."""
+
+    def __init__(self, state: Any, jobs: int = 1, threads: int | None = None) -> None:
+        self.state = state
+        self.pool = None
+        if jobs > 1:
+            context = multiprocessing.get_context("spawn")
+            self.pool = ProcessPoolExecutor(
+                jobs, mp_context=context, initializer=_start_worker, initargs=(state, threads)
+            )
+
+    def submit(self, function: Callable[..., Any], *args: Any) -> Future:
+        if self.pool is not None:
+            return self.pool.submit(_call_with_worker_state, function, *args)
+        future: Future = Future()
+        future.set_result(function(*args, self.state))
+        return future
+
+    def __enter__(self) -> RunPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()

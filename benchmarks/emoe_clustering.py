@@ -14,14 +14,13 @@ import argparse
 import importlib.metadata
 import importlib.util
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from common import add_results_option, load_description, machine_description, write_results
+from common import add_results_option, command_line, load_description, machine_description, write_results
 from transformers import AutoModel
 
 from peft_smear.emoe import balanced_kmeans, find_feed_forwards, random_partition, within_cluster_sum_of_squares
@@ -84,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(row, flush=True)
                 lines.append(row)
     if args.append_results:
-        environment = f"PYTHONPATH={os.environ['PYTHONPATH']} " if os.environ.get("PYTHONPATH") else ""
-        command = environment + shlex.join(["python", "benchmarks/emoe_clustering.py", *(argv or sys.argv[1:])])
+        command = command_line("emoe_clustering.py", argv)
         section = "\n".join(
             [
                 f"## EMoE balanced k-means, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",

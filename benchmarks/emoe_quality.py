@@ -17,22 +17,39 @@ from __future__ import annotations
 
 import argparse
 import csv
-import multiprocessing
 import os
-import shlex
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from dataclasses import asdict, dataclass, replace
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import quality
 import torch
-from common import add_results_option, load_description, machine_description, methods_in_title, write_results
-from quality import PRESETS, Run, Setup, Summary, load_setup, paired_difference, summarise
+from common import (
+    RunPool,
+    add_results_option,
+    command_line,
+    load_description,
+    machine_description,
+    methods_in_title,
+    write_results,
+)
+from quality import (
+    PRESETS,
+    Run,
+    RunClock,
+    Setup,
+    Summary,
+    load_setup,
+    paired_difference,
+    result_row,
+    routing_batches_on,
+    summarise,
+)
 
 from peft_smear.emoe import gate_parameters, moefy, remove_emoe, selection_report
 from peft_smear.multitask.model import metric_name
@@ -80,7 +97,7 @@ def run_one(run: Run, setup: EmoeSetup) -> tuple[list[dict[str, Any]], RoutingRe
     """Train one method at one rate and seed; its row (and, for EMoE, the row of the same adapter evaluated dense)
     and, for EMoE, the expert-selection report on the routing examples."""
     preset, method = setup.preset, METHODS[run.method]
-    started, cpu_started = time.perf_counter(), time.process_time()
+    clock = RunClock()
 
     def make_config(base: torch.nn.Module):
         if method.clustering is not None:  # random groups: a new draw per seed; k-means is deterministic
@@ -106,55 +123,17 @@ def run_one(run: Run, setup: EmoeSetup) -> tuple[list[dict[str, Any]], RoutingRe
             quiet=True,
             use_cpu=setup.use_cpu,
         )
+        clock.trained = time.perf_counter()
         variants = [run.method] if method.clustering is None else [run.method, run.method + DENSE]
         for variant in variants:
             if variant.endswith(DENSE):
                 model.eval()
-                device = next(model.parameters()).device
-                batches = {
-                    task: [{key: value.to(device) for key, value in batch.items()} for batch in task_batches]
-                    for task, task_batches in setup.routing_batches.items()
-                }
-                report = selection_report(model, batches)
+                report = selection_report(model, routing_batches_on(model, setup))
                 remove_emoe(model)
             validation = evaluate(trainer, setup.splits["validation"], setup.tasks) if run.phase == "sweep" else {}
             test = evaluate(trainer, setup.splits["test"], setup.tasks)
-            rows.append(
-                {
-                    **asdict(run),
-                    "method": variant,
-                    "trainable_params": trainable,
-                    "total_seconds": round(time.perf_counter() - started, 2),
-                    "cpu_seconds": round(time.process_time() - cpu_started, 2),
-                    "routing_entropy": None,
-                    "routing_similarity": None,
-                    "collapsed_routers": None,
-                    **{f"validation_{key}": value for key, value in validation.items()},
-                    **{f"test_{key}": value for key, value in test.items()},
-                }
-            )
+            rows.append({**result_row(run, trainable, clock, None, validation, test), "method": variant})
     return rows, report
-
-
-def _run_in_worker(run: Run) -> tuple[list[dict[str, Any]], RoutingReport | None]:
-    assert quality._WORKER_SETUP is not None
-    return run_one(run, quality._WORKER_SETUP)
-
-
-class _InlineExecutor:
-    def __init__(self, setup: Setup) -> None:
-        self.setup = setup
-
-    def submit(self, function: Callable, run: Run) -> Future:
-        future: Future = Future()
-        future.set_result(run_one(run, self.setup))
-        return future
-
-    def __enter__(self) -> _InlineExecutor:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
 
 
 def run_benchmark(
@@ -168,20 +147,14 @@ def run_benchmark(
 ) -> tuple[list[dict[str, Any]], dict[str, RoutingReport]]:
     """As quality.py: each method sweeps the rates with seed 0, keeps the best on validation, then runs the other
     seeds at it. An EMoE2LoRA row takes its EMoE run's rate."""
-    if jobs == 1:
-        executor = _InlineExecutor(setup)
-    else:
-        context = multiprocessing.get_context("spawn")
-        executor = ProcessPoolExecutor(
-            jobs, mp_context=context, initializer=quality._init_worker, initargs=(setup, threads)
-        )
+    executor = RunPool(setup, jobs, threads)
     results: dict[Run, tuple[list[dict[str, Any]], RoutingReport | None]] = {}
     chosen: dict[str, float] = {}
     pending: dict[Future, Run] = {}
 
     def submit(method: str, rate: float, seed: int, phase: str) -> None:
         run = Run(method, rate, seed, phase)
-        pending[executor.submit(_run_in_worker, run)] = run
+        pending[executor.submit(run_one, run)] = run
 
     with executor:
         for method in methods:
@@ -327,9 +300,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
     (args.output_dir / "emoe_quality.md").write_text(body + "\n")
     log(body)
     if args.append_results is not None:
-        environment = f"PYTHONPATH={os.environ['PYTHONPATH']} " if os.environ.get("PYTHONPATH") else ""
-        threads = "OMP_NUM_THREADS=1 " if os.environ.get("OMP_NUM_THREADS") == "1" else ""
-        command = threads + environment + shlex.join(["python", "benchmarks/emoe_quality.py", *(argv or sys.argv[1:])])
+        command = command_line("emoe_quality.py", argv)
         cpu_minutes = sum(row["cpu_seconds"] for row in rows if not row["method"].endswith(DENSE)) / 60
         section = "\n".join(
             [

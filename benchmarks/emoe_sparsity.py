@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from common import add_results_option, load_description, machine_description, write_results
+from common import add_results_option, command_line, load_description, machine_description, write_results
 from transformers import AutoModel, AutoTokenizer
 
 from peft_smear.emoe import emoe_gates, moefy, remove_emoe
@@ -125,8 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print("\n".join(lines))
     if args.append_results:
-        environment = f"PYTHONPATH={os.environ['PYTHONPATH']} " if os.environ.get("PYTHONPATH") else ""
-        command = environment + shlex.join(["python", "benchmarks/emoe_sparsity.py", *(argv or sys.argv[1:])])
+        command = command_line("emoe_sparsity.py", argv)
         section = "\n".join(
             [
                 f"## EMoE activation sparsity, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",

@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import shlex
 import sys
 import time
 from collections.abc import Callable
 
 import torch
-from common import add_results_option, load_description, machine_description, write_results
+from common import add_results_option, command_line, load_description, machine_description, write_results
 from peft import LoraConfig, get_peft_model
 from speed import PRESETS as SPEED_PRESETS
 from speed import TARGET_MODULES, build_base_model, inference, train_step
@@ -181,8 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     gather = gathered_lines(args.repeats)
     if args.append_results:
-        environment = f"PYTHONPATH={os.environ['PYTHONPATH']} " if os.environ.get("PYTHONPATH") else ""
-        command = environment + shlex.join(["python", "benchmarks/emoe_speed.py", *(argv or sys.argv[1:])])
+        command = command_line("emoe_speed.py", argv)
         load = load_description((load_before, os.getloadavg()), "the timings are noisy")
         section = "\n".join(
             [

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 import time
 from dataclasses import dataclass
 
 import torch
-from common import add_results_option, load_description, machine_description, write_results
+from common import add_results_option, command_line, load_description, machine_description, write_results
 from peft import get_peft_model
 from speed import PRESETS as SPEED_PRESETS
 from speed import TARGET_MODULES, Shape, build_base_model, make_inputs, synchronize, train_step
@@ -160,10 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     load_after = os.getloadavg()
     print(markdown_table(times))
     if args.append_results is not None:
-        environment = f"PYTHONPATH={os.environ['PYTHONPATH']} " if os.environ.get("PYTHONPATH") else ""
-        command = environment + shlex.join(
-            ["python", "benchmarks/logging_overhead.py", *(sys.argv[1:] if argv is None else argv)]
-        )
+        command = command_line("logging_overhead.py", argv)
         repeats = args.repeats or PRESETS[args.preset].repeats
         section = results_section(times, args.preset, args.device, command, (load_before, load_after), repeats)
         write_results(args.append_results, section)

@@ -24,22 +24,27 @@ import argparse
 import csv
 import json
 import math
-import multiprocessing
 import os
-import shlex
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
-from common import add_results_option, load_description, machine_description, methods_in_title, write_results
+from common import (
+    RunPool,
+    add_results_option,
+    command_line,
+    load_description,
+    machine_description,
+    methods_in_title,
+    write_results,
+)
 from datasets import DatasetDict
 from peft import LoraConfig, PeftConfig, PeftModel
 from transformers import AutoTokenizer
@@ -239,8 +244,16 @@ def load_setup(
         max_examples_per_task=preset.max_examples_per_task,
         max_eval_examples_per_task=preset.eval_examples_per_task,
     )
-    infos = list(benchmark_task_info(data).values())
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    return setup_of(data, preset, model_dir, tokenizer, use_cpu, scratch)
+
+
+def setup_of(
+    data: DatasetDict, preset: Preset, model_dir: Path, tokenizer: Any, use_cpu: bool, scratch: Path
+) -> Setup:
+    """The setup of the loaded splits ``data``: tokenised, and the first ``preset.routing_examples`` test examples of
+    each task batched for the routing report."""
+    infos = list(benchmark_task_info(data).values())
     splits = tokenize_tasks(data, tokenizer, infos, preset.max_length)
     test = splits["test"]
     if preset.routing_examples is not None:
@@ -273,7 +286,7 @@ def optimizer_for(model: PeftModel, method: Method, learning_rate: float) -> tor
 def run_one(run: Run, setup: Setup) -> tuple[dict[str, Any], RoutingReport | None]:
     """Train one method at one rate and seed; its metrics (validation in the sweep only) and routing report."""
     preset, method = setup.preset, ALL_METHODS[run.method]
-    started, cpu_started = time.perf_counter(), time.process_time()
+    clock = RunClock()
     model = build_model(setup.model_dir, setup.tasks, lambda base: peft_config(run.method, base, preset), run.seed)
     trainable, _ = model.get_nb_trainable_parameters()
     with tempfile.TemporaryDirectory(dir=setup.scratch) as output_dir:
@@ -291,31 +304,61 @@ def run_one(run: Run, setup: Setup) -> tuple[dict[str, Any], RoutingReport | Non
             use_cpu=setup.use_cpu,
             optimizer=optimizer_for(model, method, run.learning_rate),
         )
-        trained = time.perf_counter()
+        clock.trained = time.perf_counter()
         validation = evaluate(trainer, setup.splits["validation"], setup.tasks) if run.phase == "sweep" else {}
         test = evaluate(trainer, setup.splits["test"], setup.tasks)
     model.eval()
-    report = None
-    if method.routed:
-        device = next(model.parameters()).device
-        batches = {
-            task: [{key: value.to(device) for key, value in batch.items()} for batch in task_batches]
-            for task, task_batches in setup.routing_batches.items()
+    report = RoutingReport.collect(model, routing_batches_on(model, setup)) if method.routed else None
+    return result_row(run, trainable, clock, report, validation, test), report
+
+
+@dataclass
+class RunClock:
+    """Wall and CPU time of one run from its start; ``trained`` is set when its training ends."""
+
+    started: float = field(default_factory=time.perf_counter)
+    cpu_started: float = field(default_factory=time.process_time)
+    trained: float | None = None
+
+    def columns(self) -> dict[str, float]:
+        if self.trained is None:
+            raise RuntimeError("the run's training end (RunClock.trained) was never set")
+        now = time.perf_counter()
+        return {
+            "train_seconds": round(self.trained - self.started, 2),
+            "total_seconds": round(now - self.started, 2),
+            "cpu_seconds": round(time.process_time() - self.cpu_started, 2),
         }
-        report = RoutingReport.collect(model, batches)
-    row = {
+
+
+def routing_batches_on(model: torch.nn.Module, setup: Setup) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """``setup.routing_batches`` on the device of ``model``."""
+    device = next(model.parameters()).device
+    return {
+        task: [{key: value.to(device) for key, value in batch.items()} for batch in batches]
+        for task, batches in setup.routing_batches.items()
+    }
+
+
+def result_row(
+    run: Run,
+    trainable: int,
+    clock: RunClock,
+    report: RoutingReport | None,
+    validation: dict[str, float],
+    test: dict[str, float],
+) -> dict[str, Any]:
+    """A run's row of the CSV and the journal: its settings, size, times, routing figures and metrics."""
+    return {
         **asdict(run),
         "trainable_params": trainable,
-        "train_seconds": round(trained - started, 2),
-        "total_seconds": round(time.perf_counter() - started, 2),
-        "cpu_seconds": round(time.process_time() - cpu_started, 2),
+        **clock.columns(),
         "routing_entropy": _normalised_entropy(report),
         "routing_similarity": _mean_task_similarity(report),
         "collapsed_routers": _collapsed_share(report),
         **{f"validation_{key}": value for key, value in validation.items()},
         **{f"test_{key}": value for key, value in test.items()},
     }
-    return row, report
 
 
 def _normalised_entropy(report: RoutingReport | None) -> float | None:
@@ -341,40 +384,6 @@ def _collapsed_share(report: RoutingReport | None) -> float | None:
     if report is None:
         return None
     return collapsed_routers(torch.from_numpy(report.mean_routing)).float().mean().item()
-
-
-_WORKER_SETUP: Setup | None = None
-
-
-def _init_worker(setup: Setup, threads: int | None) -> None:
-    global _WORKER_SETUP
-    _WORKER_SETUP = setup
-    if threads is not None:
-        torch.set_num_threads(threads)
-    transformers.logging.set_verbosity_error()
-
-
-def _run_in_worker(run: Run) -> tuple[dict[str, Any], RoutingReport | None]:
-    assert _WORKER_SETUP is not None
-    return run_one(run, _WORKER_SETUP)
-
-
-class _InlineExecutor:
-    """Runs each job as it is submitted, in this process (``jobs=1``), behind the executor interface."""
-
-    def __init__(self, setup: Setup) -> None:
-        self.setup = setup
-
-    def submit(self, function: Callable[[Run], Any], run: Run) -> Future:
-        future: Future = Future()
-        future.set_result(run_one(run, self.setup))
-        return future
-
-    def __enter__(self) -> _InlineExecutor:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
 
 
 def _progress(row: dict[str, Any]) -> str:
@@ -443,11 +452,7 @@ def run_benchmark(
     order), the chosen rates, and each routed method's routing report from its seed-0 run at the chosen rate.
     ``journal`` records each finished run and replays the runs an interrupted benchmark already finished (those have
     no routing report)."""
-    if jobs == 1:
-        executor = _InlineExecutor(setup)
-    else:  # spawn: never fork a process that has started torch's threads
-        context = multiprocessing.get_context("spawn")
-        executor = ProcessPoolExecutor(jobs, mp_context=context, initializer=_init_worker, initargs=(setup, threads))
+    executor = RunPool(setup, jobs, threads)
     results: dict[Run, tuple[dict[str, Any], RoutingReport | None]] = {}
     chosen: dict[str, float] = {}
     ablations = {method: source for method in methods if (source := ALL_METHODS[method].rate_of) in methods}
@@ -459,7 +464,7 @@ def run_benchmark(
             future: Future = Future()
             future.set_result((journal.finished[run], None))
         else:
-            future = executor.submit(_run_in_worker, run)
+            future = executor.submit(run_one, run)
         pending[future] = run
 
     with executor:
@@ -597,10 +602,10 @@ def _optional(value: float | None) -> str:
     return "–" if value is None else f"{value:.2f}"
 
 
-def paired_difference(a: Summary, b: Summary) -> tuple[float, float]:
-    """Mean and sample std over the shared seeds of ``a``'s test average minus ``b``'s (points)."""
+def paired_difference(a: Summary, b: Summary, metric: str = "average") -> tuple[float, float]:
+    """Mean and sample std over the shared seeds of ``a``'s test ``metric`` minus ``b``'s (points)."""
     seeds = sorted(set(a.seeds) & set(b.seeds))
-    differences = [a.metrics["average"][a.seeds.index(s)] - b.metrics["average"][b.seeds.index(s)] for s in seeds]
+    differences = [a.metrics[metric][a.seeds.index(s)] - b.metrics[metric][b.seeds.index(s)] for s in seeds]
     return statistics.fmean(differences), statistics.stdev(differences) if len(differences) > 1 else 0.0
 
 
@@ -834,13 +839,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
     paths = write_outputs(rows, setup.tasks, args.output_dir, body)
     log(body)
     if args.append_results is not None:
-        environment = f"PYTHONPATH={os.environ['PYTHONPATH']} " if os.environ.get("PYTHONPATH") else ""
-        threads = "OMP_NUM_THREADS=1 " if os.environ.get("OMP_NUM_THREADS") == "1" else ""
-        command = (
-            threads
-            + environment
-            + shlex.join(["python", "benchmarks/quality.py", *(sys.argv[1:] if argv is None else argv)])
-        )
+        command = command_line("quality.py", argv)
         machine = f"{machine_description(args.device)}; {args.jobs} run(s) side by side, each with those threads"
         cpu_seconds = sum(row["cpu_seconds"] for row in rows)
         replayed = sum(

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shlex
 import sys
 import tempfile
 import time
@@ -35,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from common import add_results_option, load_description, machine_description, write_results
+from common import add_results_option, command_line, load_description, machine_description, write_results
 from peft import PeftModel, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -384,10 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     load_after = os.getloadavg()
     print(markdown_tables(results, PRESETS[args.preset]))
     if args.append_results is not None:
-        environment = f"PYTHONPATH={os.environ['PYTHONPATH']} " if os.environ.get("PYTHONPATH") else ""
-        command = environment + shlex.join(
-            ["python", "benchmarks/serving.py", *(sys.argv[1:] if argv is None else argv)]
-        )
+        command = command_line("serving.py", argv)
         repeats = args.repeats or PRESETS[args.preset].repeats
         section = results_section(results, args.preset, command, (load_before, load_after), repeats)
         write_results(args.append_results, section)

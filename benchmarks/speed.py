@@ -24,7 +24,6 @@ import itertools
 import json
 import math
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -36,7 +35,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from common import add_results_option, load_description, machine_description, write_results
+from common import add_results_option, command_line, load_description, machine_description, write_results
 from peft import LoraConfig, PeftModel, PolyConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -622,10 +621,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, result in check_targets(rows):
         print(f"{label}: {result}")
     if args.append_results is not None:
-        environment = f"PYTHONPATH={os.environ['PYTHONPATH']} " if os.environ.get("PYTHONPATH") else ""
-        command = environment + shlex.join(
-            ["python", "benchmarks/speed.py", *(sys.argv[1:] if argv is None else argv)]
-        )
+        command = command_line("speed.py", argv)
         section = results_section(
             rows, args.preset, args.device, args.memory, command, (load_before, load_after), seconds
         )

@@ -64,22 +64,18 @@ from __future__ import annotations
 import argparse
 import csv
 import hashlib
-import multiprocessing
 import os
-import shlex
-import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
-from common import add_results_option, load_description, machine_description, write_results
+from common import RunPool, add_results_option, command_line, load_description, machine_description, write_results
 from datasets import DatasetDict
 from peft import LoraConfig
 from quality import (
@@ -87,16 +83,18 @@ from quality import (
     PRESETS,
     Preset,
     Run,
+    RunClock,
     RunJournal,
     Setup,
     Summary,
-    _collapsed_share,
-    _mean_task_similarity,
-    _normalised_entropy,
     _task_file,
     choose_learning_rates,
     csv_columns,
+    paired_difference,
+    result_row,
+    routing_batches_on,
     run_one,
+    setup_of,
     summarise,
 )
 from transformers import AutoTokenizer, set_seed
@@ -104,17 +102,15 @@ from transformers import AutoTokenizer, set_seed
 from peft_smear import build_expert_bank
 from peft_smear.multitask.data import SPLITS, load_benchmark
 from peft_smear.multitask.features import benchmark_task_info, duplicate_key, examples_dataset
-from peft_smear.multitask.model import MultiTaskCollator, MultiTaskModel, block_linear_names, metric_name
+from peft_smear.multitask.model import MultiTaskModel, block_linear_names, metric_name
 from peft_smear.multitask.report import RoutingReport
 from peft_smear.multitask.tasks import TaskInfo
 from peft_smear.multitask.training import (
-    batches_by_task,
     build_model,
     default_model_dir,
     evaluate,
     fit,
     rows_of,
-    tokenize_tasks,
 )
 
 
@@ -287,18 +283,11 @@ def load_setups(
     sources = list(dict.fromkeys(spec.source for regime in regimes for spec in regime.tasks))
     full = load_benchmark(sources, cache_dir=cache_dir, task_files=task_files)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    collator = MultiTaskCollator(tokenizer)
     setups = {}
     for regime in regimes:
         regime_preset = replace(preset, steps=preset.steps * regime.steps_factor)
         data = regime_data(full, regime, regime_preset)
-        infos = list(benchmark_task_info(data).values())
-        splits = tokenize_tasks(data, tokenizer, infos, preset.max_length)
-        test = splits["test"]
-        if preset.routing_examples is not None:
-            test = test.select([row for i in range(len(infos)) for row in rows_of(test, i)[: preset.routing_examples]])
-        routing = batches_by_task(test, infos, collator, 2 * preset.batch_size)
-        setups[regime.name] = Setup(regime_preset, model_dir, infos, splits, collator, routing, use_cpu, scratch)
+        setups[regime.name] = setup_of(data, regime_preset, model_dir, tokenizer, use_cpu, scratch)
     return setups
 
 
@@ -316,30 +305,34 @@ def run_bank(run: Run, setup: Setup) -> dict[str, Any]:
     the heads trained on the mixture; the row ``quality.run_one`` would write."""
     preset, tasks, train = setup.preset, setup.tasks, setup.splits["train"]
     expert_steps, router_steps = bank_steps(preset.steps, len(tasks))
-    started, cpu_started = time.perf_counter(), time.process_time()
+    clock = RunClock()
     experts, heads = {}, {}
 
     def lora(base: MultiTaskModel) -> LoraConfig:
         return LoraConfig(r=preset.r, lora_alpha=preset.r, target_modules=block_linear_names(base))
+
+    def train_on(model: Any, examples: Any, directory: Path, steps: int) -> Any:
+        """``fit`` with the run's rate, seed and batch: experts and router differ only in data and steps."""
+        return fit(
+            model,
+            examples,
+            tasks,
+            setup.collator,
+            directory,
+            steps=steps,
+            batch_size=preset.batch_size,
+            learning_rate=run.learning_rate,
+            seed=run.seed,
+            quiet=True,
+            use_cpu=setup.use_cpu,
+        )
 
     with tempfile.TemporaryDirectory(dir=setup.scratch) as output_dir:
         for index, task in enumerate(tasks):
             expert = build_model(setup.model_dir, tasks, lora, run.seed)  # one initialisation for every expert
             for parameter in expert.base_model.model.heads.parameters():
                 parameter.requires_grad_(True)  # the task's head learns with its expert; no other head sees data
-            fit(
-                expert,
-                train.select(rows_of(train, index)),
-                tasks,
-                setup.collator,
-                Path(output_dir) / task.name,
-                steps=expert_steps,
-                batch_size=preset.batch_size,
-                learning_rate=run.learning_rate,
-                seed=run.seed,
-                quiet=True,
-                use_cpu=setup.use_cpu,
-            )
+            train_on(expert, train.select(rows_of(train, index)), Path(output_dir) / task.name, expert_steps)
             experts[task.name] = Path(output_dir) / task.name / "adapter"
             expert.save_pretrained(str(experts[task.name]))  # the LoRA alone: the heads are no part of it
             head = expert.base_model.model.heads.linears[index]
@@ -352,81 +345,23 @@ def run_bank(run: Run, setup: Setup) -> dict[str, Any]:
         for index, state in heads.items():
             trained_heads.linears[index].load_state_dict(state)
         trainable, _ = model.get_nb_trainable_parameters()
-        trainer = fit(
-            model,
-            train,
-            tasks,
-            setup.collator,
-            Path(output_dir) / "router",
-            steps=router_steps,
-            batch_size=preset.batch_size,
-            learning_rate=run.learning_rate,
-            seed=run.seed,
-            quiet=True,
-            use_cpu=setup.use_cpu,
-        )
-        trained = time.perf_counter()
+        trainer = train_on(model, train, Path(output_dir) / "router", router_steps)
+        clock.trained = time.perf_counter()
         validation = evaluate(trainer, setup.splits["validation"], tasks) if run.phase == "sweep" else {}
         test = evaluate(trainer, setup.splits["test"], tasks)
     model.eval()
-    device = next(model.parameters()).device
-    batches = {
-        task: [{key: value.to(device) for key, value in batch.items()} for batch in task_batches]
-        for task, task_batches in setup.routing_batches.items()
-    }
-    report = RoutingReport.collect(model, batches)
-    return {
-        **asdict(run),
-        "trainable_params": trainable,  # the router phase's (routers and heads); the experts trained before
-        "train_seconds": round(trained - started, 2),
-        "total_seconds": round(time.perf_counter() - started, 2),
-        "cpu_seconds": round(time.process_time() - cpu_started, 2),
-        "routing_entropy": _normalised_entropy(report),
-        "routing_similarity": _mean_task_similarity(report),
-        "collapsed_routers": _collapsed_share(report),
-        **{f"validation_{key}": value for key, value in validation.items()},
-        **{f"test_{key}": value for key, value in test.items()},
-    }
+    report = RoutingReport.collect(model, routing_batches_on(model, setup))
+    # ``trainable``: the router phase's parameters (routers and heads); the experts trained before.
+    return result_row(run, trainable, clock, report, validation, test)
 
 
-def run_method(run: Run, setup: Setup) -> dict[str, Any]:
+def run_in_regime(regime: str, run: Run, setups: dict[str, Setup]) -> dict[str, Any]:
+    """One run of ``regime``: the bank's protocol for the bank, quality.py's for every other method."""
+    setup = setups[regime]
     return run_bank(run, setup) if run.method == BANK else run_one(run, setup)[0]
 
 
 # --- the scheduler -----------------------------------------------------------------------------------------------
-
-_WORKER_SETUPS: dict[str, Setup] | None = None
-
-
-def _init_worker(setups: dict[str, Setup], threads: int | None) -> None:
-    global _WORKER_SETUPS
-    _WORKER_SETUPS = setups
-    if threads is not None:
-        torch.set_num_threads(threads)
-    transformers.logging.set_verbosity_error()
-
-
-def _work(regime: str, run: Run) -> dict[str, Any]:
-    assert _WORKER_SETUPS is not None
-    return run_method(run, _WORKER_SETUPS[regime])
-
-
-class _Inline:
-    """Runs each job when it is submitted, in this process (``jobs=1``)."""
-
-    def __init__(self, setups: dict[str, Setup]) -> None:
-        self.setups = setups
-
-    def submit(self, function: Callable, regime: str, run: Run) -> Future:
-        future: Future = Future()
-        future.set_result(run_method(run, self.setups[regime]))
-        return future
-
-    def __enter__(self) -> _Inline:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
 
 
 def run_study(
@@ -480,11 +415,7 @@ def run_study(
             rate = chosen[regime, run.method] = choose_learning_rates(swept)[run.method]
             ready.extend((regime, Run(run.method, rate, seed, "seeds")) for seed in range(1, seeds))
 
-    if jobs == 1:
-        executor: Any = _Inline(setups)
-    else:  # spawn: never fork a process that has started torch's threads
-        context = multiprocessing.get_context("spawn")
-        executor = ProcessPoolExecutor(jobs, mp_context=context, initializer=_init_worker, initargs=(setups, threads))
+    executor = RunPool(setups, jobs, threads)
     pending: dict[Future, tuple[str, Run]] = {}
     with executor:
         while ready or pending:
@@ -495,7 +426,7 @@ def run_study(
                     replayed += 1
                     finish(regime, run, journals[regime].finished[run], True)
                     continue
-                pending[executor.submit(_work, regime, run)] = (regime, run)
+                pending[executor.submit(run_in_regime, regime, run)] = (regime, run)
             if not pending:
                 continue
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
@@ -511,13 +442,6 @@ def run_study(
 
 
 # --- verdicts ----------------------------------------------------------------------------------------------------
-
-
-def paired(a: Summary, b: Summary, metric: str = "average") -> tuple[float, float]:
-    """Mean and sample std over the shared seeds of ``a``'s ``metric`` minus ``b``'s (points)."""
-    seeds = sorted(set(a.seeds) & set(b.seeds))
-    differences = [a.metrics[metric][a.seeds.index(s)] - b.metrics[metric][b.seeds.index(s)] for s in seeds]
-    return statistics.fmean(differences), statistics.stdev(differences) if len(differences) > 1 else 0.0
 
 
 def verdict(mean: float, std: float) -> str:
@@ -556,13 +480,13 @@ def outcome(regime: Regime, setup: Setup, rows: list[dict[str, Any]]) -> Outcome
     best = best_baseline(summaries)
     small_best = best_baseline(summaries, small_metric)
     smear = summaries.get(SMEAR)
-    gain = paired(smear, summaries[best]) if smear and best else None
-    small_gain = paired(smear, summaries[small_best], small_metric) if smear and small_best else None
+    gain = paired_difference(smear, summaries[best]) if smear and best else None
+    small_gain = paired_difference(smear, summaries[small_best], small_metric) if smear and small_best else None
     loras = [m for m in ("lora_1x_params", "lora_1x_compute") if m in summaries]
     bank_vs_lora = None
     if BANK in summaries and loras:
         lora = max(loras, key=lambda m: summaries[m].mean())
-        bank_vs_lora = (lora, *paired(summaries[BANK], summaries[lora]))
+        bank_vs_lora = (lora, *paired_difference(summaries[BANK], summaries[lora]))
     return Outcome(
         regime,
         setup.tasks,
@@ -639,7 +563,7 @@ def regime_table(o: Outcome) -> str:
             cell = f"{summary.mean(name):.1f} ± {summary.std(name):.1f}"
             cells.append(f"*{cell}*" if name == o.small_metric else cell)
         cells.append(f"**{summary.mean():.2f} ± {summary.std():.2f}**")
-        cells.append(_pm(paired(smear, summary)) if smear and method != SMEAR else "–")
+        cells.append(_pm(paired_difference(smear, summary)) if smear and method != SMEAR else "–")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -857,10 +781,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
     (args.output_dir / "study.md").write_text(body)
     log(body)
     if args.append_results is not None:
-        environment = f"PYTHONPATH={os.environ['PYTHONPATH']} " if os.environ.get("PYTHONPATH") else ""
-        threads = "OMP_NUM_THREADS=1 " if os.environ.get("OMP_NUM_THREADS") == "1" else ""
-        arguments = [str(arg) for arg in (sys.argv[1:] if argv is None else argv)]
-        command = threads + environment + shlex.join(["python", "benchmarks/when_smear_pays.py", *arguments])
+        command = command_line("when_smear_pays.py", argv)
         machine = f"{machine_description(args.device)}; {args.jobs} run(s) side by side, each with those threads"
         cpu_seconds = sum(row["cpu_seconds"] for rows in by_regime.values() for row in rows)
         section = results_section(

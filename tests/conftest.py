@@ -8,6 +8,7 @@ import json
 import random
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -132,6 +133,17 @@ def import_script(name: str) -> ModuleType:
     if str(BENCHMARKS) not in sys.path:
         sys.path.insert(0, str(BENCHMARKS))
     return importlib.import_module(name)
+
+
+def run_script_main(script: ModuleType, argv: list, log: Callable[[str], None] = lambda _: None) -> None:
+    """``script.main(argv)`` on one torch thread, which must succeed: a tiny model gains nothing from threads, and a
+    shared machine loses a lot to them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert script.main([str(arg) for arg in argv], log=log) == 0
+    finally:
+        torch.set_num_threads(threads)
 
 
 def pad_collator(features: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
@@ -367,20 +379,22 @@ import sys, torch
 sys.modules["peft_smear"] = None  # any import of peft_smear now fails
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
-base_dir, adapter_dir, batch_file, out_file = sys.argv[1:]
+base_dir, adapter_dir, batch_file, out_file, config_class = sys.argv[1:]
 model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir).eval()
-assert type(model.peft_config["default"]).__name__ == "LoraConfig"
+assert type(model.peft_config["default"]).__name__ == config_class
 with torch.no_grad():
     torch.save(model(**torch.load(batch_file)).logits, out_file)
 """
 
 
-def logits_without_peft_smear(base_dir: Path, adapter_dir: Path, batch: dict[str, torch.Tensor], work: Path):
-    """The logits of ``batch`` from the LoRA adapter in ``adapter_dir`` on the causal LM in ``base_dir``, loaded by
-    plain PEFT in a fresh process where any import of peft_smear fails."""
+def logits_without_peft_smear(
+    base_dir: Path, adapter_dir: Path, batch: dict[str, torch.Tensor], work: Path, config_class: str = "LoraConfig"
+):
+    """The logits of ``batch`` from the adapter in ``adapter_dir`` (a PEFT ``config_class``) on the causal LM in
+    ``base_dir``, loaded by plain PEFT in a fresh process where any import of peft_smear fails."""
     torch.save(batch, work / "batch.pt")
     (work / "load.py").write_text(LOAD_WITHOUT_SMEAR)
-    args = [work / "load.py", base_dir, adapter_dir, work / "batch.pt", work / "out.pt"]
+    args = [work / "load.py", base_dir, adapter_dir, work / "batch.pt", work / "out.pt", config_class]
     result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     return torch.load(work / "out.pt")

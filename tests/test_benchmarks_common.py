@@ -1,7 +1,12 @@
-"""The RESULTS.md writer every benchmark shares: a run's section replaces the previous section of the same title, byte
-for byte nowhere else, so the file holds each benchmark's latest results."""
+"""What every benchmark shares. The RESULTS.md writer: a run's section replaces the previous section of the same title,
+byte for byte nowhere else, so the file holds each benchmark's latest results. The command that reproduces a run. The
+pool that runs training jobs side by side."""
 
 from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -80,3 +85,36 @@ def test_a_missing_file_gets_the_header_then_the_section(tmp_path):
 def test_a_section_must_start_with_its_heading(results):
     with pytest.raises(ValueError, match="'## ' heading"):
         common.write_results(results, "- Command: `no heading`\n")
+
+
+def test_the_command_names_the_environment_that_changes_what_the_run_imports_and_its_timings(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.setattr(sys, "argv", ["benchmarks/quality.py", "--preset", "tiny"])
+    assert common.command_line("quality.py", None) == "python benchmarks/quality.py --preset tiny"
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("PYTHONPATH", "src:benchmarks")
+    assert (
+        common.command_line("when_smear_pays.py", ["--output-dir", Path("a dir")])
+        == "OMP_NUM_THREADS=1 PYTHONPATH=src:benchmarks python benchmarks/when_smear_pays.py --output-dir 'a dir'"
+    )
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")  # only a single thread is worth naming: it is the shared-CPU setting
+    assert common.command_line("quality.py", []) == "PYTHONPATH=src:benchmarks python benchmarks/quality.py"
+
+
+def process_argument_and_state(value: int, state: str) -> tuple[int, int, str]:
+    """A pool job: the process it ran in, its argument, and the state the pool holds."""
+    return os.getpid(), value, state
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_pool_gives_every_job_its_arguments_and_the_state_in_the_processes_it_promises(jobs):
+    with common.RunPool("loaded data", jobs, threads=1) as pool:
+        futures = [pool.submit(process_argument_and_state, value) for value in range(4)]
+        results = [future.result() for future in futures]
+    assert [(value, state) for _, value, state in results] == [(value, "loaded data") for value in range(4)]
+    processes = {pid for pid, _, _ in results}
+    if jobs == 1:
+        assert processes == {os.getpid()}
+    else:
+        assert os.getpid() not in processes and 1 <= len(processes) <= jobs

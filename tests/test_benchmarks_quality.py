@@ -11,9 +11,8 @@ import re
 
 import numpy as np
 import pytest
-import torch
 
-from conftest import import_script, save_tiny_encoder, write_task_files
+from conftest import import_script, run_script_main, save_tiny_encoder, write_task_files
 from peft_smear.multitask.report import RoutingReport
 
 
@@ -36,20 +35,11 @@ def outputs(quality, tmp_path_factory):
     files = write_task_files(root)
     argv = ["--preset", "tiny", "--model", root / "encoder", "--methods", *METHODS, "--device", "cpu"]
     argv += [arg for name, path in files.items() for arg in ("--task-file", f"{name}={path}")]
-    run_tiny(quality, [*argv, "--output-dir", root / "out", "--figures-dir", root / "figures"], root / "RESULTS.md")
+    written = ["--output-dir", root / "out", "--figures-dir", root / "figures"]
+    run_script_main(quality, [*argv, *written, "--append-results", root / "RESULTS.md"])
     with open(root / "out" / "runs.csv") as handle:
         reader = csv.DictReader(handle)
         return root, reader.fieldnames, list(reader), argv
-
-
-def run_tiny(quality, argv, results=None, log=lambda _: None) -> None:
-    argv = [*argv, "--append-results", results] if results is not None else argv
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model gains nothing from threads, and a shared machine loses a lot to them
-    try:
-        assert quality.main([str(arg) for arg in argv], log=log) == 0
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_every_run_is_in_the_csv_with_finite_metrics(quality, outputs):
@@ -151,7 +141,7 @@ def test_an_interrupted_benchmark_resumes_from_its_journal(quality, outputs, tmp
     (tmp_path / "out" / "runs.jsonl").write_text("\n".join(journal[:4]) + "\n")  # cut off after three runs
     lines = []
     resumed = [*argv, "--output-dir", tmp_path / "out", "--figures-dir", tmp_path / "figures", "--resume"]
-    run_tiny(quality, resumed, log=lines.append)
+    run_script_main(quality, resumed, lines.append)
     assert f"resuming: 3 finished runs in {tmp_path / 'out' / 'runs.jsonl'}" in lines
     assert sum("(from the journal)" in line for line in lines) == 3
     assert len((tmp_path / "out" / "runs.jsonl").read_text().splitlines()) == 1 + len(rows)
@@ -167,7 +157,7 @@ def test_an_interrupted_benchmark_resumes_from_its_journal(quality, outputs, tmp
 
     (tmp_path / "out" / "runs.jsonl").write_text('{"settings": {"preset": "another"}}\n')
     with pytest.raises(SystemExit, match="other settings"):
-        run_tiny(quality, resumed)
+        run_script_main(quality, resumed)
 
 
 def test_a_widened_rate_grid_and_more_seeds_reuse_the_journal_and_say_so(quality, outputs, tmp_path):
@@ -178,9 +168,8 @@ def test_a_widened_rate_grid_and_more_seeds_reuse_the_journal_and_say_so(quality
     seeds = quality.PRESETS["tiny"].seeds + 1
     widened += ["--learning-rates", *map(str, [*RATES, 3e-2]), "--seeds", seeds, "--output-dir", tmp_path / "out"]
     lines = []
-    run_tiny(
-        quality, [*widened, "--figures-dir", tmp_path / "figures", "--resume"], tmp_path / "RESULTS.md", lines.append
-    )
+    widened += ["--figures-dir", tmp_path / "figures", "--resume", "--append-results", tmp_path / "RESULTS.md"]
+    run_script_main(quality, widened, lines.append)
 
     def key(row):
         return float(row["learning_rate"]), int(row["seed"]), row["phase"]

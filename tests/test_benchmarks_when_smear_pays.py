@@ -11,9 +11,8 @@ import math
 import random
 
 import pytest
-import torch
 
-from conftest import FILLER, TOPICS, import_script, save_tiny_encoder, write_task_files
+from conftest import FILLER, TOPICS, import_script, run_script_main, save_tiny_encoder, write_task_files
 from peft_smear.multitask.data import load_benchmark
 
 
@@ -44,15 +43,6 @@ def tiny_argv(root, files) -> list[str]:
     return [*argv, *[arg for name, path in files.items() for arg in ("--task-file", f"{name}={path}")]]
 
 
-def run_tiny(study, argv, log=lambda _: None) -> None:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model gains nothing from threads, and a shared machine loses a lot to them
-    try:
-        assert study.main([str(arg) for arg in argv], log=log) == 0
-    finally:
-        torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def outputs(study, tmp_path_factory):
     root = tmp_path_factory.mktemp("study")
@@ -60,7 +50,7 @@ def outputs(study, tmp_path_factory):
     files = {**write_task_files(root), "quad": write_quad(root)}
     argv = tiny_argv(root, files)
     outputs = ["--output-dir", root / "out", "--figure", root / "figure.png", "--append-results", root / "RESULTS.md"]
-    run_tiny(study, [*argv, *outputs])
+    run_script_main(study, [*argv, *outputs])
     with open(root / "out" / "runs.csv") as handle:
         return root, files, list(csv.DictReader(handle)), argv
 
@@ -130,10 +120,10 @@ def test_the_verdict_rule(study):
         "ensemble": summary("ensemble", [90.0, 90.0, 90.0], [90.0, 90.0, 90.0]),  # never the baseline
     }
     assert study.best_baseline(summaries) == "single"  # 81.5 against tag's 81.17
-    mean, std = study.paired(summaries[study.SMEAR], summaries["single"])
+    mean, std = study.paired_difference(summaries[study.SMEAR], summaries["single"])
     assert (mean, std) == pytest.approx((0.5, 0.866), abs=1e-3) and study.verdict(mean, std) == "tie"
     assert study.best_baseline(summaries, "t_accuracy") == "tag"
-    assert study.verdict(*study.paired(summaries[study.SMEAR], summaries["tag"], "t_accuracy")) == "lose"
+    assert study.verdict(*study.paired_difference(summaries[study.SMEAR], summaries["tag"], "t_accuracy")) == "lose"
 
 
 def test_the_bank_takes_the_same_steps(study):
@@ -171,7 +161,7 @@ def test_a_study_cut_off_resumes_from_its_journals(study, outputs, tmp_path):
     (tmp_path / "out" / regime / "runs.jsonl").write_text("\n".join(journal[:4]) + "\n")  # cut off after 3 runs
     lines = []
     resumed = [*argv, "--regimes", regime, "--output-dir", tmp_path / "out", "--figure", tmp_path / "f.png"]
-    run_tiny(study, [*resumed, "--resume", "--append-results", tmp_path / "RESULTS.md"], log=lines.append)
+    run_script_main(study, [*resumed, "--resume", "--append-results", tmp_path / "RESULTS.md"], log=lines.append)
     assert f"resuming {regime}: 3 finished runs" in lines
     assert sum("(from the journal)" in line for line in lines) == 3
     assert len((tmp_path / "out" / regime / "runs.jsonl").read_text().splitlines()) == len(journal)
@@ -187,4 +177,4 @@ def test_a_study_cut_off_resumes_from_its_journals(study, outputs, tmp_path):
     assert f"preset `tiny`, regimes {regime}, " in results and "3 runs were replayed" in results
     (tmp_path / "out" / regime / "runs.jsonl").write_text('{"settings": {"preset": "another"}}\n')
     with pytest.raises(SystemExit, match="other settings"):
-        run_tiny(study, [*resumed, "--resume"])
+        run_script_main(study, [*resumed, "--resume"])

@@ -24,6 +24,7 @@ from conftest import (
     changed_keys,
     classification_data,
     logged_losses,
+    logits_without_peft_smear,
     pad_collator,
     random_batch,
     reference_smear_forward,
@@ -403,32 +404,13 @@ def test_ia3_exports_to_a_plain_peft_ia3_adapter_with_the_same_outputs(arch, tas
     torch.testing.assert_close(logits(merged_model, example), exported, atol=1e-5, rtol=1e-5)
 
 
-LOAD_WITHOUT_SMEAR = textwrap.dedent(
-    """
-    import sys, torch
-    sys.modules["peft_smear"] = None  # any import of peft_smear now fails
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, Trainer
-    base_dir, adapter_dir, batch_file, out_file = sys.argv[1:]
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir).eval()
-    assert type(model.peft_config["default"]).__name__ == "IA3Config"
-    with torch.no_grad():
-        torch.save(model(**torch.load(batch_file)).logits, out_file)
-    """
-)
-
-
 def test_ia3_export_loads_where_peft_smear_cannot_be_imported(tmp_path):
     tiny_llama().save_pretrained(tmp_path / "base")
     model = smear(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), "ia3").eval()
     example = random_batch(1, 6, seed=5)
     export_merged_adapter(model, tmp_path / "ia3", routing=peft_smear.get_routing_weights(model, **example))
-    torch.save(example, tmp_path / "batch.pt")
-    (tmp_path / "load.py").write_text(LOAD_WITHOUT_SMEAR)
-    args = [tmp_path / "base", tmp_path / "ia3", tmp_path / "batch.pt", tmp_path / "out.pt"]
-    result = subprocess.run([sys.executable, tmp_path / "load.py", *map(str, args)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert (torch.load(tmp_path / "out.pt") - logits(model, example)).abs().max() <= 1e-5
+    loaded = logits_without_peft_smear(tmp_path / "base", tmp_path / "ia3", example, tmp_path, "IA3Config")
+    assert (loaded - logits(model, example)).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize(

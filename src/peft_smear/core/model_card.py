@@ -517,7 +517,7 @@ def write_export_card(
     )
     snippet = usage or _export_snippet(exported_config, str(destination(directory)), base_model, needs_smear)
     return _save_export_card(
-        Path(directory),
+        directory,
         data,
         f"{title} exported from a SMEAR adapter",
         intro,
@@ -546,7 +546,7 @@ def write_merge_card(
     source_words = f"`{source}`" if source else "a SMEAR adapter"
     names = smear_config.expert_names
     experts = f"{smear_config.num_experts} LoRA experts per layer" + (
-        f" ({', '.join(f'`{name}`' for name in names)})" if names else ""
+        f" ({_listing_in_order(names)})" if names else ""
     )
     rows = [
         ("merged from", f"{source_words}: {experts}, routing `{smear_config.routing}`"),
