@@ -7,6 +7,11 @@ of a method's own cost); peak memory is the median. Ratios are to PEFT LoRA of r
 expert).
 
     python benchmarks/speed.py --preset cpu --append-results benchmarks/RESULTS.md
+    python benchmarks/speed.py --preset curve --threads 1 --append-results benchmarks/RESULTS.md
+
+A preset either measures every combination of its sequence lengths, N, r and batch sizes (a grid), or, with
+``axes=True``, draws a cost curve: it moves one of them at a time away from the target shape, so each curve shows how
+SMEAR's cost against LoRA's grows with that one dimension of the work.
 
 Longer than 400 lines on purpose: the whole measurement protocol (presets, methods, interleaved timing, memory probes
 in fresh processes, outputs) stays in the one file its RESULTS.md command names; other scripts import its model and
@@ -82,6 +87,9 @@ class Preset:
     new_tokens: int
     repeats: int
     note: str = ""
+    axes: bool = False  # a cost curve: one dimension at a time away from ``center``, not the whole grid
+    center: dict = field(default_factory=lambda: dict(TARGET_SHAPE))
+    methods: tuple[str, ...] = METHODS
 
 
 PRESETS = {
@@ -120,6 +128,87 @@ PRESETS = {
         note="Reduced for 2 CPU cores: 4 layers of width 512 and an 8k vocabulary (about 21 M parameters, "
         "not 50-150 M), sequence {256}, N {2, 8, 32}, r {8}, batch {8}, 16 generated tokens, 5 repetitions.",
     ),
+    "tiny-curve": Preset(
+        model={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 128,
+        },
+        seq_lens=[8, 16],
+        num_experts=[2, 4],
+        ranks=[2, 4],
+        batches=[1, 2],
+        new_tokens=2,
+        repeats=1,
+        note="A toy model for the smoke test of the cost curve; its numbers mean nothing.",
+        axes=True,
+        center={"seq_len": 16, "num_experts": 2, "r": 4, "batch": 2},
+        methods=("lora", "smear", "ensemble"),
+    ),
+    "curve": Preset(
+        model={
+            "hidden_size": 512,
+            "intermediate_size": 1408,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+            "vocab_size": 8192,
+        },
+        seq_lens=[64, 256, 1024, 2048],
+        num_experts=[2, 8, 32, 64],
+        ranks=[4, 8, 32, 64],
+        batches=[1, 8, 32],
+        new_tokens=8,
+        repeats=3,
+        note="The cost curve on the `cpu` preset's model (4 layers of width 512, about 21 M parameters): one "
+        "dimension at a time away from the target shape (sequence 256, N 8, r 8, batch 8), 8 generated tokens, 3 "
+        "repetitions.",
+        axes=True,
+        methods=("lora", "smear", "ensemble"),
+    ),
+    "gpu-curve": Preset(
+        model={
+            "hidden_size": 2048,
+            "intermediate_size": 5632,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "vocab_size": 32000,
+        },
+        seq_lens=[64, 256, 1024, 2048],
+        num_experts=[2, 8, 32, 64],
+        ranks=[4, 8, 32, 64],
+        batches=[1, 8, 32],
+        new_tokens=16,
+        repeats=3,
+        note="The cost curve for a GPU on 4 layers of the `gpu` preset's 1.1 B model (width 2048, FFN 5632, 32 "
+        "heads, 4 KV heads, 32k vocabulary): each layer costs what it costs in the whole model, and the sweep fits "
+        "a short lease. One dimension at a time away from the target shape, 16 generated tokens, 3 repetitions.",
+        axes=True,
+        methods=("lora", "smear", "ensemble"),
+    ),
+    "gpu": Preset(
+        model={
+            "hidden_size": 2048,
+            "intermediate_size": 5632,
+            "num_hidden_layers": 22,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "vocab_size": 32000,
+        },
+        seq_lens=[256],
+        num_experts=[8],
+        ranks=[8],
+        batches=[8],
+        new_tokens=32,
+        repeats=5,
+        note="A Llama of about 1.1 B parameters (TinyLlama's shape: 22 layers of width 2048, FFN 5632, 32 heads, 4 "
+        "KV heads, 32k vocabulary), random weights, at the target shape only.",
+        methods=("lora", "lora_nr", "smear", "ensemble", "exported"),
+    ),
     "full": Preset(
         model={
             "hidden_size": 768,
@@ -156,9 +245,12 @@ class Measurement:
 
 
 def build_base_model(preset: Preset, device: str, dtype: torch.dtype, max_positions: int) -> LlamaForCausalLM:
+    """The random base model, initialised on ``device`` itself (a 1 B model's initialisation on a CPU would take
+    longer than its measurement on a GPU)."""
     torch.manual_seed(0)
     config = LlamaConfig(**preset.model, max_position_embeddings=max_positions, pad_token_id=0)
-    return LlamaForCausalLM(config).to(device=device, dtype=dtype)
+    with torch.device(device):
+        return LlamaForCausalLM(config).to(dtype=dtype)
 
 
 def wrap(method: str, base: LlamaForCausalLM, shape: Shape, scratch: Path) -> torch.nn.Module:
@@ -373,6 +465,21 @@ def measure_shape(
     return results
 
 
+def sweep(preset: Preset) -> list[Shape]:
+    """The shapes a preset measures: its whole grid, or for a cost curve each dimension's values with the others at
+    the preset's center (the center itself once)."""
+    values = {
+        "seq_len": preset.seq_lens,
+        "num_experts": preset.num_experts,
+        "r": preset.ranks,
+        "batch": preset.batches,
+    }
+    if not preset.axes:
+        return [Shape(*combination) for combination in itertools.product(*values.values())]
+    shapes = [Shape(**{**preset.center, name: value}) for name, axis in values.items() for value in axis]
+    return list(dict.fromkeys([Shape(**preset.center), *shapes]))
+
+
 def run_benchmark(
     preset_name: str,
     device: str = "cpu",
@@ -382,42 +489,42 @@ def run_benchmark(
     memory: str = "subprocess",
     log: Callable[[str], None] = print,
     num_experts: list[int] | None = None,
+    progress: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
     """Measure every shape of the preset's sweep (``num_experts`` replaces its N); one CSV row per shape and method,
-    each figure summarised over the repetitions as ``SUMMARY`` says."""
+    each figure summarised over the repetitions as ``SUMMARY`` says. ``progress`` receives the rows so far after each
+    shape, so that a run cut short keeps what it measured."""
     preset = PRESETS[preset_name]
     if num_experts is not None:
         preset = replace(preset, num_experts=list(num_experts))
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     repeats = repeats or preset.repeats
-    methods = list(methods or METHODS)
+    methods = list(methods or preset.methods)
     if "lora" not in methods:
         methods.insert(0, "lora")  # every ratio is to LoRA rank r
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
-        for seq_len in preset.seq_lens:
-            for num_experts in preset.num_experts:
-                for r in preset.ranks:
-                    for batch in preset.batches:
-                        shape = Shape(seq_len, num_experts, r, batch)
-                        log(f"measuring {shape}")
-                        results = measure_shape(
-                            preset_name, preset, shape, methods, device, dtype, repeats, memory, Path(scratch), log
-                        )
-                        for method, result in results.items():
-                            figures = {name: SUMMARY[name](v) for name, v in result.values.items()}
-                            rows.append(
-                                {
-                                    "preset": preset_name,
-                                    "device": device,
-                                    "dtype": dtype,
-                                    **asdict(shape),
-                                    "method": method,
-                                    "trainable_params": result.trainable_params,
-                                    **figures,
-                                    "repeats": repeats,
-                                }
-                            )
+        for shape in sweep(preset):
+            log(f"measuring {shape}")
+            results = measure_shape(
+                preset_name, preset, shape, methods, device, dtype, repeats, memory, Path(scratch), log
+            )
+            for method, result in results.items():
+                figures = {name: SUMMARY[name](v) for name, v in result.values.items()}
+                rows.append(
+                    {
+                        "preset": preset_name,
+                        "device": device,
+                        "dtype": dtype,
+                        **asdict(shape),
+                        "method": method,
+                        "trainable_params": result.trainable_params,
+                        **figures,
+                        "repeats": repeats,
+                    }
+                )
+            if progress is not None:
+                progress(rows)
     return rows
 
 
@@ -486,8 +593,88 @@ def check_targets(rows: list[dict]) -> list[tuple[str, str]]:
     return checks
 
 
-def write_outputs(rows: list[dict], output_dir: Path, log: Callable[[str], None] = print) -> dict[str, Path]:
-    """The CSV of the summarised figures, the markdown table of ratios and, with matplotlib, a plot of the ratios."""
+CURVE_AXES = {"seq_len": "sequence length", "batch": "batch size", "num_experts": "experts N", "r": "rank r"}
+CURVE_FIGURES = {"train_step_s": "train step", "inference_s": "inference", "peak_memory_mb": "peak memory"}
+CURVE_METHODS = ("smear", "ensemble")
+CURVE_LABELS = {"smear": "SMEAR", "ensemble": "ensemble"}
+
+
+def curve(rows: list[dict]) -> dict[str, list[dict]]:
+    """Per dimension of the work, the rows (as ratios to LoRA) whose other dimensions are at the preset's center."""
+    ratios = ratios_to_lora(rows)
+    center = PRESETS[rows[0]["preset"]].center if rows else TARGET_SHAPE
+    return {
+        axis: sorted(
+            (row for row in ratios if all(row[k] == v for k, v in center.items() if k != axis)),
+            key=lambda row: row[axis],
+        )
+        for axis in CURVE_AXES
+    }
+
+
+def curve_tables(rows: list[dict]) -> str:
+    """One table per dimension that the sweep moves: SMEAR's and the ensemble's figures over LoRA rank r's."""
+    lines = []
+    for axis, points in curve(rows).items():
+        values = sorted({point[axis] for point in points})
+        if len(values) < 2:
+            continue
+        header = [f"{CURVE_LABELS[m]} {label}" for m in CURVE_METHODS for label in CURVE_FIGURES.values()]
+        lines += [f"| {CURVE_AXES[axis]} | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
+        for value in values:
+            at = {point["method"]: point for point in points if point[axis] == value}
+            cells = [f"{at[m][f]:.2f}×" if m in at else "—" for m in CURVE_METHODS for f in CURVE_FIGURES]
+            lines.append(f"| {value} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def curve_extremes(rows: list[dict]) -> str:
+    """Where SMEAR costs most and least against LoRA rank r, for each figure of the curve."""
+    smear = [row for row in ratios_to_lora(rows) if row["method"] == "smear"]
+    if not smear:
+        return "SMEAR was not measured."
+
+    def where(row: dict) -> str:
+        return f"sequence {row['seq_len']}, batch {row['batch']}, N {row['num_experts']}, r {row['r']}"
+
+    parts = []
+    for figure, label in CURVE_FIGURES.items():
+        low, high = min(smear, key=lambda row: row[figure]), max(smear, key=lambda row: row[figure])
+        parts.append(f"{label} {low[figure]:.2f}× ({where(low)}) to {high[figure]:.2f}× ({where(high)})")
+    return "SMEAR / LoRA rank r ranges: " + "; ".join(parts) + "."
+
+
+def plot_curve(rows: list[dict], path: Path) -> None:
+    """SMEAR's and the ensemble's figures over LoRA's against each dimension of the work, the others at the target."""
+    import matplotlib.pyplot as plt
+
+    points = curve(rows)
+    axes_moved = [axis for axis in CURVE_AXES if len({p[axis] for p in points[axis]}) > 1]
+    figure, grid = plt.subplots(
+        len(CURVE_FIGURES), len(axes_moved), figsize=(4 * len(axes_moved), 3 * len(CURVE_FIGURES)), squeeze=False
+    )
+    for column, axis in enumerate(axes_moved):
+        for row_index, (name, label) in enumerate(CURVE_FIGURES.items()):
+            panel = grid[row_index][column]
+            for method in CURVE_METHODS:
+                mine = [p for p in points[axis] if p["method"] == method]
+                panel.plot([p[axis] for p in mine], [p[name] for p in mine], marker="o", label=METHOD_LABELS[method])
+            panel.axhline(1.0, color="grey", linewidth=0.8)
+            panel.set_xscale("log", base=2)
+            panel.set_xlabel(CURVE_AXES[axis])
+            panel.set_ylabel(f"{label} / LoRA rank r")
+    grid[0][0].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def write_outputs(
+    rows: list[dict], output_dir: Path, log: Callable[[str], None] = print, as_curve: bool = False
+) -> dict[str, Path]:
+    """The CSV of the summarised figures, the markdown table of ratios and, with matplotlib, a plot of the ratios
+    (``as_curve``: against each dimension of the work, as :func:`plot_curve` draws them)."""
     output_dir.mkdir(parents=True, exist_ok=True)
     paths = {"csv": output_dir / "speed.csv", "markdown": output_dir / "speed.md"}
     with open(paths["csv"], "w", newline="") as handle:
@@ -502,6 +689,10 @@ def write_outputs(rows: list[dict], output_dir: Path, log: Callable[[str], None]
         import matplotlib.pyplot as plt
     except ImportError:
         log("matplotlib is not installed: no plot.")
+        return paths
+    paths["plot"] = output_dir / "speed.png"
+    if as_curve:
+        plot_curve(rows, paths["plot"])
         return paths
     ratios = ratios_to_lora(rows)
     shapes = list(dict.fromkeys((r["seq_len"], r["num_experts"], r["r"], r["batch"]) for r in ratios))
@@ -518,7 +709,6 @@ def write_outputs(rows: list[dict], output_dir: Path, log: Callable[[str], None]
         axis.tick_params(axis="x", rotation=60)
     axes[0].legend(fontsize=7)
     figure.tight_layout()
-    paths["plot"] = output_dir / "speed.png"
     figure.savefig(paths["plot"], dpi=120)
     plt.close(figure)
     return paths
@@ -556,12 +746,27 @@ def results_section(
         "",
         *[f"- {label}: {result}" for label, result in checks],
         "",
+        *(_curve_lines(rows) if PRESETS[preset_name].axes else []),
         "### Whole sweep",
         "",
         markdown_table(rows),
         "",
     ]
     return "\n".join(lines)
+
+
+def _curve_lines(rows: list[dict]) -> list[str]:
+    return [
+        "### Cost curve",
+        "",
+        "Each table moves one dimension of the work, the others at the preset's center; each figure over LoRA "
+        "rank r's "
+        "at the same shape (`speed.png` in the output directory draws them).",
+        "",
+        curve_tables(rows),
+        curve_extremes(rows),
+        "",
+    ]
 
 
 def _overrides(rows: list[dict], preset: Preset) -> str:
@@ -586,7 +791,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="The N to sweep instead of the preset's, e.g. only the target's 8 with more --repeats.",
     )
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=None, help="Default: the preset's.")
     parser.add_argument(
         "--memory",
         choices=("subprocess", "inprocess"),
@@ -616,7 +821,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds, load_after = time.perf_counter() - start, os.getloadavg()
     if not all(math.isfinite(row[name]) for row in rows for name in FIGURES):
         raise RuntimeError("A measurement is not finite.")
-    paths = write_outputs(rows, args.output_dir)
+    paths = write_outputs(rows, args.output_dir, as_curve=PRESETS[args.preset].axes)
     print(markdown_table(rows))
     for label, result in check_targets(rows):
         print(f"{label}: {result}")
