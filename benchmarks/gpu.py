@@ -117,7 +117,7 @@ CPU = Scale(
     quantized_shape=(2, 16),
     serving_preset="tiny",
     compile_preset="tiny",
-    compile_backend="aot_eager",
+    compile_backend="eager",  # dynamo alone: graphs, breaks and recompiles, without generating code
     curve_preset="tiny-curve",
 )
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -231,7 +231,8 @@ def dtypes_markdown(result: dict) -> tuple[list[str], list[tuple[str, bool, str]
 def part_speed(device: str, scale: Scale) -> dict:
     import speed
 
-    rows = speed.run_benchmark(scale.speed_preset, device=device, memory="inprocess", log=lambda _: None)
+    methods = speed.PRESETS[GPU.speed_preset].methods  # the GPU's methods, also at the CPU's toy shapes
+    rows = speed.run_benchmark(scale.speed_preset, device=device, methods=methods, memory="inprocess", log=print)
     return {"rows": rows, "preset": scale.speed_preset}
 
 

@@ -1,0 +1,90 @@
+"""The GPU validation command runs every part on the CPU at toy shapes, as it would on a lent GPU, and reports a part
+stopped at its time limit without losing the others. Its timings are not tested: only that each part measured what
+it says, and that the checks it reports hold on the CPU."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from conftest import import_script
+
+
+gpu = import_script("gpu")
+speed = import_script("speed")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("gpu")
+    results = directory / "RESULTS.md"
+    argv = ["--device", "cpu", "--budget", "1200", "--output-dir", str(directory), "--append-results", str(results)]
+    assert gpu.main(argv) == 0
+    return json.loads((directory / "gpu.json").read_text()), results.read_text()
+
+
+def test_every_part_runs_on_the_cpu(run):
+    outcomes, _ = run
+    assert list(outcomes) == list(gpu.PARTS)
+    assert {part: outcome["status"] for part, outcome in outcomes.items()} == dict.fromkeys(gpu.PARTS, "ran")
+
+
+def test_half_precision_losses_are_finite_and_close_to_fp32(run):
+    runs = run[0]["dtypes"]["result"]["runs"]
+    assert sorted(runs) == sorted(f"{m} {d}" for m in ("lora", "smear") for d in gpu.DTYPES)
+    for name, values in runs.items():
+        assert all(map(math.isfinite, values["losses"])), name
+        dtype = name.split()[1]
+        assert values["max_relative_deviation"] <= gpu.LOSS_TOLERANCE.get(dtype, 0.0), name
+    # SMEAR's experts and routers train in fp32 whatever the base model's dtype, as PEFT's LoRA weights do.
+    assert runs["smear bfloat16"]["adapter_dtypes"] == ["torch.float32"]
+
+
+def test_smear_trains_on_a_4bit_base(run):
+    runs = run[0]["qlora"]["result"]["runs"]
+    assert runs["smear"]["linear4bit"] == runs["lora"]["linear4bit"] > 0
+    assert all(map(math.isfinite, runs["smear"]["losses"]))
+
+
+def test_mixed_task_batch_of_exports_equals_each_task_alone(run):
+    serving = run[0]["serving"]["result"]
+    assert serving["max_relative_logit_deviation"] <= 1e-5
+    assert serving["same_tokens"] == serving["requests"] > 0
+
+
+def test_compile_part_counts_graphs_breaks_and_recompiles(run):
+    figures = run[0]["compile"]["result"]["figures"]
+    for method in ("lora", "smear"):
+        assert figures[method]["graphs"] >= 1 and figures[method]["graph_breaks"] == 0, method
+        assert figures[method]["first_step_s"] > 0 and figures[method]["mixed_batch_graphs"] >= 0
+
+
+def test_cost_curve_measures_every_shape_of_its_sweep(run):
+    curve = run[0]["curve"]["result"]
+    assert not curve.get("partial")
+    measured = {(row["seq_len"], row["num_experts"], row["r"], row["batch"], row["method"]) for row in curve["rows"]}
+    expected = {
+        (shape.seq_len, shape.num_experts, shape.r, shape.batch, method)
+        for shape in speed.sweep(speed.PRESETS[gpu.CPU.curve_preset])
+        for method in ("lora", "smear", "ensemble")
+    }
+    assert measured == expected
+
+
+def test_results_section_names_the_device_and_sums_up_the_checks(run):
+    _, text = run
+    section = text[text.index("## GPU validation") :]
+    assert section.startswith("## GPU validation, CPU (toy shapes), ")
+    summary = next(line for line in section.splitlines() if line.startswith("- Summary: "))
+    for part in gpu.PARTS:
+        assert f"{part}: " in summary
+    for part in ("dtypes", "qlora", "serving"):  # the checks that must hold on any machine
+        assert f"{part}: all checks passed" in summary
+
+
+def test_a_part_stopped_at_its_limit_is_reported():
+    outcome = gpu.run_part("speed", "cpu", budget=0.5)
+    assert outcome["status"] == "stopped after its 0 s"
+    assert "result" not in outcome
