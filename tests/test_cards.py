@@ -21,9 +21,10 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 import peft_smear
 from conftest import random_batch, save_bank_inputs, save_tiny_encoder, tiny_llama, write_task_files
 from peft_smear import ROUTERS, SmearLinear, build_expert_bank, cli, embed_texts, train_phatgoose_gates
-from peft_smear.core.model_card import SECTION_BEGIN
+from peft_smear.bank import BankRouter
 from peft_smear.emoe import emoe_gates, load_emoe, moefy, save_emoe
 from peft_smear.multitask import training
+from peft_smear.saving.cards import SECTION_BEGIN
 
 
 COUNTS = re.compile(r"^([\d,]+) of all ([\d,]+) \(([\d.]+)%\)$")
@@ -128,7 +129,7 @@ def gate_batches(root: Path) -> list[dict[str, torch.Tensor]]:
     return [{**encoded, "labels": encoded["input_ids"]}]
 
 
-@pytest.mark.parametrize("routing", [name for name, router in ROUTERS.items() if router.over_existing_adapters])
+@pytest.mark.parametrize("routing", [name for name, router in ROUTERS.items() if issubclass(router, BankRouter)])
 def test_a_banks_card(bank_inputs, tmp_path, routing):
     root, adapters = bank_inputs
     router = ROUTERS[routing]

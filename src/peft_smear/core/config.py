@@ -7,10 +7,10 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal
 
 from .checks import is_integer, listing, require_bool, require_integer, require_number, require_probability
-from .experts import EXPERT_KINDS, EXPERT_TYPES
-from .pooling import ROUTER_INPUTS
+from .experts import EXPERT_KINDS
 from .registration import PeftConfig, SmearPeftType
 from .routers import ROUTERS, Router
+from .types import ROUTER_INPUTS, Option
 
 
 INIT_WEIGHTS_SCHEMES = ("gaussian", "smear")
@@ -100,7 +100,7 @@ class SmearConfig(PeftConfig):
         modules_to_save: Extra modules trained in full and saved with the adapter (e.g. a classifier head).
     """
 
-    expert_type: str = field(default="lora", metadata={"help": f"What each expert is, one of {EXPERT_TYPES}."})
+    expert_type: str = field(default="lora", metadata={"help": "What each expert is: 'lora', 'adapter', 'ia3'."})
     r: int = field(default=8, metadata={"help": "Rank of each LoRA expert."})
     num_experts: int | None = field(
         default=None, metadata={"help": "Number of experts per wrapped module (the routing method's default, 8)."}
@@ -161,14 +161,19 @@ class SmearConfig(PeftConfig):
     ia3_feedforward_modules: list[str] | str | None = field(
         default=None, metadata={"help": "ia3: target modules whose input features are scaled."}
     )
+    expert_options: dict[str, Any] | None = field(
+        default=None, metadata={"help": "The options of an expert kind registered from outside, with its defaults."}
+    )
 
     def __init__(self, **settings: Any) -> None:
-        """Every field by keyword; any other keyword is an option of the routing method, kept in
-        ``routing_options``. Adapters saved before the methods declared their options stored every method's options
-        as top-level keys, which arrive here the same way."""
+        """Every field by keyword; any other keyword is an option of an expert kind registered from outside, kept in
+        ``expert_options``, or of the routing method, kept in ``routing_options``. Adapters saved before the methods
+        declared their options stored every method's options as top-level keys, which arrive here the same way."""
         own = {f.name: f for f in fields(self) if f.init}
         # A saved config carries peft_type; without routing_options it was saved before methods declared options.
         self._saved_before_options = "peft_type" in settings and "routing_options" not in settings
+        kind_options = {option.name for kind in EXPERT_KINDS.values() for option in kind.options} - set(own)
+        given_kind_options = {name: settings.pop(name) for name in list(settings) if name in kind_options}
         method_options = {name: settings.pop(name) for name in list(settings) if name not in own}
         for name, spec in own.items():
             if name in settings:
@@ -178,12 +183,8 @@ class SmearConfig(PeftConfig):
             else:
                 value = spec.default_factory()
             setattr(self, name, value)
-        given = dict(self.routing_options or {})
-        for name, value in method_options.items():
-            if name in given and given[name] != value:
-                raise ValueError(f"{name} is given twice: {value!r}, and {given[name]!r} in routing_options.")
-            given[name] = value
-        self.routing_options = given
+        self.routing_options = _merged_options(self.routing_options, method_options, "routing_options")
+        self.expert_options = _merged_options(self.expert_options, given_kind_options, "expert_options")
         self.__post_init__()
 
     def __post_init__(self) -> None:
@@ -212,10 +213,7 @@ class SmearConfig(PeftConfig):
         self._validate_routing(router)
 
     def _validate(self) -> None:
-        require_integer("r", self.r, minimum=1)
         require_integer("num_experts", self.num_experts, minimum=1)
-        require_number("lora_alpha", self.lora_alpha)
-        require_bool("use_rslora", self.use_rslora)
         require_probability("expert_dropout", self.expert_dropout)
         require_number("router_init_std", self.router_init_std)
         require_bool("freeze_experts", self.freeze_experts)
@@ -287,16 +285,26 @@ class SmearConfig(PeftConfig):
                 raise ValueError("expert_embeddings must be finite numbers; they hold a NaN or an infinity.")
 
     def _validate_expert_type(self) -> None:
+        """Each kind's options belong to it alone: set for another kind, one is an error. The chosen kind's are
+        checked, and those that are no ``SmearConfig`` field are completed with their defaults in
+        ``expert_options``."""
         if self.expert_type not in EXPERT_KINDS:
-            raise ValueError(f"expert_type must be one of {EXPERT_TYPES}, got {self.expert_type!r}.")
+            raise ValueError(f"expert_type must be one of {tuple(EXPERT_KINDS)}, got {self.expert_type!r}.")
         kind = EXPERT_KINDS[self.expert_type]
         for other in EXPERT_KINDS.values():
-            changed = [name for name in other.options if getattr(self, name) != _DEFAULTS[name]]
+            changed = [(o.name, self._kind_option(o)) for o in other.options if self._kind_option(o) != o.default]
             if other is not kind and changed:
+                (name, value), *_ = changed
                 raise ValueError(
-                    f"{changed[0]}={getattr(self, changed[0])!r} only applies to expert_type={other.name!r}, "
+                    f"{name}={value!r} only applies to expert_type={other.name!r}, "
                     f"but expert_type={self.expert_type!r}."
                 )
+        for option in kind.options:
+            value = self._kind_option(option)
+            if value is not None and option.check is not None:
+                option.check(option.name, value)
+        own = {f.name for f in fields(self)}
+        self.expert_options = {o.name: self._kind_option(o) for o in kind.options if o.name not in own}
         if self.init_weights not in kind.init_schemes:
             raise ValueError(
                 f"init_weights={self.init_weights!r} is not a scheme of expert_type={self.expert_type!r}, which "
@@ -350,10 +358,18 @@ class SmearConfig(PeftConfig):
             )
         router.validate(self)
 
-    @property
-    def routed_tasks(self) -> int | None:
-        """How many task ids the routing accepts (``None``: it does not read task ids, or any count is fine)."""
-        return ROUTERS[self.routing].routed_tasks(self)
+    def _kind_option(self, option: Option) -> Any:
+        """The value of an expert kind's option: its field's, or from ``expert_options`` (its default if unset)."""
+        if option.name in self.__dataclass_fields__:
+            return getattr(self, option.name)
+        return self.expert_options.get(option.name, option.default)
 
 
-_DEFAULTS = {f.name: f.default for f in fields(SmearConfig)}
+def _merged_options(stored: dict[str, Any] | None, given: dict[str, Any], where: str) -> dict[str, Any]:
+    """The options in ``stored`` (a dict field) with the ones passed as keywords, each given once."""
+    merged = dict(stored or {})
+    for name, value in given.items():
+        if name in merged and merged[name] != value:
+            raise ValueError(f"{name} is given twice: {value!r}, and {merged[name]!r} in {where}.")
+        merged[name] = value
+    return merged

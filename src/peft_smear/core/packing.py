@@ -19,15 +19,9 @@ import torch.nn.functional as F
 
 
 BOUNDARY_SOURCES = ("position_ids", "cu_seq_lens_q", "seq_idx")
-
-UNMARKED_PACKING = (
-    "SMEAR prompt routing found a row whose labels switch from prompt (-100) to response more than once, but the "
-    "model got no sequence boundaries (position_ids restarting at 0, cu_seq_lens_q or seq_idx). If the row packs "
-    "several sequences, each is NOT routed on its own prompt: the whole row is routed once, on the tokens before its "
-    "first label. Pass position_ids that restart at 0 for every sequence (TRL: SFTConfig(packing=True, "
-    "packing_strategy='bfd') or padding_free=True; transformers: DataCollatorWithFlattening). If each row is one "
-    "multi-turn conversation, this is expected: routing uses the turns before the first labelled reply. (Shown once.)"
-)
+PACKING_ARGUMENTS = (*BOUNDARY_SOURCES, "cu_seq_lens_k")
+"""The call arguments that may start a new sequence inside a row (``cu_seq_lens_k`` stands in for a missing
+``cu_seq_lens_q``): a call with none of them is an ordinary batch."""
 
 
 class PackedLayout:
@@ -177,14 +171,3 @@ def _sequence_starts(name: str, value: torch.Tensor, rows: int, length: int) -> 
 
 def _start_list(starts: torch.Tensor) -> list[tuple[int, int]]:
     return [tuple(pair) for pair in starts.nonzero().tolist()]
-
-
-def several_prompts(labels: torch.Tensor, real: torch.Tensor | None) -> bool:
-    """Whether some row's labels switch from unlabelled to labelled more than once: several prompt/response pairs,
-    as in a packed row (or a multi-turn conversation)."""
-    labelled = labels != -100
-    if real is not None:
-        labelled &= real.to(labelled.device).bool()
-    run_starts = labelled.clone()
-    run_starts[:, 1:] &= ~labelled[:, :-1]
-    return bool((run_starts.sum(dim=1) > 1).any())

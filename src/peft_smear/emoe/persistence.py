@@ -17,7 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..core import atomic
+from ..saving import atomic
 from .card import write_emoe_card
 from .moefy import emoe_gates, moefy
 

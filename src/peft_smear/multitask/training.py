@@ -23,14 +23,15 @@ from peft import PeftConfig, PeftModel, get_peft_model
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, Trainer, TrainingArguments, set_seed
 from transformers.trainer_callback import PrinterCallback
 
-from ..core import atomic
-from ..core.arguments import form_summary, name_path_pairs
+from ..arguments import form_summary, name_path_pairs
 from ..core.config import SmearConfig
-from ..core.export import DEFAULT_FORM, check_export_form, check_exportable, export_merged_adapter, refuse_occupied
-from ..core.model_card import write_model_card
-from ..core.optimizer import create_router_optimizer
-from ..core.routers import ROUTERS, TASK_IDS
-from ..core.routing_report import RoutingReport
+from ..core.routers import ROUTERS
+from ..export.export import DEFAULT_FORM, check_export_form, check_exportable, export_merged_adapter, refuse_occupied
+from ..routers import TASK_IDS
+from ..saving import atomic
+from ..saving.cards import write_model_card
+from ..training.optimizer import create_router_optimizer, default_lr_ratio
+from ..training.report import RoutingReport
 from .data import load_benchmark
 from .features import benchmark_task_info
 from .model import (
@@ -104,7 +105,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     peft_model.print_trainable_parameters()
     collator = MultiTaskCollator(tokenizer)
     optimizer = None  # Trainer's own AdamW, unless the routers learn at their own rate
-    ratio = args.router_lr_ratio if args.router_lr_ratio is not None else ROUTERS[args.routing].default_lr_ratio
+    ratio = args.router_lr_ratio if args.router_lr_ratio is not None else default_lr_ratio(ROUTERS[args.routing])
     if ratio != 1:
         optimizer = create_router_optimizer(peft_model, lr=args.learning_rate, router_lr_ratio=ratio)
     # The whole run is written into a staging directory beside the output, which replaces it in one step at the end:

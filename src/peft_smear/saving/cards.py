@@ -18,12 +18,11 @@ import peft
 from huggingface_hub import ModelCard, ModelCardData
 from torch import nn
 
+from ..core.experts import EXPERT_KINDS
+from ..core.layer import SmearLinear
+from ..core.routers import ROUTERS
 from ..version import __version__
 from .atomic import destination
-from .experts import EXPERT_KINDS
-from .experts.adapter import DEFAULT_REDUCTION_FACTOR
-from .layer import SmearLinear
-from .routers import ROUTERS
 
 
 PAPER_URL = "https://arxiv.org/abs/2306.03745"
@@ -57,19 +56,8 @@ def routing_description(config: Any) -> str:
 
 
 def expert_description(config: Any) -> str:
-    if config.expert_type == "lora":
-        return f"LoRA, rank r={config.r}, alpha {config.lora_alpha:g}" + (
-            ", rsLoRA scaling" if config.use_rslora else ""
-        )
-    if config.expert_type == "adapter":
-        width = (
-            config.adapter_width or f"out_features // {config.adapter_reduction_factor or DEFAULT_REDUCTION_FACTOR}"
-        )
-        norm = ", LayerNorm on its output" if config.adapter_layer_norm else ""
-        return f"bottleneck adapter, width {width}, {config.adapter_activation} activation{norm}"
-    return "(IA)³ scaling vector" + (
-        f" (input features of {_listing(config.ia3_feedforward_modules)})" if config.ia3_feedforward_modules else ""
-    )
+    """One line on the adapter's experts, from its expert kind."""
+    return EXPERT_KINDS[config.expert_type].describe(config)
 
 
 def create_or_update_model_card(original: Callable[[Any, str], None], peft_model: Any, output_dir: str) -> None:
@@ -168,7 +156,7 @@ def _section(
             f"by plain backpropagation, without task labels, and the adapter costs about one {expert}'s compute "
             f"instead of {n}."
         )
-    elif router.over_existing_adapters:
+    elif getattr(router, "over_existing_adapters", False):
         pitch = (
             f"Every adapted layer holds {n} {expert} expert{'s' * (n != 1)}, routed by `{routing}`, a router made for "
             f"a bank of existing, separately trained adapters rather than for experts trained with it: "
@@ -275,10 +263,12 @@ def _frozen_adapter_parameters(peft_model: nn.Module, adapter_name: str, config:
 
 
 def _untrained_experts(layers: list[SmearLinear], adapter_name: str, config: Any) -> list[tuple[str, str]]:
-    """A row naming the experts that no layer's router learned to route to (e.g. PHATGOOSE gates never trained)."""
+    """A row naming the experts that no layer's router learned to route to (e.g. PHATGOOSE gates never trained): the
+    card's trait of a router, its method ``untrained_experts()`` where it has one."""
     untrained = None
     for layer in layers:
-        experts = set(layer.smear_router[adapter_name].untrained_experts())
+        router = layer.smear_router[adapter_name]
+        experts = set(router.untrained_experts()) if hasattr(router, "untrained_experts") else set()
         untrained = experts if untrained is None else untrained & experts
     if not untrained:
         return []
@@ -466,6 +456,7 @@ def write_export_card(
     adapter_name: str,
     routing: Any,
     parameters: int,
+    exported_as: str,
     source: str | None = None,
     usage: str | None = None,
 ) -> Path:
@@ -507,7 +498,7 @@ def write_export_card(
     if exported_config.task_type:
         rows.append(("task type", f"`{exported_config.task_type}`"))
     plain = "loads with peft_smear imported" if needs_smear else "loads with plain PEFT, without peft_smear"
-    title = kind.exported_as[0].upper() + kind.exported_as[1:]
+    title = exported_as[0].upper() + exported_as[1:]
     intro = (
         f"{title} written by [peft-smear]({PACKAGE_URL})'s `export_merged_adapter` from {source_words}, a "
         f"[SMEAR]({PAPER_URL}) adapter"
