@@ -19,7 +19,8 @@ from .core.config import SmearConfig
 from .core.experts import EXPERT_KINDS, ExpertKind, register_expert_kind
 from .core.layer import SmearLinear
 from .core.model import SmearModel, get_routing_weights
-from .core.registration import SUPPORTED_PEFT_RANGE, SmearPeftType, install
+from .core.registration import SUPPORTED_PEFT_RANGE, SmearPeftType
+from .core.registration import install as _install
 from .core.routers import ROUTERS, Router, merged, mixed, one_expert, register_router
 from .core.types import CallInput, Option, RouterInputs, RoutingDecision
 from .export.export import export_merged_adapter
@@ -74,4 +75,4 @@ __all__ = [
     "write_model_card",
 ]
 
-install(SmearConfig, SmearModel, _create_or_update_model_card, _push_to_hub, _save_pretrained)
+_install(SmearConfig, SmearModel, _create_or_update_model_card, _push_to_hub, _save_pretrained)
