@@ -28,8 +28,8 @@ from quality import PRESETS, load_setup
 from transformers import get_linear_schedule_with_warmup
 
 from peft_smear import SmearLinear, create_router_optimizer
-from peft_smear.core.model import recording_routing
 from peft_smear.multitask.training import build_model, default_model_dir, smear_config
+from peft_smear.training.recording import recording_routing
 from peft_smear.training.statistics import collapsed_routers
 
 

@@ -9,7 +9,7 @@ from peft import get_peft_model
 import peft_smear
 from conftest import VOCAB, tiny_gpt2, tiny_llama, tiny_t5
 from peft_smear import SmearConfig
-from peft_smear.core.model import recording_routing
+from peft_smear.training.recording import recording_routing
 
 
 DECODER_ONLY = {"llama": tiny_llama, "gpt2": tiny_gpt2}

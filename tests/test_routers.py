@@ -19,10 +19,10 @@ from transformers.utils import ModelOutput
 import peft_smear
 from conftest import VOCAB, random_batch, tiny_bert, tiny_llama, tiny_t5
 from peft_smear import ROUTERS, SmearConfig, SmearLinear
-from peft_smear.core.model import recording_routing
 from peft_smear.routers.fixed import consistency_loss
 from peft_smear.routers.learned import PolicyStep, annealed_temperature, reinforce_losses
 from peft_smear.routers.losses import per_example_task_loss
+from peft_smear.training.recording import recording_routing
 
 
 NUM_TASKS = 3

@@ -16,7 +16,7 @@ from transformers import Trainer
 import peft_smear
 from conftest import VOCAB, random_batch, tiny_bert, tiny_llama, tiny_tokenizer, training_args
 from peft_smear import RoutingStatistics, SmearRoutingCallback
-from peft_smear.core.model import recording_routing
+from peft_smear.training.recording import recording_routing
 from peft_smear.training.statistics import COLLAPSE_THRESHOLD, collapsed_routers
 
 

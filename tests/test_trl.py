@@ -12,7 +12,7 @@ from datasets import Dataset
 import peft_smear
 from conftest import tiny_llama, tiny_tokenizer
 from peft_smear import SmearConfig, SmearLinear, get_routing_weights
-from peft_smear.core.model import recording_routing
+from peft_smear.training.recording import recording_routing
 
 
 trl = pytest.importorskip("trl")

@@ -18,7 +18,7 @@ from .bank import build_expert_bank, describe_tasks, embed_texts, train_phatgoos
 from .core.config import SmearConfig
 from .core.experts import EXPERT_KINDS, ExpertKind, register_expert_kind
 from .core.layer import SmearLinear
-from .core.model import SmearModel, get_routing_weights
+from .core.model import SmearModel
 from .core.registration import SUPPORTED_PEFT_RANGE, SmearPeftType
 from .core.registration import install as _install
 from .core.routers import ROUTERS, Router, merged, mixed, one_expert, register_router
@@ -33,6 +33,7 @@ from .saving.hub import push_to_hub as _push_to_hub
 from .training.callbacks import SmearRoutingCallback
 from .training.collator import SmearDataCollator
 from .training.optimizer import create_router_optimizer
+from .training.recording import get_routing_weights
 from .training.report import RoutingReport
 from .training.statistics import RoutingStatistics
 from .version import __version__

@@ -291,7 +291,7 @@ def _load_causal_lm(path: Path):
 
 def _save_atomically(model, target: Path, overwrite: bool) -> None:
     """Save the bank into a staging directory beside ``target``, then swap it into place in one step (see
-    :mod:`peft_smear.core.atomic`): a kill at any moment leaves the old directory or the complete new bank, never a
+    :mod:`peft_smear.saving.atomic`): a kill at any moment leaves the old directory or the complete new bank, never a
     mix and never nothing. The old directory is replaced whole, and only when ``overwrite`` allows it."""
     from ..saving.atomic import staged_directory
 

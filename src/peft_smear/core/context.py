@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from .packing import PackedLayout
 from .smear import masked_mean
-from .types import CallInput, Params, RoutingDecision
+from .types import CallInput, Params, RouterInputs, RoutingDecision
 
 
 PROMPT_UNKNOWN_IN_TRAINING = (
@@ -287,16 +287,11 @@ class CallState:
 
 
 @dataclass
-class CallRouterInputs:
-    """What one wrapped layer offers its router for one call (the :class:`~peft_smear.core.types.RouterInputs` a
-    router reads): the routed tensor and values the layer holds, and the call's state, read only when the router
-    asks. The rule of what an example is routed on is ``router_input``:
-
-    * ``"self"``: the routed tokens that are real;
-    * ``"prompt"``: the routed tokens of the example's prompt only (causal LMs), so the response never reaches the
-      router;
-    * ``"encoder"``: the encoder's final hidden states (decoder layers of encoder-decoders).
-    """
+class CallRouterInputs(RouterInputs):
+    """What one wrapped layer offers its router for one call: the routed tensor and values the layer holds, and the
+    call's state, read only when the router asks. An example is routed on its real tokens (``router_input="self"``),
+    on its prompt only (``"prompt"``, causal LMs: the response never reaches the router), or on the encoder's final
+    hidden states (``"encoder"``, decoder layers of encoder-decoders)."""
 
     routed: torch.Tensor
     call: CallState
@@ -317,14 +312,10 @@ class CallRouterInputs:
     def memo(self) -> dict[Any, Any]:
         return self.call.memo
 
-    def tokens(self) -> torch.Tensor:
-        """``[batch, tokens, features]`` in the activations' dtype: every token on its own, never pooled, so padding
-        cannot change a real token's routing (a padded position is routed too, and its output ignored like the rest
-        of it)."""
+    def tokens(self) -> torch.Tensor:  # a padded position is routed too, and its output ignored like the rest of it
         return self.routed.reshape(self.batch_size, -1, self.routed.shape[-1])
 
     def summary(self) -> torch.Tensor:
-        """``[batch, features]`` fp32: each example's pooled input, by ``router_input``."""
         if self.router_input == "encoder":
             summary = self.call.encoder_summary
             if summary is None:
@@ -342,8 +333,6 @@ class CallRouterInputs:
         return masked_mean(self.tokens(), self.token_mask())
 
     def token_mask(self) -> torch.Tensor | None:
-        """``[batch, tokens]``: the tokens an example is routed on, its prompt for prompt routing, else its real
-        tokens; ``None`` when they are all real or no token mask describes the routed positions."""
         if self.routed.dim() != 3:
             return None
         batch_size, seq_len = self.routed.shape[:2]
@@ -352,7 +341,6 @@ class CallRouterInputs:
         return self.call.token_mask(batch_size, seq_len)
 
     def call_input(self, name: str) -> torch.Tensor | None:
-        """The call's ``smear_*`` input ``name``, one row per routed example, on the routed tensor's device."""
         value = self.call.call_input(name, self.batch_size)
         return None if value is None else value.to(self.device)
 
@@ -364,8 +352,7 @@ class CallRouterInputs:
 
 
 class AuxLossHook(torch.autograd.Function):
-    """``output`` unchanged; in backward, the auxiliary loss ``aux_loss`` gets the gradient held in ``scale`` (a 0-d
-    tensor the probe fills; zero unless the probe ran)."""
+    """``output`` unchanged; in backward, ``aux_loss`` gets the gradient the probe wrote into ``scale`` (0-d)."""
 
     @staticmethod
     def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -378,9 +365,8 @@ class AuxLossHook(torch.autograd.Function):
 
 
 class LossGradientProbe(torch.autograd.Function):
-    """``value`` (the auxiliary losses' sum, without a graph) as a term of the model's loss; in backward, the gradient
-    that term receives is written into ``scale`` for the layers' hooks. ``anchor`` is a fresh leaf that requires
-    grad, so that backward runs at all."""
+    """``value`` (the auxiliary losses' sum, without a graph) as a term of the model's loss, whose gradient backward
+    writes into ``scale`` for the layers' hooks; ``anchor``, a fresh leaf that requires grad, makes backward run."""
 
     @staticmethod
     def forward(ctx, anchor: torch.Tensor, value: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -402,17 +388,12 @@ def in_backward() -> bool:
 class AuxLosses:
     """The routers' auxiliary losses of the current call, and how they train under reentrant gradient checkpointing.
 
-    A router's auxiliary loss is computed inside its layer. Reentrant checkpointing (torch's default, used by PEFT's
-    ``prepare_model_for_kbit_training`` unless told otherwise) runs the layer without autograd in the forward pass
-    and again, with autograd, during backward: the loss computed in the forward has no graph, so adding it to the
-    model's loss would train nothing. As Megatron-LM does for its MoE layers (``MoEAuxLossAutoScaler``), a layer
-    recomputed in backward therefore hangs its losses on its own output with an identity function whose backward
-    hands them a gradient (:class:`AuxLossHook`).
-
-    That gradient must be what the model's loss passes on to any term added to it (1, divided by gradient
-    accumulation, multiplied by a mixed-precision loss scale). So the tuner adds the losses' values to the model's
-    loss through a probe (:class:`LossGradientProbe`), whose backward, the first to run, records that gradient in
-    ``gradient_scale``. Without checkpointing the losses join the model's loss with their graph as usual.
+    Reentrant checkpointing (torch's default, used by PEFT's ``prepare_model_for_kbit_training`` unless told
+    otherwise) runs a layer without autograd in the forward pass and again, with autograd, in backward: a loss
+    computed in the forward has no graph and would train nothing. As Megatron-LM's MoE layers do
+    (``MoEAuxLossAutoScaler``), the recomputed layer hangs its losses on its output (:class:`AuxLossHook`), with the
+    gradient the model's loss passes on to any term added to it (gradient accumulation and loss scaling included),
+    which a probe in that term records (:class:`LossGradientProbe`). Without checkpointing, losses train as usual.
     """
 
     values: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -426,9 +407,8 @@ class AuxLosses:
         self.values, self.without_autograd, self.gradient_scale = {}, False, torch.zeros(())
 
     def carry(self, output: torch.Tensor, losses: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
-        """Add a layer's losses to the call's and return its output; when reentrant gradient checkpointing recomputes
-        the layer inside backward, hang them on the output instead, so that they train there. Left out of compiled
-        graphs (no graph break per layer): the recomputation inside backward runs eagerly even in a compiled model."""
+        """Add a layer's losses to the call's and return its output, or, recomputed in backward, hang them on it. Left
+        out of compiled graphs (no graph break per layer): the recomputation runs eagerly even in a compiled model."""
         if not torch.compiler.is_compiling() and in_backward():
             total = sum(value for _, value in losses)
             return AuxLossHook.apply(output, total, self.gradient_scale.to(total.device))
@@ -462,8 +442,8 @@ class RoutingContext:
     routing_cache: dict[tuple[torch.nn.Module, str], RoutingDecision] | None = None
     """During ``generate``: the decision every layer made at prefill, reused for every later step."""
     observers: list[Observer] = field(default_factory=list)
-    """Who watches the routing (:func:`~peft_smear.core.model.recording_routing`, routing statistics): called for
-    every decision a layer applies, but not for gradient checkpointing's recomputation of a layer."""
+    """Who watches the routing (:mod:`peft_smear.training`: recording, statistics): called for every decision a
+    layer applies, but not for gradient checkpointing's recomputation of a layer."""
 
     def cached_decision(self, key: tuple[torch.nn.Module, str], batch_size: int) -> RoutingDecision | None:
         """Inside ``generate``, the decision ``key`` (a layer and adapter) made at prefill: decode steps see only the

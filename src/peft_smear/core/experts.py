@@ -1,12 +1,8 @@
 """What an expert is: one :class:`ExpertKind` subclass, selectable by name once :func:`register_expert_kind` has
-seen it. LoRA experts, the default, are on SMEAR's page (:mod:`~peft_smear.core.smear`); bottleneck adapters and
-(IA)^3 vectors are in :mod:`~peft_smear.core.adapter` and :mod:`~peft_smear.core.ia3`, registered the same way an
-outside kind is.
-
-A kind owns the expert parameters of one wrapped module (flat ``[num_experts, ...]`` tensors, one ``smear_``-prefixed
-``ParameterDict`` entry each) and says how to merge them by a routing distribution, pick one of them, apply one
-expert per example, and mix the experts' outputs. Everything else (routers, expert dropout, the generation cache,
-saving and loading) is shared by all kinds.
+seen it. LoRA experts, the default, are on SMEAR's page (:mod:`~peft_smear.core.smear`); bottleneck adapters
+(:mod:`~peft_smear.core.adapter`) and (IA)^3 vectors (:mod:`~peft_smear.core.ia3`) register the way an outside kind
+does. A kind owns a wrapped module's expert parameters (flat ``[num_experts, ...]`` tensors, one ``smear_``-prefixed
+``ParameterDict`` entry each) and says how to merge them, pick one, apply one expert per example, and mix outputs.
 """
 
 from __future__ import annotations
@@ -23,25 +19,21 @@ if TYPE_CHECKING:
 
 
 class ExpertKind:
-    """The experts of one adapter in one wrapped module: their settings, and how they are merged and applied.
-
-    An instance is made per module and adapter (it knows the module's sizes and the config); the parameters live in
-    the layer's ParameterDicts and are passed in as :data:`~peft_smear.core.types.Params`. A new kind subclasses
-    this, implements the methods that raise ``NotImplementedError``, declares its settings in ``options`` and is
-    registered with :func:`register_expert_kind`.
-    """
+    """The experts of one adapter in one wrapped module, made per module and adapter (it knows the module's sizes and
+    the config); the parameters live in the layer's ``ParameterDict``s and come in as ``Params``. A new kind
+    implements the methods that raise ``NotImplementedError``, declares its ``options`` and is registered with
+    :func:`register_expert_kind`."""
 
     name: ClassVar[str]
     """The ``SmearConfig.expert_type`` value that selects this kind."""
 
     parameter_names: ClassVar[tuple[str, ...]]
-    """Every parameter this kind may own, each a ``smear_``-prefixed flat ``ParameterDict`` of the layer: PEFT finds
-    adapter weights by that prefix and strips the adapter name only when it is the last key component."""
+    """Every parameter this kind may own, each a ``smear_``-prefixed flat ``ParameterDict`` of the layer (PEFT finds
+    adapter weights by that prefix)."""
 
     options: ClassVar[tuple[Option, ...]] = ()
-    """The kind's own settings, passed to ``SmearConfig`` as keywords, as a routing method's are; setting one for
-    another kind fails. The built-in kinds' are ``SmearConfig`` fields (``r``, ``adapter_width``, ...), which keep
-    their values; any other kind's are kept in ``config.expert_options``."""
+    """The kind's own settings, passed to ``SmearConfig`` as keywords; setting one for another kind fails. The
+    built-in kinds' are ``SmearConfig`` fields (``r``, ``adapter_width``, ...); others' go to ``expert_options``."""
 
     init_schemes: ClassVar[tuple[bool | str, ...]] = (True, False, "smear")
     """The ``SmearConfig.init_weights`` values this kind understands."""
@@ -80,10 +72,8 @@ class ExpertKind:
         return self.out_features if self.routes_on_output else self.in_features
 
     def create_parameters(self, num_experts: int, init: bool | str) -> dict[str, torch.Tensor]:
-        """The initialised ``[num_experts, ...]`` parameters this module needs (a subset of ``parameter_names``).
-
-        With ``init=True`` the adapter starts as the identity, yet experts must differ where the merge needs
-        symmetry breaking (SMEAR's experts are initialised independently)."""
+        """The initialised ``[num_experts, ...]`` parameters this module needs (a subset of ``parameter_names``); with
+        ``init=True`` the adapter starts as the identity, yet experts differ where the merge needs it."""
         raise NotImplementedError
 
     def merge(self, params: Params, probs: torch.Tensor, dtype: torch.dtype) -> Expert:
@@ -100,10 +90,9 @@ class ExpertKind:
     def apply(
         self, x: torch.Tensor, y: torch.Tensor, expert: Expert, output_scale: torch.Tensor | None
     ) -> torch.Tensor:
-        """The module's output with each example's own expert: ``x [batch, tokens, in]`` is the module's input,
-        ``y [batch, tokens, out]`` its output, which may be updated in place and returned (the caller passes the
-        module's fresh output and uses only the result). ``output_scale [batch]`` multiplies the expert's
-        contribution."""
+        """``y [batch, tokens, out]``, the module's fresh output (or its input for ``scales_input`` kinds, then never
+        changed in place), with each example's own expert; ``x [batch, tokens, in]`` is the module's input and
+        ``output_scale [batch]`` multiplies the expert's contribution."""
         raise NotImplementedError
 
     def mix(self, x: torch.Tensor, y: torch.Tensor, params: Params, weights: torch.Tensor) -> torch.Tensor:

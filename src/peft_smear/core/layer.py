@@ -37,15 +37,14 @@ def in_out_features(base_layer: nn.Module) -> tuple[int, int]:
 
 
 class SmearLinear(nn.Module, BaseTunerLayer):
-    """Wraps an ``nn.Linear`` or transformers ``Conv1D``: each example b goes through the module with its own expert,
+    """Wraps an ``nn.Linear`` or transformers ``Conv1D``: each example goes through the module with its own expert,
     e.g. ``y = base(x) + merged_lora_b(x)``. Per adapter, the expert kind (``expert_kind[adapter]``) says what an
-    expert is and how it is applied, the router (``smear_router[adapter]``) decides, per batch, which experts each
-    example uses and how, and ``router_input[adapter]`` says what an example is routed on.
+    expert is, the router (``smear_router[adapter]``) which experts each example uses and how, and
+    ``router_input[adapter]`` what it is routed on.
 
     Expert parameters are flat ``ParameterDict`` entries and routers flat modules, all prefixed ``smear_``: PEFT finds
     adapter weights by that prefix and strips the adapter name only when it is one of the last two key components.
-    Each layer declares the ``ParameterDict`` of every parameter its adapters' kinds own in its own
-    ``adapter_layer_names``, as PEFT's LoRA variants do, so that a kind registered at any time works.
+    The layer lists its kinds' ``ParameterDict``s in its own ``adapter_layer_names``, as PEFT's LoRA variants do.
     """
 
     adapter_layer_names: tuple[str, ...] = ("smear_router",)

@@ -1,12 +1,9 @@
-"""Packed and padding-free batches: several sequences in one row, each routed as an example of its own.
-
-TRL's ``SFTConfig(packing=True)`` and transformers' ``DataCollatorWithFlattening`` put several sequences in one row
-and pass no attention mask; where each sequence starts is told by ``position_ids`` restarting (transformers' rule:
-wherever a position is not its predecessor's plus one), and by TRL's ``cu_seq_lens_q`` / ``seq_idx``. SMEAR routes
-every sequence on its own prompt: a wrapped layer that sees the packed ``[rows, tokens, features]`` input unpacks it
-into a padded batch with one sequence per row (:meth:`PackedLayout.unpack`, an index gather), runs the per-example
-path on it unchanged, and gathers the output back into the packed layout (:meth:`PackedLayout.pack`). The wrapped
-module itself still runs on the packed row, so it does no work on the padding.
+"""Packed and padding-free batches (TRL's ``SFTConfig(packing=True)``, transformers' ``DataCollatorWithFlattening``):
+several sequences in one row, no attention mask, each sequence's start told by ``position_ids`` restarting
+(transformers' rule: not its predecessor's plus one) or by ``cu_seq_lens_q`` / ``seq_idx``. Every sequence is routed
+as an example of its own: a wrapped layer unpacks its ``[rows, tokens, features]`` input into a padded batch with one
+sequence per row (an index gather), runs the per-example path on it unchanged, and packs the output back; the wrapped
+module itself runs on the packed rows, with no work on padding.
 """
 
 from __future__ import annotations
@@ -26,11 +23,8 @@ PACKING_ARGUMENTS = (*BOUNDARY_SOURCES, "cu_seq_lens_k")
 
 class PackedLayout:
     """Where each sequence of a packed call lies, and the index maths between the packed ``[rows, tokens]`` layout
-    and a padded batch ``[sequences, longest]`` with one sequence per row.
-
-    Built once per call from the boundaries (``starts [rows, tokens]``, true at the first token of every sequence);
-    every wrapped layer then unpacks its input and output with one gather each, and packs its output back with one.
-    """
+    and a padded batch ``[sequences, longest]``: built once per call from ``starts [rows, tokens]`` (true at the first
+    token of every sequence), then one gather per unpacked or packed tensor."""
 
     def __init__(self, starts: torch.Tensor) -> None:
         starts = starts.clone()

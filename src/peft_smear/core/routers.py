@@ -1,12 +1,10 @@
 """What a routing method is: one :class:`Router` subclass, selectable by name once :func:`register_router` has seen
-it. SMEAR's own router is one (:mod:`~peft_smear.core.smear`); the SMEAR paper's baselines
-(:mod:`peft_smear.routers`) and the routers over a bank of adapters (:mod:`peft_smear.bank`) register themselves the
-same way, as any outside method does.
+it. SMEAR's router is one (:mod:`~peft_smear.core.smear`); the paper's baselines (:mod:`peft_smear.routers`) and the
+bank's routers (:mod:`peft_smear.bank`) register the way an outside method does.
 
-A router is one ``nn.Module`` per wrapped layer and adapter, kept in the layer's ``smear_router`` ``ModuleDict`` under
-the adapter's name. Its parameters are its own attributes, never nested modules: PEFT strips the adapter name from a
-saved key only when it is the last or second-to-last component (``...smear_router.default.weight``), so a nested
-parameter would silently stay uninitialised when loaded under another adapter name.
+A router is one ``nn.Module`` per wrapped layer and adapter, in the layer's ``smear_router`` ``ModuleDict``. Its
+parameters are its own attributes, never nested modules: PEFT strips the adapter name from a saved key only when it
+is one of its last two components, so a nested parameter would stay uninitialised when loaded under another name.
 """
 
 from __future__ import annotations
@@ -27,12 +25,8 @@ if TYPE_CHECKING:
 
 class Router(nn.Module):
     """One layer's router for one adapter: ``forward(inputs)`` reads what it needs of the batch from ``inputs`` (a
-    :class:`~peft_smear.core.types.RouterInputs`) and returns the :class:`RoutingDecision`.
-
-    A new routing method is a subclass (its traits and options as class attributes) and one call of
-    :func:`register_router`. Subclasses read their settings from the config in ``__init__`` (the config itself is not
-    kept) and run in the training mode of the model (``self.training``).
-    """
+    ``RouterInputs``) and returns the ``RoutingDecision``. A new method is a subclass (traits and options as class
+    attributes; settings read from the config in ``__init__``) and one call of :func:`register_router`."""
 
     name: ClassVar[str]
     """The ``SmearConfig.routing`` value that selects this method."""
@@ -63,22 +57,19 @@ class Router(nn.Module):
     """``SmearConfig.num_experts`` when left unset."""
 
     per_token: ClassVar[bool] = False
-    """Whether the router decides for every token on its own (weights ``[batch, tokens, N]``). The layer then routes
-    each call on its own tokens, every step of ``generate`` included, instead of reusing the decision made at
-    prefill."""
+    """Whether the router decides for every token (weights ``[batch, tokens, N]``): then every step of ``generate``
+    routes anew instead of reusing the decision made at prefill."""
 
     expert_types: ClassVar[tuple[str, ...] | None] = None
     """The ``SmearConfig.expert_type`` values the method works with (``None``: every kind)."""
 
     keeps_training_clock: ClassVar[bool] = False
-    """Whether the router follows a schedule (a warm-up, an annealed temperature): it then counts the model's
-    training calls in a buffer, ``training_calls``, saved with the adapter so that a resumed run continues the
-    schedule where it stopped."""
+    """Whether the router follows a schedule (a warm-up, an annealed temperature): it counts the training calls in a
+    buffer, ``training_calls``, saved with the adapter so that a resumed run continues the schedule."""
 
     finish_call: ClassVar[Callable[[Any], dict[str, torch.Tensor]] | None] = None
-    """A classmethod ``finish_call(call)`` for methods that add losses once the model's output exists (a
-    :class:`~peft_smear.core.model.ModelCall`): by name, already weighted. Called once per model call for every such
-    method an active adapter uses."""
+    """A classmethod ``finish_call(call)`` of methods that add losses (by name, weighted) once the model's output
+    exists (a :class:`~peft_smear.core.model.ModelCall`): called once per model call."""
 
     def __init__(self, features: int, config: PeftConfig, module_name: str) -> None:
         super().__init__()

@@ -1,8 +1,6 @@
-"""The vocabulary every other module of the method shares, and nothing else: what a router reads
-(:class:`RouterInputs`), what it decides (:class:`RoutingDecision`), how a setting (:class:`Option`) or a ``smear_*``
-input of a call (:class:`CallInput`) is declared, and how expert parameters are passed around. A leaf: it imports
-no other module of the package but the value checks, so that every module can import it and none imports back.
-"""
+"""The vocabulary the method's modules share: what a router reads (:class:`RouterInputs`) and decides
+(:class:`RoutingDecision`), how a setting (:class:`Option`) or a ``smear_*`` input (:class:`CallInput`) is declared,
+and how expert parameters are passed. A leaf: it imports nothing of the package but the value checks."""
 
 from __future__ import annotations
 
@@ -41,10 +39,9 @@ class Option:
 
 @dataclass(frozen=True)
 class CallInput:
-    """A ``smear_*`` keyword of the model's call that routing reads (e.g. ``smear_task_ids``): the model takes it off
-    the call before the wrapped model sees it, checks it with ``prepare``, and repeats it per beam in ``generate``
-    and per packed sequence. Every ``smear_*`` keyword that no router declares is refused, so a typo never passes
-    silently."""
+    """A ``smear_*`` keyword of the model's call that routing reads (e.g. ``smear_task_ids``): taken off the call
+    before the wrapped model sees it, checked by ``prepare``, repeated per beam in ``generate`` and per packed
+    sequence. A ``smear_*`` keyword that no router declares is refused, so a typo never passes silently."""
 
     name: str
     help: str

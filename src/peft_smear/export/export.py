@@ -33,10 +33,11 @@ from transformers.pytorch_utils import Conv1D
 
 from ..core.experts import EXPERT_KINDS
 from ..core.layer import SmearLinear
-from ..core.model import SmearModel, get_routing_weights
+from ..core.model import SmearModel
 from ..core.routers import ROUTERS, Router
 from ..saving import atomic
 from ..saving.cards import write_export_card
+from ..training.recording import get_routing_weights
 from .kinds import kind_export
 
 
@@ -421,7 +422,7 @@ def _write_atomically(
     target: Path, config: PeftConfig, weights: dict[str, torch.Tensor], card: Callable[[Path], None]
 ) -> None:
     """Write the adapter and its card into a staging directory beside ``target``, then swap it into place in one
-    step (see :mod:`peft_smear.core.atomic`): a kill at any moment leaves the old directory or the new adapter, never
+    step (see :mod:`peft_smear.saving.atomic`): a kill at any moment leaves the old directory or the new adapter, never
     a mix and never nothing; the old one is deleted only once the new one is in place."""
     with atomic.staged_directory(target) as staging:
         config.save_pretrained(staging)

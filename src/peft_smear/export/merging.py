@@ -28,9 +28,10 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from ..core.layer import SmearLinear
-from ..core.model import SmearModel, get_routing_weights
+from ..core.model import SmearModel
 from ..saving import atomic
 from ..saving.cards import write_merge_card
+from ..training.recording import get_routing_weights
 from .export import refuse_occupied
 from .kinds import exported_config_fields
 

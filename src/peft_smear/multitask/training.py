@@ -75,7 +75,7 @@ def default_model_dir() -> Path:
 def train(args: argparse.Namespace) -> dict[str, float]:
     """The ``train`` job; returns the test metrics (also in ``<output-dir>/metrics.json``). The run is written into a
     staging directory beside ``--output-dir`` that replaces it in one step once the run is complete (see
-    :mod:`peft_smear.core.atomic`): a run that fails or is killed leaves no partial directory (a killed one leaves a
+    :mod:`peft_smear.saving.atomic`): a run that fails or is killed leaves no partial directory (a killed one leaves a
     hidden staging directory, removed by the next run to the same output), and a previous run replaced with
     ``--overwrite`` stays complete until then."""
     started = time.perf_counter()
@@ -279,7 +279,7 @@ def export_tasks(
     task's ``split`` examples in ``form`` (the experts merged with their mean routing, or their mean update, exact or
     truncated to ``rank``: see :func:`export_merged_adapter`), plus the run's ``tasks.json`` and the task's name, so
     :func:`load_run` rebuilds the complete model for that task. Each task's directory is replaced in one step once it
-    is complete (see :mod:`peft_smear.core.atomic`): a kill leaves every task's old export or its new one, never a
+    is complete (see :mod:`peft_smear.saving.atomic`): a kill leaves every task's old export or its new one, never a
     part of one."""
     run_dir, output_dir = Path(run_dir), Path(output_dir)
     run = _read_run(run_dir)
