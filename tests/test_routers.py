@@ -103,7 +103,7 @@ def test_ensemble_equals_explicit_output_mixture():
     layer = layer_of(model)
     x = torch.randn(3, 5, layer.in_features)
     context = model.base_model.routing_context
-    context.start_call(None, None)
+    context.call.start(None, None)
     with torch.no_grad():
         out = layer(x)
         probs = layer.route("default", x).weights
