@@ -5,6 +5,7 @@ bank router, a ``train`` run, ``export`` (one expert, a task's mean routing), ``
 
 from __future__ import annotations
 
+import configparser
 import contextlib
 import io
 import json
@@ -423,3 +424,13 @@ def test_every_cards_code_runs_as_pasted(tmp_path, card):
     if isinstance(saved, torch.nn.Module):
         with torch.no_grad():
             torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), saved(**batch).logits)
+
+
+def test_the_card_templates_ship_with_the_package():
+    """A non-editable install has every template: setup.cfg's package data names them all."""
+    setup = configparser.ConfigParser()
+    setup.read(Path(__file__).parents[1] / "setup.cfg")
+    globs = setup["options.package_data"]["peft_smear"].split()
+    package = Path(peft_smear.__file__).parent
+    templates = sorted(path.relative_to(package) for path in (package / "saving" / "templates").iterdir())
+    assert templates and all(any(template.match(pattern) for pattern in globs) for template in templates)
