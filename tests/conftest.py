@@ -13,7 +13,7 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 from transformers import (
     BertConfig,
@@ -233,6 +233,30 @@ def changed_keys(before: dict[str, torch.Tensor], model: torch.nn.Module) -> set
         for name, tensor in after.items()
         if not name.endswith(".training_calls") and not torch.equal(tensor, before[name])
     }
+
+
+def train_classifier_briefly(model: torch.nn.Module, steps: int = 15) -> list[float]:
+    """The losses of ``steps`` AdamW steps of a tiny BERT classifier ``model`` on one padded batch of three classes."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    batch = {**random_batch(8, 6, seed=1, lengths=[6, 4] * 4), "labels": torch.arange(8) % 3}
+    model.train()
+    losses = []
+    for _ in range(steps):
+        loss = model(**batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def assert_reloads_exactly(model: torch.nn.Module, directory) -> None:
+    """A fresh tiny BERT classifier with the adapter saved in ``directory`` gives exactly ``model``'s logits."""
+    model.eval()
+    reloaded = PeftModel.from_pretrained(tiny_bert(), directory).eval()
+    batch = random_batch(4, 6, seed=2, lengths=[6, 3, 5, 2])
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**batch).logits, model(**batch).logits, rtol=0, atol=0)
 
 
 BUILDERS = {"llama": (tiny_llama, "CAUSAL_LM"), "bert": (tiny_bert, "SEQ_CLS"), "gpt2": (tiny_gpt2, "CAUSAL_LM")}

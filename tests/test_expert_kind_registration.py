@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import PeftModel, get_peft_model
+from peft import get_peft_model
 
-from conftest import random_batch, tiny_bert
+from conftest import assert_reloads_exactly, tiny_bert, train_classifier_briefly
 from peft_smear import EXPERT_KINDS, ExpertKind, Option, SmearConfig, register_expert_kind
 from peft_smear.core.checks import number
 
@@ -60,16 +60,7 @@ def test_an_expert_kind_defined_outside_the_package_trains_saves_and_reloads_exa
     biases = [param for name, param in model.named_parameters() if ".smear_bias." in name]
     assert biases and all(param.requires_grad and param.shape[0] == 3 for param in biases)
     before = [param.detach().clone() for param in biases]
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    batch = {**random_batch(8, 6, seed=1, lengths=[6, 4] * 4), "labels": torch.arange(8) % 3}
-    model.train()
-    losses = []
-    for _ in range(15):
-        loss = model(**batch).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    losses = train_classifier_briefly(model)
     assert losses[-1] < losses[0]
     assert all(not torch.equal(old, param) for old, param in zip(before, biases, strict=True))
 
@@ -77,11 +68,7 @@ def test_an_expert_kind_defined_outside_the_package_trains_saves_and_reloads_exa
     saved = json.loads((tmp_path / "adapter_config.json").read_text())
     assert (saved["expert_type"], saved["expert_options"]) == ("bias", {"bias_init_std": 0.1})
     assert "| expert | `bias`: a vector added to the output, initial std 0.1 |" in (tmp_path / "README.md").read_text()
-    model.eval()
-    reloaded = PeftModel.from_pretrained(tiny_bert(), tmp_path).eval()
-    eval_batch = random_batch(4, 6, seed=2, lengths=[6, 3, 5, 2])
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(**eval_batch).logits, model(**eval_batch).logits, rtol=0, atol=0)
+    assert_reloads_exactly(model, tmp_path)
 
 
 def test_its_options_are_checked_and_belong_to_it_alone(registered):
@@ -104,5 +91,5 @@ def test_a_taken_name_or_a_parameter_without_the_prefix_is_refused(registered):
 
     with pytest.raises(ValueError, match="parameter 'bias' must start with 'smear_'"):
         register_expert_kind(Unprefixed)
-    with pytest.raises(TypeError, match="takes an ExpertKind subclass"):
+    with pytest.raises(TypeError, match="takes a subclass of ExpertKind"):
         register_expert_kind(object)

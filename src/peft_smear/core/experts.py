@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from .types import Expert, Option, Params, RoutingDecision
+from .types import Expert, Option, Params, RoutingDecision, register
 
 
 if TYPE_CHECKING:
@@ -113,18 +113,12 @@ def register_expert_kind(kind: type[ExpertKind]) -> type[ExpertKind]:
     """Make ``kind`` selectable as ``SmearConfig(expert_type=kind.name)``; usable as a class decorator. Registering a
     class again under its own name is harmless; another class under a taken name is refused. Its parameter names
     must start with ``smear_`` (PEFT finds adapter weights by that prefix) and belong to no other kind."""
-    if not (isinstance(kind, type) and issubclass(kind, ExpertKind)):
-        raise TypeError(f"register_expert_kind takes an ExpertKind subclass, got {kind!r}.")
     name = getattr(kind, "name", None)
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{kind.__name__} needs a class attribute `name`, the SmearConfig.expert_type value.")
-    if EXPERT_KINDS.get(name, kind) is not kind:
-        raise ValueError(f"expert_type={name!r} is already {EXPERT_KINDS[name].__name__}; choose another name.")
     taken = {p for other in EXPERT_KINDS.values() if other.name != name for p in other.parameter_names}
-    for parameter in kind.parameter_names:
+    for parameter in getattr(kind, "parameter_names", ()):
         if not parameter.startswith("smear_") or parameter in taken:
             raise ValueError(
                 f"{kind.__name__}'s parameter {parameter!r} must start with 'smear_' and belong to no other kind."
             )
-    EXPERT_KINDS[name] = kind
+    register(EXPERT_KINDS, kind, ExpertKind, "expert_type", "register_expert_kind")
     return kind

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .types import CallInput, Option, RouterInputs, RoutingDecision
+from .types import CallInput, Option, RouterInputs, RoutingDecision, register
 
 
 if TYPE_CHECKING:
@@ -99,14 +99,7 @@ ROUTERS: dict[str, type[Router]] = {}
 def register_router(router: type[Router]) -> type[Router]:
     """Make ``router`` selectable as ``SmearConfig(routing=router.name)``; usable as a class decorator. Registering a
     class again under its own name is harmless; another class under a taken name is refused."""
-    if not (isinstance(router, type) and issubclass(router, Router)):
-        raise TypeError(f"register_router takes a Router subclass, got {router!r}.")
-    name = getattr(router, "name", None)
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{router.__name__} needs a class attribute `name`, the SmearConfig.routing value.")
-    if ROUTERS.get(name, router) is not router:
-        raise ValueError(f"routing={name!r} is already {ROUTERS[name].__name__}; choose another name.")
-    ROUTERS[name] = router
+    register(ROUTERS, router, Router, "routing", "register_router")
     return router
 
 

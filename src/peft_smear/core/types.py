@@ -85,6 +85,20 @@ class RoutingDecision:
     across calls (every step of ``generate``) builds it only once."""
 
 
+def register(table: dict[str, type], cls: type, base: type, setting: str, registrar: str) -> None:
+    """Put ``cls``, a ``base`` subclass, in ``table`` under its ``name``, the ``SmearConfig.<setting>`` value that
+    selects it (``registrar``: the public function that does it). The same class again is harmless; another class
+    under a taken name is refused."""
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise TypeError(f"{registrar} takes a subclass of {base.__name__}, got {cls!r}.")
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{cls.__name__} needs a class attribute `name`, the SmearConfig.{setting} value.")
+    if table.get(name, cls) is not cls:
+        raise ValueError(f"{setting}={name!r} is already {table[name].__name__}; choose another name.")
+    table[name] = cls
+
+
 class RouterInputs(Protocol):
     """What one wrapped layer offers its router for one call: the routed tensor (the layer's input, or its output for
     expert kinds that route on it; one example per row), and what the call says about its examples, each computed
