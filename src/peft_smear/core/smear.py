@@ -261,7 +261,9 @@ class LoraExperts(ExpertKind):
 
     @classmethod
     def describe(cls, config: PeftConfig) -> str:
-        return f"LoRA, rank r={config.r}, alpha {config.lora_alpha:g}" + (", rsLoRA scaling" * config.use_rslora)
+        return f"LoRA, rank r={config.r}, alpha {config.lora_alpha:g}" + (
+            ", rsLoRA scaling" if config.use_rslora else ""
+        )
 
     def create_parameters(self, num_experts: int, init: bool | str) -> dict[str, torch.Tensor]:
         """Each expert initialised on its own, so that the experts differ (SMEAR needs distinct experts to break
