@@ -122,8 +122,9 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         inputs, decisions = x, []
         for name in adapters:
             if self.expert_kind[name].scales_input:
-                decisions.append(self.route(name, x_each))
-                scaled = self.apply_experts(name, decisions[-1], tokens, tokens).reshape(x_each.shape)
+                params = self.expert_params(name)
+                decisions.append(self.route(name, x_each, params))
+                scaled = self.apply_experts(name, decisions[-1], tokens, tokens, params).reshape(x_each.shape)
                 inputs = packing.pack(scaled) if packing is not None else scaled
         # 1. The base output, on the rows as they came.
         y = self._base_output(inputs, *args, **kwargs)
@@ -136,8 +137,9 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             # 2. What the router reads: the module's input, or its output for kinds that route on it.
             routed = out.reshape(y_each.shape) if kind.routes_on_output else x_each
             # 3. The router's decision for each example. 4. The experts' contribution, added to its output.
-            decisions.append(self.route(name, routed))
-            out = self.apply_experts(name, decisions[-1], tokens, out)
+            params = self.expert_params(name)
+            decisions.append(self.route(name, routed, params))
+            out = self.apply_experts(name, decisions[-1], tokens, out, params)
         result = out.reshape(y_each.shape)
         result = packing.pack(result) if packing is not None else result
         losses = [(name, value) for decision in decisions for name, value in decision.aux_losses.items()]
@@ -149,9 +151,9 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             result = result.clone()  # experts add into the output in place, which autograd forbids on such a view
         return result
 
-    def route(self, adapter_name: str, routed: torch.Tensor) -> RoutingDecision:
-        """How ``adapter_name``'s experts apply to each example (or token) of ``routed``: inside ``generate`` the
-        decision made at prefill, else the router's decision on what it reads."""
+    def route(self, adapter_name: str, routed: torch.Tensor, params: Params | None = None) -> RoutingDecision:
+        """How ``adapter_name``'s experts (``params``, unless read here) apply to each example (or token) of
+        ``routed``: inside ``generate`` the decision made at prefill, else the router's decision on what it reads."""
         key, router, context = (self, adapter_name), self.smear_router[adapter_name], self.routing_context
         # A per-token router routes every new token on itself, so nothing made at prefill is reused.
         decision = None if router.per_token else context.cached_decision(key, routed.shape[0])
@@ -162,19 +164,26 @@ class SmearLinear(nn.Module, BaseTunerLayer):
                 self.router_input[adapter_name],
                 self.routing_prefix_length[adapter_name],
                 self.training,
-                self.expert_params(adapter_name),
+                self.expert_params(adapter_name) if params is None else params,
             )
             decision = router(inputs)
         context.observe(key, decision)
         return decision
 
     def apply_experts(
-        self, adapter_name: str, decision: RoutingDecision, x: torch.Tensor, y: torch.Tensor
+        self,
+        adapter_name: str,
+        decision: RoutingDecision,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        params: Params | None = None,
     ) -> torch.Tensor:
-        """``y`` changed by ``adapter_name``'s experts as ``decision`` says: their outputs mixed, or each example's one
-        expert, chosen or merged. ``x [batch, tokens, in]`` is the module's input; ``y`` its output, updated in place
-        (see :meth:`ExpertKind.apply`), or its input for kinds that act on it (``scales_input``)."""
-        kind, params = self.expert_kind[adapter_name], self.expert_params(adapter_name)
+        """``y`` changed by ``adapter_name``'s experts (``params``, unless read here) as ``decision`` says: their
+        outputs mixed, or each example's one expert, chosen or merged. ``x [batch, tokens, in]`` is the module's
+        input; ``y`` its output, updated in place (see :meth:`ExpertKind.apply`), or its input for kinds that act on it
+        (``scales_input``)."""
+        kind = self.expert_kind[adapter_name]
+        params = self.expert_params(adapter_name) if params is None else params
         if decision.mixture:
             return kind.mix(x, y, params, decision.weights)
         return kind.apply(x, y, self._expert(kind, params, decision, y.dtype), decision.output_scale)
