@@ -177,7 +177,8 @@ class CallState:
     encoder_summary: torch.Tensor | None = None
     """``[batch, hidden]`` fp32 masked mean of the encoder's final hidden states (decoders of encoder-decoders)."""
     memo: dict[Any, Any] = field(default_factory=dict)
-    """What the layers compute once per call and share (prompt masks; routers' host reads)."""
+    """The call's scratch, shared by every layer: what is computed once per call (prompt masks, routers' host reads)
+    and what a routing method keeps for its ``finish_call``."""
     _warned_unmarked_packing: bool = field(default=False, repr=False)
 
     def set_inputs(self, values: dict[str, torch.Tensor]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -322,14 +322,6 @@ class ModelCall:
     def configs_of(self, router: type[Router]) -> list[SmearConfig]:
         """The configs of the active adapters that route with ``router``."""
         return [config for config in self.tuner._active_configs() if ROUTERS[config.routing] is router]
-
-    def routers_of(self, router: type[Router]) -> Iterator[Router]:
-        """Every layer's router of the active adapters that route with ``router``, in the model's order."""
-        names = [name for name, config in self.tuner.peft_config.items() if ROUTERS[config.routing] is router]
-        names = [name for name in self.tuner.active_adapters if name in names]
-        for module in self.tuner.model.modules():
-            if isinstance(module, SmearLinear):
-                yield from (module.smear_router[name] for name in names if name in module.smear_router)
 
     def run_again(self) -> Any:
         """The wrapped model's output for the very same call, run once more (e.g. with other random experts); the

@@ -159,13 +159,13 @@ class ProbabilityRouter(NormalisedInputRouter):
             uniform = drop_experts(torch.zeros_like(probs), dropout).softmax(dim=-1)
             warming = (self.training_calls <= self.warmup_steps).to(probs.dtype)
             probs = probs * (1 - warming) + uniform * warming
-        decision = self.decide(probs, normed)
+        decision = self.decide(probs, normed, inputs)
         if self.training and self.balance_weight > 0:
             mean = probs.mean(dim=0)
             decision.aux_losses["router_balance"] = self.balance_weight * (self.num_experts * mean.square().sum() - 1)
         return decision
 
-    def decide(self, probs: torch.Tensor, normed: torch.Tensor) -> RoutingDecision:
+    def decide(self, probs: torch.Tensor, normed: torch.Tensor, inputs: RouterInputs) -> RoutingDecision:
         """SMEAR's decision: merge the experts' parameters by the distribution (3., 4. below)."""
         return RoutingDecision(weights=probs)
 

@@ -112,7 +112,8 @@ class RouterInputs(Protocol):
     experts: Params
     """The adapter's expert parameters in this layer (read only), for routers that score the experts."""
     memo: dict[Any, Any]
-    """A scratch dict shared by every layer for one call: what a router computes once per call (a host read)."""
+    """A scratch dict of the current call, shared by every layer: what a router computes once per call (a host
+    read), or keeps for its method's ``finish_call``."""
 
     @property
     def batch_size(self) -> int: ...

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.checks import choice, integer, number
-from ..core.context import in_backward
 from ..core.routers import mixed, one_expert
 from ..core.smear import NormalisedInputRouter, ProbabilityRouter
 from ..core.types import Option, RouterInputs, RoutingDecision
@@ -34,7 +33,7 @@ class EnsembleRouter(ProbabilityRouter):
     default_expert_dropout = 0.1
     exportable = False
 
-    def decide(self, probs: torch.Tensor, normed: torch.Tensor) -> RoutingDecision:
+    def decide(self, probs: torch.Tensor, normed: torch.Tensor, inputs: RouterInputs) -> RoutingDecision:
         return mixed(probs)
 
 
@@ -60,7 +59,7 @@ class TopKRouter(ProbabilityRouter):
     def validate(cls, config: SmearConfig) -> None:
         require_top_k(config, "top_k")
 
-    def decide(self, probs: torch.Tensor, normed: torch.Tensor) -> RoutingDecision:
+    def decide(self, probs: torch.Tensor, normed: torch.Tensor, inputs: RouterInputs) -> RoutingDecision:
         if self.k == 1:
             index = probs.argmax(dim=-1)
             return one_expert(index, probs.shape[-1], output_scale=probs.gather(1, index[:, None]).squeeze(1))
@@ -104,7 +103,7 @@ class STGumbelRouter(ProbabilityRouter):
             options["gumbel_min_temperature"],
         )
 
-    def decide(self, probs: torch.Tensor, normed: torch.Tensor) -> RoutingDecision:
+    def decide(self, probs: torch.Tensor, normed: torch.Tensor, inputs: RouterInputs) -> RoutingDecision:
         if not self.training:
             return one_expert(probs.argmax(dim=-1), probs.shape[-1])
         start, rate, floor = self.schedule
@@ -117,6 +116,7 @@ class STGumbelRouter(ProbabilityRouter):
 
 
 BASELINE_REDUCTION = 8  # the reference code's baseline: hidden width = the model's width / 8
+POLICY_STEPS = "reinforce policy steps"  # where the layers' steps of a call wait for finish_call (RouterInputs.memo)
 
 
 @dataclass
@@ -135,10 +135,10 @@ class PolicyStep:
 class ReinforceRouter(ProbabilityRouter):
     """One expert sampled from the router in training, trained by a policy gradient on minus the example's task loss
     against a learned baseline (a one-hidden-layer network on the detached normalised input); the argmax at
-    inference. Each layer's router keeps its :class:`PolicyStep` of the call; :meth:`finish_call` turns them into
-    losses once the task loss is known. The reward is recomputed per example from the logits and labels of standard
-    heads; models with custom heads can return ``example_losses`` (``[batch]``) in their output, which is then used
-    instead."""
+    inference. Each layer's router notes its :class:`PolicyStep` in the call's scratch (``RouterInputs.memo``);
+    :meth:`finish_call` turns this call's into losses once the task loss is known. The reward is recomputed per
+    example from the logits and labels of standard heads; models with custom heads can return ``example_losses``
+    (``[batch]``) in their output, which is then used instead."""
 
     name = "reinforce"
     description = "one sampled expert per example, trained by a policy gradient; the argmax at inference"
@@ -173,14 +173,13 @@ class ReinforceRouter(ProbabilityRouter):
             options["reinforce_entropy_weight"],
             options["reinforce_value_weight"],
         )
-        self.step: PolicyStep | None = None  # this call's, until finish_call takes it
 
     def baseline(self, normed: torch.Tensor) -> torch.Tensor:
         """The learned estimate of each example's reward, ``[batch]``."""
         hidden = torch.relu(normed @ self.baseline_hidden_weight.float().T + self.baseline_hidden_bias.float())
         return hidden @ self.baseline_output_weight.float() + self.baseline_output_bias.float()
 
-    def decide(self, probs: torch.Tensor, normed: torch.Tensor) -> RoutingDecision:
+    def decide(self, probs: torch.Tensor, normed: torch.Tensor, inputs: RouterInputs) -> RoutingDecision:
         if not self.training:
             return one_expert(probs.argmax(dim=-1), probs.shape[-1])
         index = torch.multinomial(probs.detach(), 1).squeeze(1)
@@ -189,18 +188,13 @@ class ReinforceRouter(ProbabilityRouter):
         # The baseline reads a detached input: its value loss trains the baseline alone, not the router's LayerNorm
         # nor, through the pooled summary, the layers below.
         baseline = self.baseline(normed.detach())
-        if not in_backward():  # gradient checkpointing's recomputation comes after the call has finished
-            grad = torch.is_grad_enabled()
-            self.step = PolicyStep(log_prob, probs, baseline, policy, entropy, value, grad)
+        step = PolicyStep(log_prob, probs, baseline, policy, entropy, value, torch.is_grad_enabled())
+        inputs.memo.setdefault(POLICY_STEPS, []).append(step)
         return one_expert(index, probs.shape[-1])
 
     @classmethod
     def finish_call(cls, call: ModelCall) -> dict[str, torch.Tensor]:
-        steps = []
-        for router in call.routers_of(cls):
-            if router.step is not None:
-                steps.append(router.step)
-                router.step = None
+        steps = call.context.call.memo.pop(POLICY_STEPS, [])
         if not steps:
             return {}
         if call.training and torch.is_grad_enabled() and not all(step.with_autograd for step in steps):
