@@ -1,7 +1,7 @@
 """A bank of existing LoRA adapters as the experts of one SMEAR adapter, and the routers made for such a library:
 Arrow (zero-shot prototypes), PHATGOOSE (gates trained per expert) and GLIDER (PHATGOOSE's local scores plus a global
-score from task-description embeddings). Built on the PEFT method and
-the layers above it; importing it registers its routers through the public :func:`~peft_smear.register_router`."""
+score from task-description embeddings). Built on the PEFT method and the layers above it; importing it registers
+its routers through the public :func:`~peft_smear.register_router`."""
 
 from ..core.routers import register_router
 from .build import build_expert_bank
