@@ -22,7 +22,7 @@ from peft import get_peft_model
 from speed import PRESETS as SPEED_PRESETS
 from speed import TARGET_MODULES, Shape, build_base_model, make_inputs, synchronize, train_step
 
-from peft_smear import RoutingStatistics, SmearConfig, SmearLinear
+from peft_smear import RoutingStatistics, SmearConfig, SmearLinear, merged
 
 
 @dataclass(frozen=True)
@@ -62,13 +62,13 @@ def statistics_work(model: torch.nn.Module, shape: Shape, device: str, calls: in
     """Seconds the statistics themselves take per step, timed alone (a step's timing varies by far more on a busy
     machine): every router of ``model`` reports one ``[batch, N]`` decision, the call ends, and a summary is taken."""
     layers = [module for module in model.modules() if isinstance(module, SmearLinear)]
-    weights = torch.rand(shape.batch, shape.num_experts, device=device).softmax(dim=-1)
+    decision = merged(torch.rand(shape.batch, shape.num_experts, device=device).softmax(dim=-1))
     statistics = RoutingStatistics()
     synchronize(device)
     start = time.perf_counter()
     for _ in range(calls):
         for layer in layers:
-            statistics.observe(layer, "default", weights)
+            statistics.observe(layer, "default", decision, generating=False)
         statistics._end_of_call(model, (), None)
         statistics.summary()
     synchronize(device)

@@ -24,7 +24,7 @@ from functools import partial
 import torch
 from common import add_results_option, load_description, machine_description, write_results
 
-from peft_smear.core.experts.lora import add_lora_mixture, add_per_example_experts, merge_lora_experts
+from peft_smear.core.smear import add_lora_mixture, add_per_example_experts, merge_lora_experts
 
 
 STRATEGIES = ("lora", "merge_then_bmm", "dense_concatenated", "ensemble")

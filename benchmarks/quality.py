@@ -50,7 +50,6 @@ from peft import LoraConfig, PeftConfig, PeftModel
 from transformers import AutoTokenizer
 
 from peft_smear import create_router_optimizer
-from peft_smear.core.routing_stats import collapsed_routers
 from peft_smear.multitask.data import load_benchmark
 from peft_smear.multitask.features import benchmark_task_info
 from peft_smear.multitask.model import MultiTaskCollator, MultiTaskModel, block_linear_names, metric_name
@@ -66,6 +65,7 @@ from peft_smear.multitask.training import (
     smear_config,
     tokenize_tasks,
 )
+from peft_smear.training.statistics import collapsed_routers
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """How SMEAR's routers evolve while training on the six-task benchmark: per router and logged step, the routing
 entropy, the expert load, the distance between the tasks' mean routing, and when (if ever) the router collapses
-(the definition of ``peft_smear.core.routing_stats``: every task sends more than 0.9 of its mean routing to one and the
-same expert); and whether a collapsed router's expert is the one whose update grew fastest early on.
+(the definition of ``peft_smear.training.statistics``: every task sends more than 0.9 of its mean routing to one and
+the same expert); and whether a collapsed router's expert is the one whose update grew fastest early on.
 
     python benchmarks/routing_diagnosis.py --steps 500 --batch-size 32 --append-results benchmarks/RESULTS.md
 
@@ -28,8 +28,9 @@ from quality import PRESETS, load_setup
 from transformers import get_linear_schedule_with_warmup
 
 from peft_smear import SmearLinear, create_router_optimizer
-from peft_smear.core.routing_stats import collapsed_routers
 from peft_smear.multitask.training import build_model, default_model_dir, smear_config
+from peft_smear.training.recording import recording_routing
+from peft_smear.training.statistics import collapsed_routers
 
 
 def expert_update_norms(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -86,14 +87,13 @@ def train(args: argparse.Namespace, log) -> dict:
     )
     schedule = get_linear_schedule_with_warmup(optimizer, max(1, args.steps // 10), args.steps)
     train_split, generator = setup.splits["train"], torch.Generator().manual_seed(args.seed)
-    context, history, early_norms = model.base_model.routing_context, [], None
+    history, early_norms = [], None
     model.train()
     for step in range(1, args.steps + 1):
         rows = torch.randint(len(train_split), (args.batch_size,), generator=generator).tolist()
         batch = setup.collator([train_split[row] for row in rows])
-        context.recorded = {}
-        loss = model(**batch).loss
-        recorded, context.recorded = context.recorded, None
+        with recording_routing(model) as recorded:
+            loss = model(**batch).loss
         loss.backward()
         optimizer.step()
         schedule.step()

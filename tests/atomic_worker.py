@@ -5,7 +5,7 @@
 * ``pristine/``: the directory holding the old save (made by the scenario's ``prepare``, with that as the current
   directory, so saved paths are relative and the same in every copy);
 * ``reference/``: a copy of ``pristine/`` over which the new save ran to the end, without a kill; the steps it went
-  through (the calls of :func:`peft_smear.core.atomic.step`) are in ``steps.json``;
+  through (the calls of :func:`peft_smear.saving.atomic.step`) are in ``steps.json``;
 * ``killed-<k>/``: a copy of ``pristine/`` over which the new save ran in a process that killed itself with SIGKILL
   at step ``k``, left exactly as the kill left it;
 * ``after-<k>/`` (for the kill points in ``followed``): the same state, then the new save once more, to the end.
@@ -33,8 +33,8 @@ from peft.config import PeftConfigMixin
 import peft_smear
 from conftest import random_batch, save_tiny_encoder, tiny_bert, tiny_llama, tiny_tokenizer, write_task_files
 from peft_smear import SmearConfig, export_merged_adapter
-from peft_smear.core import atomic
 from peft_smear.emoe import moefy, save_emoe
+from peft_smear.saving import atomic
 
 
 TARGETS = {  # the path each scenario saves to, relative to its directory; the rest of the directory is context
@@ -206,7 +206,7 @@ def quick_training() -> None:
     (a stand-in file is written where they go) and accelerate's garbage collection after training."""
     import accelerate.utils.memory
 
-    from peft_smear.core.routing_report import RoutingReport
+    from peft_smear.training.report import RoutingReport
 
     RoutingReport.save_heatmaps = lambda self, path: Path(path).write_bytes(b"\x89PNG\r\n\x1a\n stand-in")
     accelerate.utils.memory.clear_device_cache = lambda garbage_collection=False: None

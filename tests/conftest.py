@@ -13,7 +13,7 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 from transformers import (
     BertConfig,
@@ -235,6 +235,30 @@ def changed_keys(before: dict[str, torch.Tensor], model: torch.nn.Module) -> set
     }
 
 
+def train_classifier_briefly(model: torch.nn.Module, steps: int = 15) -> list[float]:
+    """The losses of ``steps`` AdamW steps of a tiny BERT classifier ``model`` on one padded batch of three classes."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    batch = {**random_batch(8, 6, seed=1, lengths=[6, 4] * 4), "labels": torch.arange(8) % 3}
+    model.train()
+    losses = []
+    for _ in range(steps):
+        loss = model(**batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def assert_reloads_exactly(model: torch.nn.Module, directory) -> None:
+    """A fresh tiny BERT classifier with the adapter saved in ``directory`` gives exactly ``model``'s logits."""
+    model.eval()
+    reloaded = PeftModel.from_pretrained(tiny_bert(), directory).eval()
+    batch = random_batch(4, 6, seed=2, lengths=[6, 3, 5, 2])
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**batch).logits, model(**batch).logits, rtol=0, atol=0)
+
+
 BUILDERS = {"llama": (tiny_llama, "CAUSAL_LM"), "bert": (tiny_bert, "SEQ_CLS"), "gpt2": (tiny_gpt2, "CAUSAL_LM")}
 
 
@@ -313,9 +337,10 @@ ACTIVATIONS = {"swish": lambda z: z / (1 + torch.exp(-z)), "gelu": lambda z: 0.5
 
 def reference_smear_forward(layer, config, x, token_mask, encoder_summary=None, input_scaled=False, adapter="default"):
     """SMEAR's forward of one wrapped layer written plainly, one example at a time, in float64, sharing no code with
-    the package: pool what the router reads over the example's routing tokens (``token_mask``) or take the encoder's
-    summary, LayerNorm it, softmax against the LayerNorm'd router rows, merge every expert parameter by that
-    distribution, and apply the merged expert of the configured kind (``input_scaled``: an IA3 feed-forward module)."""
+    the package, in the four steps of ``peft_smear/core/smear.py``: pool what the router reads over the example's
+    routing tokens (``token_mask``) or take the encoder's summary; route: LayerNorm it, softmax against the
+    LayerNorm'd router rows; merge every expert parameter by that distribution; apply the merged expert of the
+    configured kind (``input_scaled``: an IA3 feed-forward module)."""
     router, params = (
         layer.smear_router[adapter],
         {k: v.detach().double() for k, v in layer.expert_params(adapter).items()},
@@ -326,16 +351,20 @@ def reference_smear_forward(layer, config, x, token_mask, encoder_summary=None, 
         xb = x[b].double()
         yb = base_output(layer, xb)
         routed = yb if config.expert_type == "adapter" else xb  # an adapter's router reads the adapter's input
+        # 1. pool: [in], the mean over the example's routing tokens
         if layer.router_input[adapter] == "encoder":
             summary = encoder_summary[b].double()
         else:
             real = [t for t in range(routed.shape[0]) if token_mask is None or token_mask[b, t] != 0]
             summary = sum(routed[t] for t in real) / len(real)
+        # 2. route: [N], softmax(LN(pooled) @ LN_rows(W).T)
         normed = normalized(summary) * router.input_norm_weight.double() + router.input_norm_bias.double()
         p = torch.softmax(
             torch.stack([normed @ (normalized(W[n]) * router.row_norm_weight.double()) for n in range(n_experts)]), 0
         )
+        # 3. merge: every parameter averaged by p (LoRA: A and B separately)
         m = {key: sum(p[n] * value[n] for n in range(n_experts)) for key, value in params.items()}
+        # 4. apply: the merged expert, [tokens, out]
         if config.expert_type == "lora":
             outputs.append(yb + xb @ m["smear_lora_A"].T @ m["smear_lora_B"].T * config.lora_alpha / config.r)
         elif config.expert_type == "adapter":

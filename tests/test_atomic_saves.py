@@ -1,9 +1,9 @@
-"""Every save of peft-smear replaces its target in one step (peft_smear.core.atomic): a process killed with SIGKILL at
-any step of a save leaves at the path exactly the old save or exactly the new one, byte for byte, and it loads with
+"""Every save of peft-smear replaces its target in one step (peft_smear.saving.atomic): a process killed with SIGKILL
+at any step of a save leaves at the path exactly the old save or exactly the new one, byte for byte, and it loads with
 that save's logits; the next save removes what the killed one left beside it.
 
 The kills are real: tests/atomic_worker.py runs each save in a forked child that SIGKILLs itself at its k-th step
-(:func:`peft_smear.core.atomic.step`), for every k the save has. The unit tests below cover what needs no kill: an
+(:func:`peft_smear.saving.atomic.step`), for every k the save has. The unit tests below cover what needs no kill: an
 error in the middle, a save still running, the fallback without ``RENAME_EXCHANGE``, nested saves, symlinks and the
 working directory.
 """
@@ -23,8 +23,8 @@ from transformers import AutoModelForCausalLM
 
 from atomic_worker import LLAMA_BATCH, SCENARIOS, TARGETS, TASK_BATCH, smear_llama
 from conftest import random_batch, tiny_bert, tiny_llama
-from peft_smear.core import atomic
 from peft_smear.emoe import load_emoe
+from peft_smear.saving import atomic
 
 
 ROOT = Path(__file__).resolve().parents[1]

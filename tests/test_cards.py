@@ -5,10 +5,13 @@ bank router, a ``train`` run, ``export`` (one expert, a task's mean routing), ``
 
 from __future__ import annotations
 
+import configparser
 import contextlib
 import io
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,14 +19,15 @@ import torch
 from huggingface_hub import ModelCard
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
-from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import peft_smear
-from conftest import random_batch, save_bank_inputs, save_tiny_encoder, tiny_llama, write_task_files
+from conftest import random_batch, save_bank_inputs, save_tiny_encoder, tiny_bert, tiny_llama, write_task_files
 from peft_smear import ROUTERS, SmearLinear, build_expert_bank, cli, embed_texts, train_phatgoose_gates
-from peft_smear.core.model_card import SECTION_BEGIN
+from peft_smear.bank import BankRouter
 from peft_smear.emoe import emoe_gates, load_emoe, moefy, save_emoe
 from peft_smear.multitask import training
+from peft_smear.saving.cards import SECTION_BEGIN
 
 
 COUNTS = re.compile(r"^([\d,]+) of all ([\d,]+) \(([\d.]+)%\)$")
@@ -128,7 +132,7 @@ def gate_batches(root: Path) -> list[dict[str, torch.Tensor]]:
     return [{**encoded, "labels": encoded["input_ids"]}]
 
 
-@pytest.mark.parametrize("routing", [name for name, router in ROUTERS.items() if router.over_existing_adapters])
+@pytest.mark.parametrize("routing", [name for name, router in ROUTERS.items() if issubclass(router, BankRouter)])
 def test_a_banks_card(bank_inputs, tmp_path, routing):
     root, adapters = bank_inputs
     router = ROUTERS[routing]
@@ -279,6 +283,11 @@ def test_a_train_runs_card(run):
     assert rows["trained in full"] == "`heads`"
     assert rows["experts per layer (N)"] == "3"
     assert rows["target modules"].endswith(f"({sum(isinstance(m, SmearLinear) for m in model.modules())} layers)")
+    (load,) = [block for block in python_blocks(card.text) if "model =" in block]
+    pasted = subprocess.run(
+        [sys.executable, "-c", load + "\nprint(type(model).__name__)"], capture_output=True, text=True
+    )
+    assert pasted.returncode == 0 and pasted.stdout.split() == ["PeftModel"], pasted.stderr[-3000:]
 
 
 def test_export_tasks_cards(run, tmp_path):
@@ -335,3 +344,93 @@ def test_save_emoe_without_an_adapter_makes_a_card(tmp_path):
     card = ModelCard.load(tmp_path / "README.md")
     assert "emoe" in card.data.tags and "## EMoE" in card.text
     assert "base = emoe.load_emoe(base, " in card.text and "PeftModel" not in card.text
+
+
+# --- every card's code, pasted as a reader would ------------------------------------------------------------------
+
+
+PASTED = """
+import json, sys, torch
+exec(open(sys.argv[1]).read())
+batch = json.loads(sys.argv[2])
+with torch.no_grad():
+    logits = model.eval()(**{key: torch.tensor(value) for key, value in batch.items()}).logits
+torch.save(logits, sys.argv[3])
+"""
+
+
+def smear_lm(base: Path, **settings):
+    config = peft_smear.SmearConfig(num_experts=3, r=2, target_modules=["q_proj", "o_proj"], **settings)
+    return get_peft_model(AutoModelForCausalLM.from_pretrained(base), config).eval()
+
+
+def write_smear_card(base: Path, out: Path):
+    model = smear_lm(base, task_type="CAUSAL_LM")
+    model.save_pretrained(out)
+    return model
+
+
+def write_export_card(base: Path, out: Path):
+    model = smear_lm(base, task_type="CAUSAL_LM")
+    peft_smear.export_merged_adapter(model, out, routing=[random_batch(4, 5)])  # its logits: tests/test_export.py
+
+
+def write_merge_card(base: Path, out: Path):
+    peft_smear.merge_experts(smear_lm(base, task_type="CAUSAL_LM"), out, weights=[0.5, 0.3, 0.2])
+
+
+def write_emoe_card_on_a_classifier(base: Path, out: Path):
+    """A classifier's EMoE with a SMEAR adapter that names no task type: the card must load the classifier."""
+    tiny_bert().save_pretrained(base.parent / "classifier")
+    classifier = AutoModelForSequenceClassification.from_pretrained(base.parent / "classifier")
+    moefy(classifier, num_experts=8, top_k=3, layers=[1], seed=0)
+    config = peft_smear.SmearConfig(num_experts=2, r=2, target_modules=["query"], modules_to_save=["classifier"])
+    model = get_peft_model(classifier, config).eval()
+    model.save_pretrained(out)
+    save_emoe(model, out)
+    return model
+
+
+CARD_WRITERS = {
+    "smear adapter": write_smear_card,
+    "export": write_export_card,
+    "merge": write_merge_card,
+    "emoe on a classifier": write_emoe_card_on_a_classifier,
+}
+
+
+@pytest.mark.parametrize("card", CARD_WRITERS)
+def test_every_cards_code_runs_as_pasted(tmp_path, card):
+    """The first Python block of each card, run on its own in a fresh process, loads a model that runs, and it is
+    the model that was saved (for what was saved as it is: a SMEAR adapter, an EMoE model)."""
+    tiny_llama().save_pretrained(tmp_path / "base")
+    saved = CARD_WRITERS[card](tmp_path / "base", tmp_path / "out")
+    code = next(block for block in python_blocks((tmp_path / "out" / "README.md").read_text()) if "model =" in block)
+    (tmp_path / "card.py").write_text(code)
+    (tmp_path / "paste.py").write_text(PASTED)
+    batch = random_batch(2, 5)
+    result = subprocess.run(
+        [
+            sys.executable,
+            tmp_path / "paste.py",
+            tmp_path / "card.py",
+            json.dumps({k: v.tolist() for k, v in batch.items()}),
+            tmp_path / "logits.pt",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    if isinstance(saved, torch.nn.Module):
+        with torch.no_grad():
+            torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), saved(**batch).logits)
+
+
+def test_the_card_templates_ship_with_the_package():
+    """A non-editable install has every template: setup.cfg's package data names them all."""
+    setup = configparser.ConfigParser()
+    setup.read(Path(__file__).parents[1] / "setup.cfg")
+    globs = setup["options.package_data"]["peft_smear"].split()
+    package = Path(peft_smear.__file__).parent
+    templates = sorted(path.relative_to(package) for path in (package / "saving" / "templates").iterdir())
+    assert templates and all(any(template.match(pattern) for pattern in globs) for template in templates)

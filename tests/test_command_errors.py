@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from conftest import save_bank_inputs, save_tiny_encoder, write_task_files
 from peft_smear import ROUTERS, SmearConfig, build_expert_bank, cli
+from peft_smear.bank import BankRouter
 from peft_smear.multitask import data
 
 
@@ -242,7 +243,7 @@ def train_argv(root: Path, output: Path, *extra, task_files: dict[str, str] | No
     return [*argv, "--batch-size", 8, "--eval-every", 2, "--max-length", 16, "--output-dir", output, *extra]
 
 
-BANK_ROUTERS = [name for name, router in ROUTERS.items() if router.over_existing_adapters]
+BANK_ROUTERS = [name for name, router in ROUTERS.items() if issubclass(router, BankRouter)]
 
 
 def test_the_bank_routers_are_the_ones_made_for_existing_adapters():

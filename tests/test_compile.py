@@ -179,8 +179,8 @@ def test_training_steps_do_not_recompile(routing, options):
 @pytest.mark.parametrize("compiled_part", ["model", "decoder_layers"])
 def test_auxiliary_losses_train_when_compiled_under_reentrant_checkpointing(compiled_part):
     """Compiling the whole model, or each decoder layer, leaves the recomputation that carries the routers' auxiliary
-    losses into backward (peft_smear.core.aux_losses) in place: the gradients equal eager ones without checkpointing,
-    the load-balancing loss's share included."""
+    losses into backward (peft_smear.core.context.AuxLosses) in place: the gradients equal eager ones without
+    checkpointing, the load-balancing loss's share included."""
     inputs = inputs_for("prompt")
 
     def gradients(compiled: bool) -> dict[str, torch.Tensor]:

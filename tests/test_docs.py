@@ -34,7 +34,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import BertConfig, BertForSequenceClassification, BertModel, DataCollatorForSeq2Seq
 
 from conftest import save_tiny_encoder, tiny_llama, tiny_tokenizer, write_task_files
-from peft_smear import ROUTERS, cli
+from peft_smear import EXPERT_KINDS, ROUTERS, cli
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -267,13 +267,14 @@ RUNS: dict[Path, PageRun] = {}
 @pytest.fixture(scope="module", autouse=True)
 def docs_environment():
     """One torch thread (tiny models gain nothing from more, and busy cores make them slower), and the routing
-    methods a page registers forgotten afterwards."""
-    threads, routers = torch.get_num_threads(), dict(ROUTERS)
+    methods and expert kinds a page registers forgotten afterwards."""
+    threads, routers, kinds = torch.get_num_threads(), dict(ROUTERS), dict(EXPERT_KINDS)
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-    ROUTERS.clear()
-    ROUTERS.update(routers)
+    for registry, before in ((ROUTERS, routers), (EXPERT_KINDS, kinds)):
+        registry.clear()
+        registry.update(before)
 
 
 def skip_reason(block: Block) -> str | None:

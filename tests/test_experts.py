@@ -37,9 +37,10 @@ from conftest import (
     training_args,
 )
 from peft_smear import ROUTERS, SmearConfig, SmearLinear, cli, export_merged_adapter
-from peft_smear.core.experts import BottleneckAdapterExperts, IA3Experts
-from peft_smear.core.experts.lora import add_per_example_experts
-from peft_smear.core.routers.base import merged, mixed, one_expert
+from peft_smear.core.adapter import BottleneckAdapterExperts
+from peft_smear.core.ia3 import IA3Experts
+from peft_smear.core.routers import merged, mixed, one_expert
+from peft_smear.core.smear import add_per_example_experts
 
 
 KINDS = {
@@ -147,16 +148,14 @@ def test_single_experts_add_up_to_mixtures_and_scaled_outputs(kind):
     model = smear(tiny_llama(), kind, target_modules="all-linear", **input_scaled)
     generator = torch.Generator().manual_seed(0)
     for layer in smear_layers(model).values():
-        experts, params = layer.expert_kind["default"], layer.expert_params("default")
+        experts = layer.expert_kind["default"]
         x = torch.randn(2, 5, layer.in_features, generator=generator)
         y = layer.get_base_layer()(x)
+        start = x if experts.scales_input else y  # compare in the space the expert acts on
 
-        def run(decision, experts=experts, params=params, x=x, y=y):
-            if experts.scales_input:  # compare in the input space the expert acts on
-                return experts.scale_input(x, params, decision)
-            return experts.output(x, y.clone(), params, decision)  # a kind may add into its output in place
+        def run(decision, layer=layer, x=x, start=start):
+            return layer.apply_experts("default", decision, x, start.clone())  # a kind may add into y in place
 
-        start = x if experts.scales_input else y
         singles = [run(one_expert(torch.full((2,), n), 3)) - start for n in range(3)]
         weights = torch.rand(2, 3, generator=generator)  # need not sum to one (Top-k with k > 1 does not)
         expected = start + sum(weights[:, n, None, None] * singles[n] for n in range(3))

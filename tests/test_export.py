@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 import peft_smear
 from conftest import BUILDERS, logits_without_peft_smear, random_batch, tiny_llama, trained_like_smear
 from peft_smear import SmearConfig, SmearLinear, export_merged_adapter
-from peft_smear.core.routers.base import merged
+from peft_smear.core.routers import merged
 
 
 def logits(model, batch):

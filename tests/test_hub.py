@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 
 import peft_smear
 from conftest import random_batch, tiny_llama
-from peft_smear.core.model_card import SECTION_BEGIN
+from peft_smear.saving.cards import SECTION_BEGIN
 
 
 BASE_REPO, ADAPTER_REPO = "tiny-org/tiny-llama", "tiny-org/tiny-smear"

@@ -33,10 +33,16 @@ def test_the_command_line_loads_the_training_stack_only_to_train():
     assert "datasets" in imported_top_level_packages("import peft_smear.multitask.training")
 
 
-def test_the_top_level_namespace_is_the_peft_method():
-    assert "MultiTaskModel" not in peft_smear.__all__
-    for name in ("SmearConfig", "SmearModel", "get_routing_weights", "export_merged_adapter", "ROUTERS"):
+def test_the_top_level_namespace_is_what_users_and_authors_need():
+    """Users find the method and its tools at the top; authors of a routing method or an expert kind find what they
+    build on; the internals (PEFT's hooks, the application) stay in their own modules."""
+    users = ("SmearConfig", "SmearModel", "get_routing_weights", "export_merged_adapter", "ROUTERS")
+    authors = ("Router", "RouterInputs", "RoutingDecision", "Option", "merged", "mixed", "one_expert")
+    authors += ("register_router", "ExpertKind", "register_expert_kind")
+    for name in (*users, *authors):
         assert name in peft_smear.__all__ and hasattr(peft_smear, name)
+    internals = ("MultiTaskModel", "install", "save_pretrained", "push_to_hub", "create_or_update_model_card")
+    assert not [name for name in internals if hasattr(peft_smear, name)]
 
 
 def module_name(path: Path) -> str:
@@ -78,25 +84,38 @@ def import_graph(runtime_only: bool = True) -> dict[str, set[str]]:
     }
 
 
-# The layers, bottom to top, and what each may import: the PEFT method (core), the bank of existing adapters and
-# EMoE each on the core alone, the `peft-smear train` application on all of those, and on top the command line and
-# the package's own namespace (``peft_smear/__init__.py``), which only gathers public names.
+# The layers, bottom to top, and what each may import: the PEFT method (core); the SMEAR paper's baseline routers, as
+# plug-ins of the core; training helpers (statistics, report, optimizer), saving (atomic writes, cards, the hub) and
+# export (merged experts, merges, serving) on the core; the commands' argument types; the bank of existing adapters
+# and EMoE; the `peft-smear train` application; and on top the command line and the package's own namespace
+# (``peft_smear/__init__.py``), which only gathers public names.
 LAYER_OF_PREFIX = {
     "peft_smear.core": "core",
     "peft_smear.version": "core",
+    "peft_smear.routers": "routers",
+    "peft_smear.training": "training",
+    "peft_smear.saving": "saving",
+    "peft_smear.export": "export",
+    "peft_smear.arguments": "arguments",
     "peft_smear.bank": "bank",
     "peft_smear.emoe": "emoe",
     "peft_smear.multitask": "application",
     "peft_smear.cli": "command line",
 }
-MAY_IMPORT = {
-    "core": {"core"},
-    "bank": {"core", "bank"},
-    "emoe": {"core", "emoe"},
-    "application": {"core", "bank", "emoe", "application"},
-    "command line": {"core", "bank", "emoe", "application", "command line"},
-    "namespace": {"core", "bank", "emoe", "application", "command line", "namespace"},
+BELOW = {
+    "core": set(),
+    "routers": {"core"},
+    "training": {"core"},
+    "saving": {"core", "training"},
+    "export": {"core", "training", "saving"},
+    "arguments": {"core", "training", "saving", "export"},
+    "bank": {"core", "routers", "training", "saving", "export", "arguments"},
+    "emoe": {"core", "training", "saving"},
+    "application": {"core", "routers", "training", "saving", "export", "arguments", "bank", "emoe"},
 }
+BELOW["command line"] = {*BELOW["application"], "application"}
+BELOW["namespace"] = {*BELOW["command line"], "command line"}
+MAY_IMPORT = {name: {name, *below} for name, below in BELOW.items()}
 
 
 def layer(module: str) -> str:
@@ -131,6 +150,7 @@ def test_the_layer_rule_catches_an_import_that_points_up():
         "peft_smear.core.planted": "from ..bank import build_expert_bank\n",
         "peft_smear.core.lazy": "def f():\n    from ..multitask import training\n",
         "peft_smear.core.typed": "if TYPE_CHECKING:\n    from .. import SmearConfig\n",
+        "peft_smear.core.saves": "from ..saving.cards import write_model_card\n",
         "peft_smear.bank.fine": "from ..core.config import SmearConfig\n",
     }
     known = set(MODULES) | set(planted)
@@ -141,15 +161,15 @@ def test_the_layer_rule_catches_an_import_that_points_up():
     assert sorted({violation.split(" ")[0] for violation in layer_violations(graph)}) == [
         "peft_smear.core.lazy",
         "peft_smear.core.planted",
+        "peft_smear.core.saves",
         "peft_smear.core.typed",
     ]
 
 
-def test_no_import_cycle_in_the_package():
-    graph = import_graph()
-    assert "peft_smear.core.config" in graph and graph["peft_smear.core.layer"], (
-        "the walk must see the package's imports"
-    )
+def test_no_import_cycle_in_the_package_not_even_for_typing():
+    """A reader holds one module and what it imports, never a circle: type-only imports count too."""
+    graph = import_graph(runtime_only=False)
+    assert "peft_smear.core.config" in graph["peft_smear.core.layer"], "the walk must see type-only imports"
     state: dict[str, str] = {}
 
     def visit(module: str, path: list[str]) -> None:
@@ -166,6 +186,11 @@ def test_no_import_cycle_in_the_package():
             visit(module, [])
 
 
+def test_the_types_module_is_a_leaf():
+    """Every module of the method may import the shared vocabulary, because it imports nothing back."""
+    assert import_graph(runtime_only=False)["peft_smear.core.types"] <= {"peft_smear.core.checks"}
+
+
 def test_config_depends_only_on_the_registries_and_registration():
     """``config.py`` is a leaf of the PEFT method: it reads the routing methods' and expert kinds' traits from their
     tables, and nothing that runs a model (layer, tuner, routing context) is reachable from it."""
@@ -174,12 +199,7 @@ def test_config_depends_only_on_the_registries_and_registration():
         for target in graph[todo.pop()] - reachable:
             reachable.add(target)
             todo.append(target)
-    assert not reachable & {
-        "peft_smear.core.layer",
-        "peft_smear.core.model",
-        "peft_smear.core.context",
-        "peft_smear.core.export",
-    }
+    assert not reachable & {"peft_smear.core.layer", "peft_smear.core.model", "peft_smear.core.context"}
 
 
 PLAIN_LORA_SAVE = """

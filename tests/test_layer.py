@@ -139,7 +139,7 @@ def test_expert_dropout_only_in_training():
     model = smear(tiny_llama(), expert_dropout=0.5, num_experts=6, router_input="self")
     layer = next(m for m in model.modules() if isinstance(m, SmearLinear))
     x = torch.randn(64, 5, layer.in_features)
-    model.base_model.routing_context.start_call(attention_mask=None, labels=None)
+    model.base_model.routing_context.call.start(attention_mask=None, labels=None)
     layer.train()
     dropped = layer.route("default", x).weights
     torch.testing.assert_close(dropped.sum(-1), torch.ones(64))
@@ -150,7 +150,7 @@ def test_expert_dropout_only_in_training():
 
 
 def test_drop_experts_keeps_an_example_that_lost_every_expert():
-    from peft_smear.core.routers.learned import drop_experts
+    from peft_smear.core.smear import drop_experts
 
     dropped = drop_experts(torch.zeros(2000, 2), 0.9).softmax(-1)
     assert torch.isfinite(dropped).all()
@@ -161,7 +161,7 @@ def test_drop_experts_keeps_an_example_that_lost_every_expert():
 def test_expert_dropout_on_a_sharp_router_keeps_gradients_finite():
     """The dominant expert dropped from a saturated router: the kept experts' probabilities all underflow, which
     renormalising probabilities turned into NaN gradients."""
-    from peft_smear.core.routers.learned import router_probabilities
+    from peft_smear.core.smear import router_probabilities
 
     torch.manual_seed(0)
     normed = torch.randn(64, 4)
@@ -289,6 +289,6 @@ def test_a_tensor_changed_in_place_between_two_readers_is_pooled_again():
     x = torch.randn(3, 5, 8)
     with torch.no_grad():
         _, second = model(x.clone())
-        model.base_model.routing_context.start_call(attention_mask=None, labels=None)
+        model.base_model.routing_context.call.start(attention_mask=None, labels=None)
         alone = model.base_model.model.second(x * -3.0)
     torch.testing.assert_close(second, alone)

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 import peft_smear
 from conftest import BUILDERS, logits_without_peft_smear, random_batch, tiny_llama, trained_like_smear
 from peft_smear import SmearConfig, SmearLinear, merge_experts
-from peft_smear.core.merging import COMBINATION_TYPES
+from peft_smear.export.merging import COMBINATION_TYPES
 
 
 DENSITY = {t: 0.5 for t in COMBINATION_TYPES if t.startswith(("ties", "dare", "magnitude"))}

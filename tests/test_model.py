@@ -268,7 +268,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant, options,
     """With either kind of checkpointing the gradients equal those without, the routers' auxiliary losses included
     (SMEAR's load balancing, DSelect-k's entropy), also when the loss is scaled before backward (gradient
     accumulation, a mixed-precision loss scale): under reentrant checkpointing those losses train when the layers
-    are recomputed (peft_smear.core.aux_losses)."""
+    are recomputed (peft_smear.core.context.AuxLosses)."""
     batch = random_batch(3, 6, lengths=[6, 4, 2])
     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
     labels[:, :2] = -100

@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 import peft_smear
 from conftest import random_batch, tiny_bert, tiny_llama
 from peft_smear import write_model_card
-from peft_smear.core.model_card import SECTION_BEGIN
 from peft_smear.multitask.report import RoutingReport
+from peft_smear.saving.cards import SECTION_BEGIN
 
 
 SMEAR_TAGS = {"peft", "smear", "mixture-of-experts", "peft-smear"}

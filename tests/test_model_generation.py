@@ -9,6 +9,7 @@ from peft import get_peft_model
 import peft_smear
 from conftest import VOCAB, tiny_gpt2, tiny_llama, tiny_t5
 from peft_smear import SmearConfig
+from peft_smear.training.recording import recording_routing
 
 
 DECODER_ONLY = {"llama": tiny_llama, "gpt2": tiny_gpt2}
@@ -74,20 +75,18 @@ def test_routing_and_merging_happen_once_per_generate_from_the_prompt(monkeypatc
     inputs = left_padded(prompts(2, [5, 3]))
     on_prompt = peft_smear.get_routing_weights(model, **inputs)
     computed = []
-    original = peft_smear.core.routers.learned.router_probabilities
+    original = peft_smear.core.smear.router_probabilities
 
     def counting(*args, **kwargs):
         computed.append(original(*args, **kwargs))
         return computed[-1]
 
-    monkeypatch.setattr(peft_smear.core.routers.learned, "router_probabilities", counting)
+    monkeypatch.setattr(peft_smear.core.smear, "router_probabilities", counting)
     merges = []
-    merge = peft_smear.core.experts.lora.merge_lora_experts
-    monkeypatch.setattr(peft_smear.core.experts.lora, "merge_lora_experts", lambda *a: merges.append(a) or merge(*a))
-    recorded = {}
-    model.base_model.routing_context.recorded = recorded
-    generate(model, inputs, max_new_tokens=8)
-    model.base_model.routing_context.recorded = None
+    merge = peft_smear.core.smear.merge_lora_experts
+    monkeypatch.setattr(peft_smear.core.smear, "merge_lora_experts", lambda *a: merges.append(a) or merge(*a))
+    with recording_routing(model) as recorded:
+        generate(model, inputs, max_new_tokens=8)
     assert len(computed) == len(model.base_model.targeted_module_names), "one routing per layer, at prefill only"
     assert len(merges) == len(computed), "each layer merges its experts once, at prefill, not at every step"
     names = {module: name for name, module in model.base_model.model.named_modules()}

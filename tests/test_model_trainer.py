@@ -88,7 +88,8 @@ def smear_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
     """Every SMEAR parameter, plus all of them concatenated per kind (e.g. ``"smear_lora_A"``)."""
     params = {name: param.detach().clone() for name, param in trainer.model.named_parameters() if "smear_" in name}
     assert params
-    for kind in SmearLinear.adapter_layer_names:
+    layer = next(m for m in trainer.model.modules() if isinstance(m, SmearLinear))
+    for kind in layer.adapter_layer_names:
         of_kind = [value.flatten() for name, value in params.items() if f".{kind}." in name]
         if of_kind:  # routing methods without a router have no router parameters
             params[kind] = torch.cat(of_kind)

@@ -17,7 +17,7 @@ from transformers import AutoModelForSequenceClassification, BertConfig, BertMod
 from conftest import save_tiny_encoder, write_task_files
 from peft_smear import SmearLinear, get_routing_weights
 from peft_smear.cli import main
-from peft_smear.core.routers.base import merged
+from peft_smear.core.routers import merged
 from peft_smear.multitask import training
 from peft_smear.multitask.model import UNUSED_CLASS_LOGIT, MultiTaskModel
 from peft_smear.multitask.tasks import TaskInfo

@@ -350,7 +350,7 @@ def test_generation_is_not_packed():
     model = smear(tiny_llama())
     context = model.base_model.routing_context
     calls = []
-    model.base_model.model.register_forward_hook(lambda *_: calls.append(context.packing))
+    model.base_model.model.register_forward_hook(lambda *_: calls.append(context.call.packing))
     ids = torch.randint(2, VOCAB, (2, 5))
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)

@@ -221,7 +221,7 @@ def seen_task_ids(model) -> list[torch.Tensor | None]:
     layer = next(m for m in model.modules() if isinstance(m, SmearLinear))
     seen = []
     layer.register_forward_hook(
-        lambda m, args, out: seen.append(m.routing_context.call_input("smear_task_ids", args[0].shape[0]))
+        lambda m, args, out: seen.append(m.routing_context.call.call_input("smear_task_ids", args[0].shape[0]))
     )
     return seen
 

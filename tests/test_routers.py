@@ -19,9 +19,10 @@ from transformers.utils import ModelOutput
 import peft_smear
 from conftest import VOCAB, random_batch, tiny_bert, tiny_llama, tiny_t5
 from peft_smear import ROUTERS, SmearConfig, SmearLinear
-from peft_smear.core.losses import per_example_task_loss
-from peft_smear.core.routers.fixed import consistency_loss
-from peft_smear.core.routers.learned import PolicyStep, annealed_temperature, reinforce_losses
+from peft_smear.routers.fixed import consistency_loss
+from peft_smear.routers.learned import PolicyStep, annealed_temperature, reinforce_losses
+from peft_smear.routers.losses import per_example_task_loss
+from peft_smear.training.recording import recording_routing
 
 
 NUM_TASKS = 3
@@ -102,7 +103,7 @@ def test_ensemble_equals_explicit_output_mixture():
     layer = layer_of(model)
     x = torch.randn(3, 5, layer.in_features)
     context = model.base_model.routing_context
-    context.start_call(None, None)
+    context.call.start(None, None)
     with torch.no_grad():
         out = layer(x)
         probs = layer.route("default", x).weights
@@ -143,14 +144,14 @@ def test_top_k_scales_the_chosen_expert_by_its_probability():
     one = bert_with("top_k").eval()
     layer = layer_of(one)
     x = torch.randn(4, 5, layer.in_features)
-    one.base_model.routing_context.start_call(None, None)
+    one.base_model.routing_context.call.start(None, None)
     with torch.no_grad():
         decision = layer.route("default", x)
         out = layer(x)
         A, B = layer.smear_lora_A["default"], layer.smear_lora_B["default"]
         router = bert_with("smear").eval()  # same weights, the router's own distribution
         router.load_state_dict(one.state_dict())
-        router.base_model.routing_context.start_call(None, None)
+        router.base_model.routing_context.call.start(None, None)
         probs = layer_of(router).route("default", x).weights
     best = probs.argmax(dim=-1)
     torch.testing.assert_close(decision.weights, F.one_hot(best, 4).float())
@@ -159,7 +160,7 @@ def test_top_k_scales_the_chosen_expert_by_its_probability():
         torch.testing.assert_close(out[b], layer.get_base_layer()(x[b]) + expert, atol=1e-5, rtol=1e-5)
 
     two = bert_with("top_k", top_k=2).eval()
-    two.base_model.routing_context.start_call(None, None)
+    two.base_model.routing_context.call.start(None, None)
     with torch.no_grad():
         weights = layer_of(two).route("default", x).weights
     assert ((weights > 0).sum(dim=-1) == 2).all()
@@ -181,7 +182,7 @@ def test_adamix_averages_all_experts_at_inference_and_picks_one_in_training():
     model = bert_with("adamix")
     layer = layer_of(model)
     x = torch.randn(6, 5, layer.in_features)
-    model.base_model.routing_context.start_call(None, None)
+    model.base_model.routing_context.call.start(None, None)
     model.eval()
     torch.testing.assert_close(layer.route("default", x).weights, torch.full((6, 4), 0.25))
     model.train()
@@ -195,7 +196,7 @@ def test_adamix_draws_the_down_and_up_experts_of_each_example_independently():
     model = bert_with("adamix", init_weights=False).train()
     layer = layer_of(model)
     x = torch.randn(64, 5, layer.in_features)
-    model.base_model.routing_context.start_call(None, None)
+    model.base_model.routing_context.call.start(None, None)
     torch.manual_seed(0)
     decision = layer.route("default", x)
     down, up = decision.expert_index, decision.up_expert_index
@@ -203,9 +204,7 @@ def test_adamix_draws_the_down_and_up_experts_of_each_example_independently():
     A, B = layer.smear_lora_A["default"], layer.smear_lora_B["default"]
     scaling = layer.expert_kind["default"].scaling
     with torch.no_grad():
-        expert = layer.expert_kind["default"].output(
-            x, layer.get_base_layer()(x), layer.expert_params("default"), decision
-        )
+        expert = layer.apply_experts("default", decision, x, layer.get_base_layer()(x))
         for b in range(64):
             expected = layer.get_base_layer()(x[b]) + x[b] @ A[down[b]].T @ B[up[b]].T * scaling
             torch.testing.assert_close(expert[b], expected, atol=1e-5, rtol=1e-5)
@@ -371,7 +370,7 @@ def test_reinforce_baseline_trains_only_itself():
     """The value loss reaches the baseline network, never the router's input LayerNorm nor the layers below: the
     baseline reads a detached input (as the reference code does)."""
     model = bert_with("reinforce", reinforce_policy_weight=0.0, reinforce_entropy_weight=0.0).train()
-    routers = [m for m in model.modules() if isinstance(m, peft_smear.core.routers.learned.ReinforceRouter)]
+    routers = [m for m in model.modules() if isinstance(m, peft_smear.routers.learned.ReinforceRouter)]
     torch.manual_seed(0)
     for router in routers:  # as after some training: the output layer starts at zero, which passes no gradient back
         router.baseline_output_weight.data.normal_()
@@ -478,7 +477,7 @@ def test_reinforce_rewards_a_custom_heads_example_losses(monkeypatch):
         rewards.append(step_rewards)
         return reinforce_losses(steps, step_rewards)
 
-    monkeypatch.setattr(peft_smear.core.routers.learned, "reinforce_losses", recording)
+    monkeypatch.setattr(peft_smear.routers.learned, "reinforce_losses", recording)
     labels = torch.tensor([0.5, -1.0, 2.0])
     torch.manual_seed(0)
     outputs = model(**random_batch(3, 6, seed=1), labels=labels)
@@ -530,7 +529,7 @@ def test_export_refuses_methods_whose_output_is_not_one_lora(routing, tmp_path):
 
 def test_st_gumbel_temperature_anneals_with_training_calls():
     model = bert_with("st_gumbel", gumbel_temperature=10.0, gumbel_anneal_rate=0.5, gumbel_min_temperature=2.0)
-    routers = [m for m in model.modules() if isinstance(m, peft_smear.core.routers.learned.STGumbelRouter)]
+    routers = [m for m in model.modules() if isinstance(m, peft_smear.routers.learned.STGumbelRouter)]
     assert routers and all(router.training_calls == 0 for router in routers)
     batch = classification_data()[0]
     model.train()
@@ -558,12 +557,8 @@ def test_auxiliary_losses_are_added_to_a_tuple_output_too():
 
 def recorded_training_call(model, batch) -> tuple[dict, object]:
     """One training-mode call with every layer's routing weights recorded."""
-    context = model.base_model.routing_context
-    context.recorded = {}
-    try:
+    with recording_routing(model) as recorded:
         outputs = model.train()(**batch)
-    finally:
-        recorded, context.recorded = context.recorded, None
     return recorded, outputs
 
 

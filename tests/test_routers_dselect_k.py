@@ -12,7 +12,7 @@ from peft import get_peft_model
 import peft_smear
 from conftest import random_batch, tiny_bert
 from peft_smear import SmearConfig
-from peft_smear.core.routers.dselect_k_gate import (
+from peft_smear.routers.dselect_k_gate import (
     dselect_k_entropy,
     dselect_k_gate,
     dselect_k_num_bits,

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 import peft_smear
 from conftest import random_batch, tiny_llama
 from peft_smear import SmearConfig, SmearLinear
-from peft_smear.core.routers.base import mixed
+from peft_smear.core.routers import mixed
 
 
 EMBEDDINGS = [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.6, 0.0, 0.8]]
@@ -60,16 +60,14 @@ def test_per_token_mixture_equals_a_loop_over_tokens(kind):
         config.update(target_modules=["q_proj", "down_proj"], ia3_feedforward_modules=["down_proj"])
     model = get_peft_model(tiny_llama(), SmearConfig(**config))
     for layer in layers(model).values():
-        experts, params = layer.expert_kind["default"], layer.expert_params("default")
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(2, 5, layer.in_features, generator=generator)
         y = layer.get_base_layer()(x)
         weights = torch.rand(2, 5, 3, generator=generator)
 
-        def run(inputs, outputs, w, experts=experts, params=params):
-            if experts.scales_input:
-                return experts.scale_input(inputs, params, mixed(w))
-            return experts.output(inputs, outputs.clone(), params, mixed(w))
+        def run(inputs, outputs, w, layer=layer):
+            start = inputs if layer.expert_kind["default"].scales_input else outputs.clone()
+            return layer.apply_experts("default", mixed(w), inputs, start)
 
         with torch.no_grad():
             together = run(x, y, weights)
@@ -104,7 +102,7 @@ def explicit_arrow_layer(layer: SmearLinear, x: torch.Tensor, top_k: int, temper
 @pytest.mark.parametrize(("top_k", "temperature"), [(3, 1.0), (2, 0.5), (1, 1.0)])
 def test_arrow_layer_equals_the_definition_token_by_token(top_k, temperature):
     model = library_model("arrow", arrow_top_k=top_k, arrow_temperature=temperature)
-    model.base_model.routing_context.start_call(None, None)
+    model.base_model.routing_context.call.start(None, None)
     for layer in layers(model).values():
         x = torch.randn(2, 4, layer.in_features, generator=torch.Generator().manual_seed(2))
         with torch.no_grad():
@@ -348,7 +346,7 @@ def test_half_precision_routes_like_fp32(routing, dtype):
 
 def test_gate_training_applies_one_expert_scaled_by_its_gate_on_every_token():
     model = library_model("glider_merge")  # a per-example router reads every token while its gates train
-    model.base_model.routing_context.start_call(None, None)
+    model.base_model.routing_context.call.start(None, None)
     for layer in layers(model).values():
         router = layer.smear_router["default"]
         router.start_gate_training(1)

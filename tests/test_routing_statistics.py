@@ -16,7 +16,8 @@ from transformers import Trainer
 import peft_smear
 from conftest import VOCAB, random_batch, tiny_bert, tiny_llama, tiny_tokenizer, training_args
 from peft_smear import RoutingStatistics, SmearRoutingCallback
-from peft_smear.core.routing_stats import COLLAPSE_THRESHOLD, collapsed_routers
+from peft_smear.training.recording import recording_routing
+from peft_smear.training.statistics import COLLAPSE_THRESHOLD, collapsed_routers
 
 
 def llama(**options):
@@ -54,15 +55,10 @@ def explicit_figures(calls: list[dict[str, torch.Tensor]]) -> dict[str, float]:
 
 def recorded_call(model, **inputs) -> dict[str, torch.Tensor]:
     """Run ``model(**inputs)`` (with backward in training mode) and return each layer's applied routing weights."""
-    tuner = model.base_model
-    tuner.routing_context.recorded = {}
-    try:
+    with recording_routing(model) as recorded:
         output = model(**inputs)
         if model.training:
             output.loss.backward()
-        recorded = tuner.routing_context.recorded
-    finally:
-        tuner.routing_context.recorded = None
     return {layer.module_name: weights for (layer, _), weights in recorded.items()}
 
 
@@ -218,15 +214,18 @@ def test_a_model_without_smear_is_refused_by_name():
 
 def capture_calls(model) -> list[tuple[bool, dict[str, torch.Tensor]]]:
     """Record, per call of the model, whether it trained and each layer's applied routing weights."""
-    tuner, calls = model.base_model, []
+    tuner, calls, current = model.base_model, [], {}
+
+    def record(layer, adapter_name, decision, generating):
+        current[layer.module_name] = decision.weights.detach()
 
     def start(module, args, kwargs):
-        tuner.routing_context.recorded = {}
+        current.clear()
 
     def finish(module, args, kwargs, output):
-        recorded = tuner.routing_context.recorded
-        calls.append((module.training, {layer.module_name: w for (layer, _), w in recorded.items()}))
-        tuner.routing_context.recorded = None
+        calls.append((module.training, dict(current)))
+
+    tuner.routing_context.observers.append(record)
 
     tuner.model.register_forward_pre_hook(start, with_kwargs=True)
     tuner.model.register_forward_hook(finish, with_kwargs=True)
@@ -293,7 +292,8 @@ def test_trainer_logs_the_statistics_of_the_steps_since_the_last_log(tmp_path):
     (eval_log,) = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
     logged = {key[len("eval_smear/") :]: value for key, value in eval_log.items() if key.startswith("eval_smear/")}
     assert_figures_equal(logged, explicit_figures(evaluation))
-    assert model.base_model.routing_context.statistics is None  # detached when training ends
+    observers = model.base_model.routing_context.observers
+    assert not any(isinstance(getattr(o, "__self__", None), RoutingStatistics) for o in observers)  # detached
 
 
 def read_scalars(directory) -> dict[str, dict[int, float]]:

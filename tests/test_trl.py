@@ -12,6 +12,7 @@ from datasets import Dataset
 import peft_smear
 from conftest import tiny_llama, tiny_tokenizer
 from peft_smear import SmearConfig, SmearLinear, get_routing_weights
+from peft_smear.training.recording import recording_routing
 
 
 trl = pytest.importorskip("trl")
@@ -99,13 +100,8 @@ def sequences_of(batch: dict) -> list[list[int]]:
 def routing_in_training_step(trainer: trl.SFTTrainer, batch: dict) -> dict[str, torch.Tensor]:
     """Each layer's routing weights as SFTTrainer's own loss computation routes the batch, in training mode."""
     model = trainer.model.train()
-    context = model.base_model.routing_context
-    context.recorded = {}
-    try:
+    with recording_routing(model) as recorded:
         trainer.compute_loss(model, trainer._prepare_inputs(batch)).backward()
-        recorded = context.recorded
-    finally:
-        context.recorded = None
     return {
         name: recorded[(module, "default")]
         for name, module in model.base_model.model.named_modules()

@@ -3,38 +3,53 @@
 Importing this package registers the PEFT type ``"SMEAR"``, after which ``get_peft_model``,
 ``PeftModel.from_pretrained``, ``PeftConfig.from_pretrained`` and ``AutoPeftModel*`` handle SMEAR adapters, and
 ``save_pretrained`` / ``push_to_hub`` of a SMEAR model write SMEAR's model card; ``save_pretrained`` of a SMEAR model
-replaces the target directory atomically (a kill leaves the old adapter or the new one, never a mix).
+replaces the target directory atomically (a kill leaves the old adapter or the new one, never a mix). It also registers
+the routing methods the SMEAR paper compares with and the routers over a bank of adapters, as plug-ins.
 
-The package is layered: :mod:`peft_smear.core` is the PEFT method; :mod:`peft_smear.bank` (a bank of existing
-adapters) and :mod:`peft_smear.emoe` build on it alone; :mod:`peft_smear.multitask` (the ``peft-smear train``
-application) and :mod:`peft_smear.cli` sit on top. This module only gathers the public names.
+The package is layered: :mod:`peft_smear.core` is the PEFT method; :mod:`peft_smear.routers` (the paper's baselines),
+:mod:`peft_smear.training`, :mod:`peft_smear.saving` and :mod:`peft_smear.export` build on it;
+:mod:`peft_smear.bank` and :mod:`peft_smear.emoe` on those; :mod:`peft_smear.multitask` (the ``peft-smear train``
+application) and :mod:`peft_smear.cli` sit on top. This module only gathers the public names: what a user needs,
+and what an author of a routing method or an expert kind builds on.
 """
 
+from . import routers  # noqa: F401  (the SMEAR paper's baselines register themselves)
 from .bank import build_expert_bank, describe_tasks, embed_texts, train_phatgoose_gates
-from .core.callbacks import SmearRoutingCallback
-from .core.collator import SmearDataCollator
 from .core.config import SmearConfig
-from .core.export import export_merged_adapter
-from .core.hub import push_to_hub
+from .core.experts import EXPERT_KINDS, ExpertKind, register_expert_kind
 from .core.layer import SmearLinear
-from .core.merging import merge_experts
-from .core.model import SmearModel, get_routing_weights
-from .core.model_card import create_or_update_model_card, write_model_card
-from .core.optimizer import create_router_optimizer
-from .core.registration import SUPPORTED_PEFT_RANGE, SmearPeftType, install
-from .core.routers import ROUTERS, Router, register_router
-from .core.routing_report import RoutingReport
-from .core.routing_stats import RoutingStatistics
-from .core.saving import save_pretrained
-from .core.serving import NotServerReadyError, check_server_ready
+from .core.model import SmearModel
+from .core.registration import SUPPORTED_PEFT_RANGE, SmearPeftType
+from .core.registration import install as _install
+from .core.routers import ROUTERS, Router, merged, mixed, one_expert, register_router
+from .core.types import CallInput, Option, RouterInputs, RoutingDecision
+from .export.export import export_merged_adapter
+from .export.merging import merge_experts
+from .export.serving import NotServerReadyError, check_server_ready
+from .saving.atomic_save import save_pretrained as _save_pretrained
+from .saving.cards import create_or_update_model_card as _create_or_update_model_card
+from .saving.cards import write_model_card
+from .saving.hub import push_to_hub as _push_to_hub
+from .training.callbacks import SmearRoutingCallback
+from .training.collator import SmearDataCollator
+from .training.optimizer import create_router_optimizer
+from .training.recording import get_routing_weights
+from .training.report import RoutingReport
+from .training.statistics import RoutingStatistics
 from .version import __version__
 
 
 __all__ = [
+    "EXPERT_KINDS",
     "ROUTERS",
     "SUPPORTED_PEFT_RANGE",
+    "CallInput",
+    "ExpertKind",
     "NotServerReadyError",
+    "Option",
     "Router",
+    "RouterInputs",
+    "RoutingDecision",
     "RoutingReport",
     "RoutingStatistics",
     "SmearConfig",
@@ -52,9 +67,13 @@ __all__ = [
     "export_merged_adapter",
     "get_routing_weights",
     "merge_experts",
+    "merged",
+    "mixed",
+    "one_expert",
+    "register_expert_kind",
     "register_router",
     "train_phatgoose_gates",
     "write_model_card",
 ]
 
-install(SmearConfig, SmearModel, create_or_update_model_card, push_to_hub, save_pretrained)
+_install(SmearConfig, SmearModel, _create_or_update_model_card, _push_to_hub, _save_pretrained)

@@ -29,8 +29,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from .bank.command import add_build_bank_command
-from .core.arguments import (
+from .arguments import (
     CommandError,
     Parser,
     add_form_arguments,
@@ -39,12 +38,13 @@ from .core.arguments import (
     positive_int,
     report_error,
 )
+from .bank.command import add_build_bank_command
 from .core.checks import listing
 from .core.config import SmearConfig
-from .core.experts import EXPERT_KINDS
-from .core.export import check_export_form, check_exportable, export_merged_adapter, refuse_occupied
 from .core.layer import SmearLinear
 from .core.registration import SmearPeftType
+from .export.export import check_export_form, check_exportable, export_merged_adapter, refuse_occupied
+from .export.kinds import kind_export
 from .multitask.commands import add_export_tasks_command, add_train_command
 
 
@@ -204,7 +204,7 @@ def export_command(args: argparse.Namespace) -> None:
         shape = f"r={exported.r}, lora_alpha={exported.lora_alpha:g}, {shape}"
     head = f", modules_to_save {sorted(set(exported.modules_to_save))}" if exported.modules_to_save else ""
     smear = exported.peft_type == SmearPeftType.SMEAR
-    print(f"Wrote {EXPERT_KINDS[config.expert_type].exported_as} to {args.output}")
+    print(f"Wrote {kind_export(config.expert_type).exported_as} to {args.output}")
     print(f"  routing: {described}")
     if args.task_data is not None:
         print(f"  form: {form_summary(exported, args.form)}")

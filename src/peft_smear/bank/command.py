@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ..core.arguments import CommandError, positive_int
-from ..core.export import refuse_occupied
+from ..arguments import CommandError, positive_int
 from ..core.routers import ROUTERS
-from .routers import GateRouter
+from ..export.export import refuse_occupied
+from .routers import BankRouter, GateRouter, needs_task_descriptions
 
 
 def add_build_bank_command(commands: argparse._SubParsersAction) -> None:
@@ -104,13 +104,13 @@ def build_bank_command(args: argparse.Namespace) -> None:
     if (descriptions or examples) and set(descriptions) | set(examples) != set(adapters):
         raise CommandError(f"describe every expert (given or generated): {sorted(adapters)}.")
     described = descriptions or examples
-    if ROUTERS[args.routing].needs_task_descriptions and (args.embedding_model is None or not described):
+    if needs_task_descriptions(ROUTERS[args.routing]) and (args.embedding_model is None or not described):
         raise CommandError(f"--routing {args.routing} needs descriptions (or --examples) and --embedding-model.")
     if args.embedding_model is not None:
         _require_file(args.embedding_model, "--embedding-model", "config.json")
     if args.description_model is not None and not args.description_model.exists():
         raise CommandError(f"--description-model {args.description_model} does not exist.")
-    if args.router_data is not None and ROUTERS[args.routing].over_existing_adapters:
+    if args.router_data is not None and issubclass(ROUTERS[args.routing], BankRouter):
         raise CommandError(
             "--router-data trains a learned router (e.g. smear) over the bank on mixed data; "
             f"--routing {args.routing} is not trained that way: "
@@ -291,9 +291,9 @@ def _load_causal_lm(path: Path):
 
 def _save_atomically(model, target: Path, overwrite: bool) -> None:
     """Save the bank into a staging directory beside ``target``, then swap it into place in one step (see
-    :mod:`peft_smear.core.atomic`): a kill at any moment leaves the old directory or the complete new bank, never a
+    :mod:`peft_smear.saving.atomic`): a kill at any moment leaves the old directory or the complete new bank, never a
     mix and never nothing. The old directory is replaced whole, and only when ``overwrite`` allows it."""
-    from ..core.atomic import staged_directory
+    from ..saving.atomic import staged_directory
 
     refuse_occupied(target, overwrite, "pass --overwrite to replace it")
     with staged_directory(target) as staging:

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from ..core.pooling import masked_mean
+from ..core.smear import masked_mean
 
 
 DESCRIPTION_PROMPT = (

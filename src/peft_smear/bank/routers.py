@@ -25,21 +25,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.checks import choice, integer, number, require_number
-from ..core.routers.base import (
-    CallInput,
-    Option,
-    Router,
-    RoutingDecision,
-    merged,
-    mixed,
-    require_top_k,
-    top_k_renormalised,
-)
+from ..core.routers import Router, merged, mixed
+from ..core.types import CallInput, Option, RouterInputs, RoutingDecision
+from ..routers.common import require_top_k, top_k_renormalised
 
 
 if TYPE_CHECKING:
     from ..core.config import SmearConfig
-    from ..core.context import RouterInputs
 
 
 def lora_prototypes(lora_A: torch.Tensor, lora_B: torch.Tensor) -> torch.Tensor:
@@ -59,7 +51,26 @@ def standardised(x: torch.Tensor) -> torch.Tensor:
     return F.layer_norm(x.float(), (x.shape[-1],))
 
 
-class ArrowRouter(Router):
+class BankRouter(Router):
+    """A router made for a bank of existing, separately trained adapters (:func:`peft_smear.build_expert_bank`)
+    rather than for experts trained together with their routing: what it routes by comes from the finished experts
+    (Arrow's prototypes), from training on each expert's own data (PHATGOOSE's gates) or from each expert's task
+    description (GLIDER). Training it from scratch with its experts is not the method."""
+
+    over_existing_adapters: ClassVar[bool] = True
+    """The bank's flag, read where this package cannot be imported (the model card)."""
+
+    needs_task_descriptions: ClassVar[bool] = False
+    """Whether the method scores experts by embeddings of task descriptions (GLIDER's global router): a bank built
+    for it needs each expert's description and an embedding model."""
+
+
+def needs_task_descriptions(router: type[Router]) -> bool:
+    """Whether a bank built for ``router`` needs each expert's task description and its embedding."""
+    return issubclass(router, BankRouter) and router.needs_task_descriptions
+
+
+class ArrowRouter(BankRouter):
     """Arrow: per token, ``|x . prototype_n|`` for every expert, the ``arrow_top_k`` best softmaxed at
     ``arrow_temperature``, the others 0. The prototypes are recomputed whenever the experts change (they have no
     gradient), so a bank whose experts are trained further stays consistent."""
@@ -70,7 +81,6 @@ class ArrowRouter(Router):
     )
     per_token = True
     exportable = False
-    over_existing_adapters = True
     expert_types = ("lora",)
     options = (
         Option("arrow_top_k", 3, "experts per token (3, PEFT's default)", integer(1)),
@@ -105,13 +115,11 @@ class ArrowRouter(Router):
         return mixed((kept / self.temperature).softmax(dim=-1))
 
 
-class GateRouter(Router):
+class GateRouter(BankRouter):
     """A router that owns PHATGOOSE's gates, ``gate [N, features]`` (zero-initialised: each expert starts scaled by
     ``sigmoid(0) = 1/2`` when its gate is trained). :func:`peft_smear.train_phatgoose_gates` switches it into gate
     training for one expert (:meth:`start_gate_training`): then only that expert acts, on every token, scaled by its
     gate's sigmoid, which is PHATGOOSE's training protocol."""
-
-    over_existing_adapters = True
 
     def __init__(self, features: int, config: SmearConfig, module_name: str) -> None:
         super().__init__(features, config, module_name)

@@ -1,12 +1,8 @@
-"""Which base layers SMEAR wraps, checked in one place before a layer is wrapped.
-
-A SMEAR layer calls its base layer and adds the experts' work to the output (or scales its input); it never reads,
-casts or dequantizes the base weight. So a quantized base works when its layer is an ``nn.Linear`` whose forward maps
-``[..., in_features]`` to ``[..., out_features]`` in the activations' dtype, and nothing else assumes a float weight.
-bitsandbytes' ``Linear4bit`` (NF4, FP4) and ``Linear8bitLt`` are such layers and are tested. Every other quantized
-layer is refused with its class and backend named: most are no ``nn.Linear`` (HQQ, GPTQ, AWQ, EETQ, AQLM, ...), and
-an ``nn.Linear`` with a quantized weight tensor (torchao's tensor subclasses, a float8 weight) would have PEFT cast
-the experts to the weight's dtype or go untested.
+"""Which base layers SMEAR wraps, checked before a layer is wrapped. A SMEAR layer calls its base layer and adds to
+its output (or scales its input), never reading the base weight: a quantized ``nn.Linear`` mapping ``[..., in]`` to
+``[..., out]`` in the activations' dtype works, as bitsandbytes' ``Linear4bit`` and ``Linear8bitLt`` do (tested).
+Every other quantized layer is refused with its class and backend named: most are no ``nn.Linear`` (HQQ, GPTQ, AWQ,
+...), and a quantized weight tensor (torchao, float8) would have PEFT cast the experts to its dtype, untested.
 """
 
 from __future__ import annotations

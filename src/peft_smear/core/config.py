@@ -7,10 +7,10 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal
 
 from .checks import is_integer, listing, require_bool, require_integer, require_number, require_probability
-from .experts import EXPERT_KINDS, EXPERT_TYPES
-from .pooling import ROUTER_INPUTS
+from .experts import EXPERT_KINDS
 from .registration import PeftConfig, SmearPeftType
 from .routers import ROUTERS, Router
+from .types import ROUTER_INPUTS, Option
 
 
 INIT_WEIGHTS_SCHEMES = ("gaussian", "smear")
@@ -20,87 +20,55 @@ INIT_WEIGHTS_SCHEMES = ("gaussian", "smear")
 class SmearConfig(PeftConfig):
     """Configuration of a SMEAR adapter: per wrapped module, a bank of ``num_experts`` experts (LoRA by default) and a
     router that merges them into one expert per example (Muqeeth et al., *Soft Merging of Experts with Adaptive
-    Routing*).
-
-    ``expert_type`` picks what an expert is and ``routing`` swaps SMEAR for one of the routing methods the paper
-    compares it with, each with one switch; each kind's and each method's options are validated only for it, when the
-    config is built.
+    Routing*). ``expert_type`` picks what an expert is and ``routing`` how experts are chosen; each kind and each
+    routing method declares its own options (``ExpertKind.options``, ``Router.options``), passed as keywords of their
+    own and validated for it alone when the config is built.
 
     Args:
-        expert_type: What each expert is:
-
-            * ``"lora"``: a LoRA of rank ``r`` added to the wrapped module's output (default);
-            * ``"adapter"``: a bottleneck adapter (the SMEAR paper's experts) on the wrapped module's output,
-              ``y + up(act(down(y)))``, whose router reads ``y``. Target the output projections of the attention
-              and feed-forward sub-layers for the paper's placement (the default for T5, Llama, BERT, GPT-2 and a
-              few more; for T5 ``["SelfAttention.o", "EncDecAttention.o", "DenseReluDense.wo"]``);
-            * ``"ia3"``: an (IA)^3 scaling vector of the module's output features, or of its input features for the
-              ``ia3_feedforward_modules`` (Zadouri et al.'s mixture of vectors when merged). With
-              ``target_modules`` unset, PEFT IA3's targets and feed-forward modules.
-        r: Rank of each LoRA expert.
-        num_experts: Experts per wrapped module: the routing method's default (8, the paper's choice; 1 for the
-            single-expert baseline).
-        routing: How experts are chosen and combined per example, by the name of a routing method:
-            ``"smear"`` (the default: the router's distribution merges the experts' parameters into one expert per
-            example), or one of the baselines and bank routers in :data:`peft_smear.ROUTERS` (``docs/routing.md``
-            describes each). Each method declares its own options (:attr:`peft_smear.Router.options`, with their
-            defaults and checks); pass them as keywords of their own, e.g. ``SmearConfig(router_temperature=2.0)``.
-            They are kept, with the method's defaults filled in, in ``routing_options``.
-        routing_options: The routing method's options by name, complete once the config is built (what
-            ``adapter_config.json`` stores). Setting an option of another method is an error.
+        expert_type: ``"lora"`` (default), a LoRA of rank ``r`` on the module's output; ``"adapter"``, a bottleneck
+            adapter (the paper's experts) on the module's output, whose router reads that output (default targets:
+            the attention and feed-forward output projections, the paper's placement); ``"ia3"``, an (IA)^3 vector
+            scaling the module's output, or its input for the ``ia3_feedforward_modules``; or a registered kind.
+        num_experts: Experts per wrapped module (the routing method's default: 8, the paper's).
+        routing: ``"smear"`` (the default: the router's distribution merges the experts' parameters into one expert
+            per example) or another method of :data:`peft_smear.ROUTERS` (``docs/routing.md``).
+        routing_options: The routing method's options by name, completed with its defaults (what
+            ``adapter_config.json`` stores); setting another method's is an error.
         freeze_experts: Keep every expert frozen, also when the adapter is activated or loaded trainable: only the
-            routers (and ``modules_to_save``) train. What a bank of existing adapters wants (the default of
-            :func:`peft_smear.build_expert_bank`).
-        expert_names: A bank's expert names (:func:`peft_smear.build_expert_bank` sets them), one per expert.
-        expert_descriptions: A bank's task description of each expert, kept with the adapter.
-        expert_embeddings: An embedding of each expert's task description (``num_experts`` rows of one size):
-            what routers that score experts by task descriptions compare with each
-            example's embedding.
-        adapter_width: Bottleneck width of each ``"adapter"`` expert. Set this or ``adapter_reduction_factor``.
-        adapter_reduction_factor: Width as the module's ``out_features // adapter_reduction_factor`` (16 when
-            neither is set; the paper's T5 experiments used 32).
-        adapter_activation: The adapters' activation: ``"swish"`` (= ``"silu"``, the paper's), ``"relu"``, ``"gelu"``.
-        adapter_layer_norm: A LayerNorm on each adapter's output, before it is added back, as in the paper's T5
-            experts; its gain and bias belong to each expert and are merged with the rest. Off by default: the
-            normalisation lifts the adapter's output to unit scale after the first step.
+            routers (and ``modules_to_save``) train, as a bank of existing adapters wants.
+        expert_names, expert_descriptions, expert_embeddings: A bank's name, task description and description
+            embedding (``num_experts`` rows of one size) of each expert, kept with the adapter.
+        r, lora_alpha, use_rslora: LoRA experts' rank and scaling, ``lora_alpha / r`` (``/ sqrt(r)`` with
+            ``use_rslora``), exactly a PEFT LoRA's of the same rank.
+        adapter_width, adapter_reduction_factor, adapter_activation, adapter_layer_norm: Bottleneck adapters' width
+            (or ``out_features // adapter_reduction_factor``, 16 when neither is set; the paper's T5 used 32),
+            activation (``"swish"``, the paper's) and a LayerNorm on each expert's output (the paper's T5 experts;
+            off by default: it lifts the output to unit scale after the first step).
         ia3_feedforward_modules: For ``"ia3"``: the target modules whose *input* features are scaled, as PEFT IA3's
-            ``feedforward_modules`` (names that must also be in ``target_modules``, or a regex); the others scale
-            their output features. Unset: PEFT IA3's for the architecture if ``target_modules`` is unset too, else
-            none.
-        lora_alpha: LoRA scaling numerator; the merged expert's update is scaled by ``lora_alpha / r``
-            (``lora_alpha / sqrt(r)`` with ``use_rslora``), exactly as a PEFT LoRA of the same rank.
-        use_rslora: Rank-stabilised scaling, as in PEFT LoRA.
-        expert_dropout: During training, drop each expert of each example with this probability and renormalise the
-            routing weights (the paper's expert dropout). Its default is the routing method's (0.1 where the paper
-            found it helps); only methods with a probability router accept it. Never applied in eval mode.
+            ``feedforward_modules``. Unset: PEFT IA3's for the architecture if ``target_modules`` is unset too.
+        expert_options: The options of a kind registered from outside, completed with its defaults.
+        expert_dropout: In training, drop each expert of each example with this probability and renormalise (the
+            paper's expert dropout; the method's default, 0.1 for SMEAR). Only probability routers accept it.
         router_init_std: Std of the normal initialisation of the router weight rows.
-        router_input: What each router pools to route an example. ``"self"``: the layer's own input over the
-            example's real tokens (encoder-only models, encoder layers of encoder-decoders, classification heads on
-            decoder models); ``"encoder"``: the encoder's final hidden states (decoder layers of encoder-decoders,
-            as in the paper; the encoder layers still route on themselves); ``"prompt"``: the layer's input over the
-            prompt tokens only (causal LMs, so the response never reaches the router; see
-            :func:`peft_smear.core.pooling.prompt_mask` for how the prompt is found). ``"auto"`` picks
-            ``"encoder"`` for encoder-decoder models, ``"prompt"`` for models that generate text, ``"self"``
-            otherwise.
+        router_input: What each router pools: ``"self"``, the layer's input over the example's real tokens;
+            ``"encoder"``, the encoder's final hidden states (decoder layers, as in the paper); ``"prompt"``, the
+            layer's input over the prompt tokens only (causal LMs: the response never reaches the router, see
+            :func:`peft_smear.core.context.prompt_mask`). ``"auto"``: ``"encoder"`` for encoder-decoders,
+            ``"prompt"`` for models that generate text, else ``"self"``.
         routing_prefix_length: With prompt routing, route every example on its first ``routing_prefix_length``
-            real tokens instead of its prompt, in training and at inference alike. Needed for plain language-model
-            training, where labels mark no prompt.
-        init_weights: ``True``: experts' A like PEFT LoRA (Kaiming-uniform), B zero, so the adapter starts as the
-            identity; ``"gaussian"``: A normal with std ``1/r``, B zero; ``"smear"``: A and B normal with std 1e-2,
-            as in the reference implementation (the model changes from the first step); ``False``: A and B
-            random (Kaiming-uniform), for tests and debugging. Adapter experts: ``True`` gives a random down and a
-            zero up projection (the identity), ``"smear"`` both normal with std 1e-2; IA3 experts: ``True`` gives
-            ones, ``"smear"`` ones plus noise of std 1e-2. ``"gaussian"`` is LoRA's only.
-        target_modules: Module names (list, suffix match), a regex (str) or ``"all-linear"``. Defaults to the
-            expert kind's per-architecture targets: PEFT LoRA's for LoRA experts (e.g. ``q_proj``/``v_proj`` for
-            Llama, ``c_attn`` for GPT-2), the sub-layers' output projections for adapters, PEFT IA3's for IA3.
+            real tokens, in training and at inference alike (plain language-model training marks no prompt).
+        init_weights: ``True``: the adapter starts as the identity (LoRA: A as PEFT LoRA's, B zero); ``"smear"``:
+            the reference implementation's normal std 1e-2 for both LoRA factors (the model changes from the first
+            step); ``"gaussian"`` (LoRA): A normal with std ``1/r``, B zero; ``False``: all random, for tests.
+        target_modules: Module names (suffix match), a regex or ``"all-linear"``; defaults to the expert kind's
+            per-architecture targets (PEFT LoRA's for LoRA experts).
         exclude_modules: Names or a regex of modules never to wrap.
         layers_to_transform: Layer indices to wrap; the rest are left alone.
         layers_pattern: Name of the layer list (e.g. ``"layers"``, ``"h"``) when ``layers_to_transform`` is used.
         modules_to_save: Extra modules trained in full and saved with the adapter (e.g. a classifier head).
     """
 
-    expert_type: str = field(default="lora", metadata={"help": f"What each expert is, one of {EXPERT_TYPES}."})
+    expert_type: str = field(default="lora", metadata={"help": "What each expert is: 'lora', 'adapter', 'ia3'."})
     r: int = field(default=8, metadata={"help": "Rank of each LoRA expert."})
     num_experts: int | None = field(
         default=None, metadata={"help": "Number of experts per wrapped module (the routing method's default, 8)."}
@@ -161,14 +129,19 @@ class SmearConfig(PeftConfig):
     ia3_feedforward_modules: list[str] | str | None = field(
         default=None, metadata={"help": "ia3: target modules whose input features are scaled."}
     )
+    expert_options: dict[str, Any] | None = field(
+        default=None, metadata={"help": "The options of an expert kind registered from outside, with its defaults."}
+    )
 
     def __init__(self, **settings: Any) -> None:
-        """Every field by keyword; any other keyword is an option of the routing method, kept in
-        ``routing_options``. Adapters saved before the methods declared their options stored every method's options
-        as top-level keys, which arrive here the same way."""
+        """Every field by keyword; any other keyword is an option of an expert kind registered from outside, kept in
+        ``expert_options``, or of the routing method, kept in ``routing_options``. Adapters saved before the methods
+        declared their options stored every method's options as top-level keys, which arrive here the same way."""
         own = {f.name: f for f in fields(self) if f.init}
         # A saved config carries peft_type; without routing_options it was saved before methods declared options.
         self._saved_before_options = "peft_type" in settings and "routing_options" not in settings
+        kind_options = {option.name for kind in EXPERT_KINDS.values() for option in kind.options} - set(own)
+        given_kind_options = {name: settings.pop(name) for name in list(settings) if name in kind_options}
         method_options = {name: settings.pop(name) for name in list(settings) if name not in own}
         for name, spec in own.items():
             if name in settings:
@@ -178,12 +151,8 @@ class SmearConfig(PeftConfig):
             else:
                 value = spec.default_factory()
             setattr(self, name, value)
-        given = dict(self.routing_options or {})
-        for name, value in method_options.items():
-            if name in given and given[name] != value:
-                raise ValueError(f"{name} is given twice: {value!r}, and {given[name]!r} in routing_options.")
-            given[name] = value
-        self.routing_options = given
+        self.routing_options = _merged_options(self.routing_options, method_options, "routing_options")
+        self.expert_options = _merged_options(self.expert_options, given_kind_options, "expert_options")
         self.__post_init__()
 
     def __post_init__(self) -> None:
@@ -212,10 +181,7 @@ class SmearConfig(PeftConfig):
         self._validate_routing(router)
 
     def _validate(self) -> None:
-        require_integer("r", self.r, minimum=1)
         require_integer("num_experts", self.num_experts, minimum=1)
-        require_number("lora_alpha", self.lora_alpha)
-        require_bool("use_rslora", self.use_rslora)
         require_probability("expert_dropout", self.expert_dropout)
         require_number("router_init_std", self.router_init_std)
         require_bool("freeze_experts", self.freeze_experts)
@@ -287,16 +253,26 @@ class SmearConfig(PeftConfig):
                 raise ValueError("expert_embeddings must be finite numbers; they hold a NaN or an infinity.")
 
     def _validate_expert_type(self) -> None:
+        """Each kind's options belong to it alone: set for another kind, one is an error. The chosen kind's are
+        checked, and those that are no ``SmearConfig`` field are completed with their defaults in
+        ``expert_options``."""
         if self.expert_type not in EXPERT_KINDS:
-            raise ValueError(f"expert_type must be one of {EXPERT_TYPES}, got {self.expert_type!r}.")
+            raise ValueError(f"expert_type must be one of {tuple(EXPERT_KINDS)}, got {self.expert_type!r}.")
         kind = EXPERT_KINDS[self.expert_type]
         for other in EXPERT_KINDS.values():
-            changed = [name for name in other.options if getattr(self, name) != _DEFAULTS[name]]
+            changed = [(o.name, self._kind_option(o)) for o in other.options if self._kind_option(o) != o.default]
             if other is not kind and changed:
+                (name, value), *_ = changed
                 raise ValueError(
-                    f"{changed[0]}={getattr(self, changed[0])!r} only applies to expert_type={other.name!r}, "
+                    f"{name}={value!r} only applies to expert_type={other.name!r}, "
                     f"but expert_type={self.expert_type!r}."
                 )
+        for option in kind.options:
+            value = self._kind_option(option)
+            if value is not None and option.check is not None:
+                option.check(option.name, value)
+        own = {f.name for f in fields(self)}
+        self.expert_options = {o.name: self._kind_option(o) for o in kind.options if o.name not in own}
         if self.init_weights not in kind.init_schemes:
             raise ValueError(
                 f"init_weights={self.init_weights!r} is not a scheme of expert_type={self.expert_type!r}, which "
@@ -350,10 +326,18 @@ class SmearConfig(PeftConfig):
             )
         router.validate(self)
 
-    @property
-    def routed_tasks(self) -> int | None:
-        """How many task ids the routing accepts (``None``: it does not read task ids, or any count is fine)."""
-        return ROUTERS[self.routing].routed_tasks(self)
+    def _kind_option(self, option: Option) -> Any:
+        """The value of an expert kind's option: its field's, or from ``expert_options`` (its default if unset)."""
+        if option.name in self.__dataclass_fields__:
+            return getattr(self, option.name)
+        return self.expert_options.get(option.name, option.default)
 
 
-_DEFAULTS = {f.name: f.default for f in fields(SmearConfig)}
+def _merged_options(stored: dict[str, Any] | None, given: dict[str, Any], where: str) -> dict[str, Any]:
+    """The options in ``stored`` (a dict field) with the ones passed as keywords, each given once."""
+    merged = dict(stored or {})
+    for name, value in given.items():
+        if name in merged and merged[name] != value:
+            raise ValueError(f"{name} is given twice: {value!r}, and {merged[name]!r} in {where}.")
+        merged[name] = value
+    return merged

@@ -1,29 +1,45 @@
-"""RoutingContext: what routers need to know about the current call beyond a layer's own input; and RouterInputs,
-what one layer offers its router, computed only when the router asks."""
+"""What the layers of one SMEAR model share about the current call of the wrapped model, split by job
+(:class:`RoutingContext`): the call's masks and inputs (:class:`CallState`), its auxiliary losses
+(:class:`AuxLosses`), the routing kept for ``generate``, and who watches the routing. And :class:`CallRouterInputs`,
+what one layer hands its router, built from values.
+
+The tuner fills it on every call of the wrapped model; the layers read it. It deliberately outlives the call:
+gradient checkpointing re-runs layer forwards during backward, after any per-call hook is gone, and must route
+exactly as the forward did.
+"""
 
 from __future__ import annotations
 
 import warnings
-from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from .packing import UNMARKED_PACKING, PackedLayout, several_prompts
-from .pooling import expand_rows, masked_mean, prompt_mask, require
-from .routers.base import CallInput, RoutingDecision
+from .packing import PackedLayout
+from .smear import masked_mean
+from .types import CallInput, Params, RouterInputs, RoutingDecision
 
-
-if TYPE_CHECKING:
-    from .experts.base import Params
-    from .layer import SmearLinear
-    from .routing_stats import RoutingStatistics
 
 PROMPT_UNKNOWN_IN_TRAINING = (
     "SMEAR prompt routing in training mode got neither token labels, nor smear_routing_mask, nor "
     "routing_prefix_length, so it routes on every real token, response included. If your loop computes the loss "
     "itself (e.g. Trainer with label_smoothing_factor), pass smear_routing_mask or set routing_prefix_length."
+)
+NO_PROMPT = (
+    "their labels are set from the first real token on, so routing on anything would leak the targets into the "
+    "router. Mark the prompt with labels=-100, pass smear_routing_mask, or set SmearConfig(routing_prefix_length=k) "
+    "to route plain language-model training on the first k tokens."
+)
+UNMARKED_PACKING = (
+    "SMEAR prompt routing found a row whose labels switch from prompt (-100) to response more than once, but the "
+    "model got no sequence boundaries (position_ids restarting at 0, cu_seq_lens_q or seq_idx). If the row packs "
+    "several sequences, each is NOT routed on its own prompt: the whole row is routed once, on the tokens before its "
+    "first label. Pass position_ids that restart at 0 for every sequence (TRL: SFTConfig(packing=True, "
+    "packing_strategy='bfd') or padding_free=True; transformers: DataCollatorWithFlattening). If each row is one "
+    "multi-turn conversation, this is expected: routing uses the turns before the first labelled reply. (Shown once.)"
 )
 
 
@@ -40,81 +56,137 @@ ROUTING_MASK = CallInput(
     routing_mask_tensor,
     per_token=True,
 )
-"""The one ``smear_*`` input of the core itself: every other is declared by the routers that read it."""
+"""The one ``smear_*`` input of the method itself: every other is declared by the routers that read it."""
+
+
+def require(condition: torch.Tensor, message: Callable[[], str]) -> None:
+    """Raise ``ValueError(message())`` unless the one-element bool tensor ``condition`` holds.
+
+    A check on tensor values reads them on the host, once per call. Under ``torch.compile`` it becomes an assertion
+    inside the graph instead (``torch._assert_async``, raising ``RuntimeError`` with the message's fixed part), so
+    that validating the input costs no graph break.
+    """
+    if torch.compiler.is_compiling():
+        torch._assert_async(condition, "peft-smear: invalid routing input; run the model uncompiled for details")
+    elif not bool(condition):
+        raise ValueError(message())
+
+
+def expand_rows(tensor: torch.Tensor | None, batch_size: int, name: str) -> torch.Tensor | None:
+    """Repeat per-example inputs the way ``generate`` expands a batch for beams and ``num_return_sequences``."""
+    if tensor is None or tensor.shape[0] == batch_size:
+        return tensor
+    if batch_size % tensor.shape[0]:
+        raise ValueError(f"{name} has {tensor.shape[0]} rows but the model runs on a batch of {batch_size}.")
+    return tensor.repeat_interleave(batch_size // tensor.shape[0], dim=0)
+
+
+def prompt_mask(
+    shape: tuple[int, int],
+    attention_mask: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    routing_mask: torch.Tensor | None,
+    prefix_length: int | None,
+) -> torch.Tensor:
+    """The tokens of each example a causal LM's layers route on: its prompt, never its response.
+
+    The first rule that applies, per call:
+
+    1. an explicit ``routing_mask`` (``smear_routing_mask``), restricted to real tokens; a mask shorter than the
+       sequence leaves the tokens after it out;
+    2. ``prefix_length`` (``SmearConfig.routing_prefix_length``): the first ``prefix_length`` real tokens;
+    3. token ``labels``: the real tokens before the first position that has a label (``!= -100``). An example whose
+       first real token already has a label has no prompt, and that is an error, never a silent fallback to the
+       whole sequence;
+    4. otherwise (a bare prompt, e.g. at generation) every real token.
+
+    Returns a bool mask of ``shape`` (``[batch, seq]``), or of the attention mask's shape when one is given.
+    """
+    if attention_mask is not None:
+        real = attention_mask.bool()
+        shape = tuple(real.shape)
+    else:
+        device = next((t.device for t in (labels, routing_mask) if t is not None), None)
+        real = torch.ones(shape, dtype=torch.bool, device=device)
+    batch_size, seq_len = shape
+
+    if routing_mask is not None:
+        explicit = expand_rows(routing_mask, batch_size, "smear_routing_mask").to(real.device).bool()
+        if explicit.dim() != 2 or explicit.shape[1] > seq_len:
+            raise ValueError(
+                f"smear_routing_mask must be [batch, tokens] with at most {seq_len} tokens, "
+                f"got shape {tuple(routing_mask.shape)}."
+            )
+        selected = real & F.pad(explicit, (0, seq_len - explicit.shape[1]), value=False)
+        empty = ~selected.any(dim=1) & real.any(dim=1)
+        require(
+            ~empty.any(),
+            lambda: (
+                f"smear_routing_mask selects none of the real tokens of example(s) "
+                f"{empty.nonzero().flatten().tolist()}: every example needs at least one token to route on."
+            ),
+        )
+        return selected
+
+    if prefix_length is not None:
+        return real & (real.cumsum(dim=1) <= prefix_length)
+
+    if labels is not None and labels.dim() == 2:  # 1-D labels are per-example classes, not token labels
+        if tuple(labels.shape) != shape:
+            raise ValueError(f"labels of shape {tuple(labels.shape)} do not match the input's {shape}.")
+        supervised = (labels.to(real.device) != -100) & real
+        first_label = torch.where(supervised.any(dim=1), supervised.int().argmax(dim=1), seq_len)
+        prompt = real & (torch.arange(seq_len, device=real.device) < first_label.unsqueeze(1))
+        without_prompt = ~prompt.any(dim=1) & real.any(dim=1)
+        require(
+            ~without_prompt.any(),
+            lambda: (
+                f"Prompt routing found no prompt in example(s) {without_prompt.nonzero().flatten().tolist()}: "
+                + NO_PROMPT
+            ),
+        )
+        return prompt
+
+    return real
+
+
+def several_prompts(labels: torch.Tensor, real: torch.Tensor | None) -> bool:
+    """Whether some row's labels switch from unlabelled to labelled more than once: several prompt/response pairs,
+    as in a packed row (or a multi-turn conversation)."""
+    labelled = labels != -100
+    if real is not None:
+        labelled &= real.to(labelled.device).bool()
+    run_starts = labelled.clone()
+    run_starts[:, 1:] &= ~labelled[:, :-1]
+    return bool((run_starts.sum(dim=1) > 1).any())
 
 
 @dataclass
-class RoutingContext:
-    """Per-call state shared by a :class:`~peft_smear.core.model.SmearModel` and all of its layers.
-
-    The tuner fills it on every call of the wrapped model (from the call's own arguments and the ``smear_*`` inputs it
-    took off the call); the layers only read it, through :class:`RouterInputs`. It deliberately outlives the call:
-    gradient checkpointing re-runs layer forwards during backward, after any per-call hook is gone, and must route
-    exactly as the forward did.
-    """
+class CallState:
+    """What the current call of the wrapped model (or of its encoder) says about its examples: the padding mask, the
+    token labels and ids, the layout of packed sequences, the ``smear_*`` inputs and, for the decoder of an
+    encoder-decoder, the encoder's summary. Per-token fields of a packed call hold the padded batch of its sequences
+    (``[sequences, longest]``); the layers unpack their inputs to match."""
 
     attention_mask: torch.Tensor | None = None
-    """``[batch, seq]`` padding mask of the current call, nonzero at real tokens (``None``: all real)."""
-
     labels: torch.Tensor | None = None
-    """``[batch, seq]`` token labels of the current call, if any; ``-100`` marks positions without a target."""
-
     input_ids: torch.Tensor | None = None
-    """``[batch, seq]`` token ids of the current call (the encoder's for encoder-decoders)."""
-
-    call_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
-    """The ``smear_*`` inputs of the current call (or of the ``generate`` that made it), checked, by name."""
-
+    packing: PackedLayout | None = None
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The checked ``smear_*`` inputs of the call (or of the ``generate`` that made it), by name."""
     encoder_summary: torch.Tensor | None = None
     """``[batch, hidden]`` fp32 masked mean of the encoder's final hidden states (decoders of encoder-decoders)."""
-
-    packing: PackedLayout | None = None
-    """When the call's rows pack several sequences: their layout. Every per-token field above then holds the padded
-    batch of its sequences (``[sequences, longest]``), and the layers unpack their inputs to match."""
-
-    routing_cache: dict[tuple[torch.nn.Module, str], RoutingDecision] | None = None
-    """During ``generate``: the decision every layer made at prefill, reused for every later step."""
-
-    recorded: dict[tuple[torch.nn.Module, str], torch.Tensor] | None = None
-    """When a dict, every layer stores its routing weights here under ``(layer, adapter_name)``."""
-
-    statistics: RoutingStatistics | None = None
-    """When set, every layer reports each routing decision to it (see :mod:`peft_smear.core.routing_stats`)."""
-
-    aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Auxiliary losses the layers added during the current call (already weighted), by name."""
-
-    left: dict[str, list[Any]] = field(default_factory=lambda: defaultdict(list))
-    """What routers left during the current call for their method's ``finish_call``, by method name."""
-
-    aux_losses_without_autograd: bool = False
-    """Whether a layer computed an auxiliary loss of this call with autograd disabled, as reentrant gradient
-    checkpointing runs its layers: the loss then trains through :mod:`peft_smear.core.aux_losses`."""
-
-    aux_gradient_scale: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
-    """The gradient the model's loss passes on to the auxiliary losses' term, recorded in backward for the layers that
-    gradient checkpointing recomputes (see :mod:`peft_smear.core.aux_losses`)."""
-
-    left_without_autograd: set[str] = field(default_factory=set)
-    """Names of the methods that left something for ``finish_call`` with autograd disabled: what they left cannot
-    train anything (see :meth:`leave_for_finish`)."""
-
-    _prompt_masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
-    _token_ids: dict[int | None, list[torch.Tensor]] = field(default_factory=dict, repr=False)
-    _task_id_limits_checked: set[int] = field(default_factory=set, repr=False)
+    memo: dict[Any, Any] = field(default_factory=dict)
+    """The call's scratch, shared by every layer: what is computed once per call (prompt masks, routers' host reads)
+    and what a routing method keeps for its ``finish_call``."""
     _warned_unmarked_packing: bool = field(default=False, repr=False)
 
-    def begin_model_call(self) -> None:
-        """Forget the previous call's auxiliary losses."""
-        self.aux_losses, self.left, self.left_without_autograd = {}, defaultdict(list), set()
-        self.aux_losses_without_autograd, self.aux_gradient_scale = False, torch.zeros(())
-
-    def set_call_inputs(self, values: dict[str, torch.Tensor]) -> None:
+    def set_inputs(self, values: dict[str, torch.Tensor]) -> None:
         """Record the checked ``smear_*`` inputs of a new call."""
-        self.call_inputs = values
-        self._task_id_limits_checked = set()
+        self.inputs = values
+        self.memo = {}
 
-    def start_call(
+    def start(
         self,
         attention_mask: torch.Tensor | None,
         labels: torch.Tensor | None,
@@ -131,60 +203,21 @@ class RoutingContext:
             if labels is not None and labels.dim() == 2:
                 labels = packing.unpack_tokens(labels, -100, "labels")
             input_ids = None if input_ids is None else packing.unpack_tokens(input_ids, 0, "input_ids")
-            self.call_inputs = {
+            self.inputs = {
                 name: packing.unpack_tokens(value, 0, name)
                 if name in per_token_inputs
                 else packing.per_sequence(value, name)
-                for name, value in self.call_inputs.items()
+                for name, value in self.inputs.items()
             }
         self.attention_mask, self.labels, self.input_ids, self.packing = attention_mask, labels, input_ids, packing
-        self._prompt_masks, self._token_ids = {}, {}
+        self.memo = {}
 
     def call_input(self, name: str, batch_size: int) -> torch.Tensor | None:
         """The ``smear_*`` input ``name`` for a layer that sees ``batch_size`` rows (repeated per beam / returned
         sequence inside ``generate``), or ``None`` when the call has none."""
-        return expand_rows(self.call_inputs.get(name), batch_size, name)
+        return expand_rows(self.inputs.get(name), batch_size, name)
 
-    def cached_decision(self, key: tuple[torch.nn.Module, str], batch_size: int) -> RoutingDecision | None:
-        """Inside ``generate``, the decision ``key`` (a layer and adapter) made at prefill: decode steps see only the
-        new token, and routing on it would both differ from training and change as the answer grows."""
-        if self.routing_cache is None or key not in self.routing_cache:
-            return None
-        decision = self.routing_cache[key]
-        if decision.weights.shape[0] != batch_size:
-            raise RuntimeError(
-                f"Routing cached at prefill has batch {decision.weights.shape[0]}; a generation step has {batch_size}."
-            )
-        return decision
-
-    def observe(self, key: tuple[torch.nn.Module, str], decision: RoutingDecision) -> None:
-        """Every decision a layer applies passes here: kept for reuse inside ``generate``, recorded when asked
-        (:func:`peft_smear.get_routing_weights`), and counted by the routing statistics when they are on."""
-        if self.routing_cache is not None:
-            self.routing_cache[key] = decision
-        if self.recorded is not None:
-            self.recorded[key] = decision.weights.detach()
-        if self.statistics is not None:
-            self.statistics.observe(*key, decision.weights)
-
-    def add_aux_loss(self, name: str, value: torch.Tensor) -> None:
-        """Add a layer's auxiliary loss to this call's."""
-        if not torch.is_grad_enabled():
-            self.aux_losses_without_autograd = True
-        self.aux_losses[name] = self.aux_losses[name] + value if name in self.aux_losses else value
-
-    def leave_for_finish(self, method: str, item: Any) -> None:
-        """Keep ``item`` for ``method``'s ``finish_call``, once the output exists. Kept with autograd disabled (as
-        reentrant checkpointing runs the layers), it could not train anything: the call refuses it then."""
-        if not torch.is_grad_enabled():
-            self.left_without_autograd.add(method)
-        self.left[method].append(item)
-
-    def left_for_finish(self, method: str) -> list[Any]:
-        """What ``method``'s routers left during this call, handed over once."""
-        return self.left.pop(method, [])
-
-    def token_mask_for(self, batch_size: int, seq_len: int) -> torch.Tensor | None:
+    def token_mask(self, batch_size: int, seq_len: int) -> torch.Tensor | None:
         """The padding mask of the ``seq_len`` tokens a layer sees now.
 
         With a KV cache the model gets the mask of cached plus new tokens while layers see only the new ones, which
@@ -193,28 +226,31 @@ class RoutingContext:
         mask = self.attention_mask
         if mask is None:
             return None
-        _check_covers(mask, batch_size, seq_len, "attention_mask")
+        if mask.shape[0] != batch_size or mask.shape[1] < seq_len:
+            raise ValueError(
+                f"SMEAR cannot pool a layer input of batch {batch_size} and {seq_len} tokens with an attention_mask "
+                f"of shape {tuple(mask.shape)}: the mask must be [batch, tokens] and cover every token the layer sees."
+            )
         return mask[:, mask.shape[1] - seq_len :]
 
-    def prompt_mask_for(
-        self, batch_size: int, seq_len: int, prefix_length: int | None, training: bool
-    ) -> torch.Tensor:
-        """The tokens a prompt-routed layer pools over; see :func:`peft_smear.core.pooling.prompt_mask` for the rule.
+    def prompt_mask(self, batch_size: int, seq_len: int, prefix_length: int | None, training: bool) -> torch.Tensor:
+        """The tokens a prompt-routed layer pools over; see :func:`prompt_mask` for the rule.
 
         Computed once per call and shared by every layer. A training call that marks no prompt at all (no labels,
         no routing mask, no prefix length) would route on the response too, so it warns.
         """
-        if prefix_length not in self._prompt_masks:
-            routing_mask = self.call_inputs.get(ROUTING_MASK.name)
+        key = ("prompt", prefix_length)
+        if key not in self.memo:
+            routing_mask = self.inputs.get(ROUTING_MASK.name)
             if training and prefix_length is None and self.labels is None and routing_mask is None:
                 warnings.warn(PROMPT_UNKNOWN_IN_TRAINING, stacklevel=5)
             self._warn_if_unmarked_packing(prefix_length)
-            self._prompt_masks[prefix_length] = prompt_mask(
+            self.memo[key] = prompt_mask(
                 (batch_size, seq_len), self.attention_mask, self.labels, routing_mask, prefix_length
             )
             if self.packing is not None and routing_mask is None and prefix_length is None and self.labels is not None:
-                self._refuse_boundary_prompts(self._prompt_masks[prefix_length])
-        mask = self._prompt_masks[prefix_length]
+                self._refuse_boundary_prompts(self.memo[key])
+        mask = self.memo[key]
         if mask.shape != (batch_size, seq_len):
             raise ValueError(
                 f"Prompt routing needs the whole prompt in the layer's input, but the layer sees batch {batch_size} "
@@ -245,63 +281,25 @@ class RoutingContext:
         if skip or torch.compiler.is_compiling():
             return
         labels = self.labels
-        if ROUTING_MASK.name not in self.call_inputs and labels is not None and labels.dim() == 2:
+        if ROUTING_MASK.name not in self.inputs and labels is not None and labels.dim() == 2:
             self._warned_unmarked_packing = several_prompts(labels, self.attention_mask)
             if self._warned_unmarked_packing:
                 warnings.warn(UNMARKED_PACKING, stacklevel=6)
 
-    def routing_token_ids(
-        self, method: str, mask: torch.Tensor | None, prefix_length: int | None
-    ) -> list[torch.Tensor]:
-        """Each example's routing token ids (``input_ids`` where ``mask`` is set), on the host, read once per call and
-        mask rule (``prefix_length`` tells prompt masks apart; ``-1``: the padding mask)."""
-        if prefix_length not in self._token_ids:
-            ids = self.input_ids
-            if ids is None:
-                raise ValueError(
-                    f"routing={method!r} reads each example's token ids, but the model was called without input_ids "
-                    "(e.g. with inputs_embeds). Pass input_ids."
-                )
-            if mask is not None and tuple(mask.shape) != tuple(ids.shape):
-                raise ValueError(
-                    f"routing={method!r} needs input_ids {tuple(ids.shape)} and the routing mask "
-                    f"{tuple(mask.shape)} to cover the same tokens; call the model on whole sequences (generate() "
-                    "routes once at prefill)."
-                )
-            rows, keep = ids.cpu().long(), None if mask is None else mask.cpu().bool()
-            self._token_ids[prefix_length] = [row if keep is None else row[keep[i]] for i, row in enumerate(rows)]
-        return self._token_ids[prefix_length]
 
-    def check_task_ids(self, task_ids: torch.Tensor, limit: int, method: str) -> None:
-        """Raise unless every task id of the call is in ``[0, limit)``. Reading the ids back synchronises host and
-        device, so it happens once per call (and limit), not in every layer."""
-        if limit in self._task_id_limits_checked:
-            return
-        require(
-            ((task_ids >= 0) & (task_ids < limit)).all(),
-            lambda: (
-                f"smear_task_ids must be in [0, {limit}) for routing={method!r}, got {sorted(set(task_ids.tolist()))}."
-            ),
-        )
-        self._task_id_limits_checked.add(limit)
+@dataclass
+class CallRouterInputs(RouterInputs):
+    """What one wrapped layer offers its router for one call: the routed tensor and values the layer holds, and the
+    call's state, read only when the router asks. An example is routed on its real tokens (``router_input="self"``),
+    on its prompt only (``"prompt"``, causal LMs: the response never reaches the router), or on the encoder's final
+    hidden states (``"encoder"``, decoder layers of encoder-decoders)."""
 
-
-class RouterInputs:
-    """What one wrapped layer offers its router for one call: the routed tensor (the layer's input, or its output for
-    expert kinds that route on it; one example per row) and everything about the call, each read only when the
-    router asks. The rule of what an example is routed on is the layer's ``router_input``:
-
-    * ``"self"``: its own input over the example's real tokens;
-    * ``"prompt"``: its own input over the example's prompt tokens only (causal LMs), so the response never reaches
-      the router;
-    * ``"encoder"``: the encoder's final hidden states (decoder layers of encoder-decoders).
-    """
-
-    def __init__(self, layer: SmearLinear, adapter_name: str, routed: torch.Tensor) -> None:
-        self.layer, self.adapter_name, self.routed = layer, adapter_name, routed
-        self.context: RoutingContext = layer.routing_context
-        self.router_input = layer.router_input[adapter_name]
-        self.prefix_length = layer.routing_prefix_length[adapter_name]
+    routed: torch.Tensor
+    call: CallState
+    router_input: str
+    prefix_length: int | None
+    training: bool
+    experts: Params
 
     @property
     def batch_size(self) -> int:
@@ -312,20 +310,15 @@ class RouterInputs:
         return self.routed.device
 
     @property
-    def experts(self) -> Params:
-        """The adapter's expert parameters in this layer, by name (read only), for routers that score the experts."""
-        return self.layer.expert_params(self.adapter_name)
+    def memo(self) -> dict[Any, Any]:
+        return self.call.memo
 
-    def tokens(self) -> torch.Tensor:
-        """``[batch, tokens, features]`` in the activations' dtype: every token on its own, never pooled, so padding
-        cannot change a real token's routing (a padded position is routed too, and its output ignored like the rest
-        of it)."""
+    def tokens(self) -> torch.Tensor:  # a padded position is routed too, and its output ignored like the rest of it
         return self.routed.reshape(self.batch_size, -1, self.routed.shape[-1])
 
     def summary(self) -> torch.Tensor:
-        """``[batch, features]`` fp32: each example's pooled input, by the layer's ``router_input``."""
         if self.router_input == "encoder":
-            summary = self.context.encoder_summary
+            summary = self.call.encoder_summary
             if summary is None:
                 raise RuntimeError(
                     "This SMEAR layer is in the decoder of an encoder-decoder model and routes on the encoder's "
@@ -341,45 +334,136 @@ class RouterInputs:
         return masked_mean(self.tokens(), self.token_mask())
 
     def token_mask(self) -> torch.Tensor | None:
-        """``[batch, tokens]``: the tokens an example is routed on, its prompt for prompt routing, else its real
-        tokens; ``None`` when they are all real or no token mask describes the routed positions."""
         if self.routed.dim() != 3:
             return None
         batch_size, seq_len = self.routed.shape[:2]
         if self.router_input == "prompt":
-            return self.context.prompt_mask_for(batch_size, seq_len, self.prefix_length, self.layer.training)
-        return self.context.token_mask_for(batch_size, seq_len)
+            return self.call.prompt_mask(batch_size, seq_len, self.prefix_length, self.training)
+        return self.call.token_mask(batch_size, seq_len)
 
     def call_input(self, name: str) -> torch.Tensor | None:
-        """The call's ``smear_*`` input ``name``, one row per routed example, on the routed tensor's device."""
-        value = self.context.call_input(name, self.batch_size)
+        value = self.call.call_input(name, self.batch_size)
         return None if value is None else value.to(self.device)
 
-    def task_ids(self, method: str, limit: int | None) -> torch.Tensor:
-        """``[batch]`` int64 ``smear_task_ids``, each checked to be in ``[0, limit)``."""
-        task_ids = self.call_input("smear_task_ids")
-        if task_ids is None:
-            raise ValueError(
-                f"routing={method!r} routes by task id, but the model was called without smear_task_ids "
-                "(an integer tensor [batch]); add it to the inputs, e.g. with peft_smear.SmearDataCollator."
+    def input_ids(self) -> torch.Tensor | None:
+        return self.call.input_ids
+
+    def padding_mask(self) -> torch.Tensor | None:
+        return self.call.attention_mask
+
+
+class AuxLossHook(torch.autograd.Function):
+    """``output`` unchanged; in backward, ``aux_loss`` gets the gradient the probe wrote into ``scale`` (0-d)."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.scale = scale  # read in backward, once the probe has filled it: never saved, so its version is free
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return grad_output, ctx.scale.detach().clone(), None
+
+
+class LossGradientProbe(torch.autograd.Function):
+    """``value`` (the auxiliary losses' sum, without a graph) as a term of the model's loss, whose gradient backward
+    writes into ``scale`` for the layers' hooks; ``anchor``, a fresh leaf that requires grad, makes backward run."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, value: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.scale = scale
+        return value.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, None, None]:
+        ctx.scale.copy_(grad.reshape(()).to(ctx.scale.device, ctx.scale.dtype))
+        return None, None, None
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass now: gradient checkpointing re-runs layer forwards there."""
+    return torch._C._current_graph_task_id() != -1
+
+
+@dataclass
+class AuxLosses:
+    """The routers' auxiliary losses of the current call, and how they train under reentrant gradient checkpointing.
+
+    Reentrant checkpointing (torch's default, used by PEFT's ``prepare_model_for_kbit_training`` unless told
+    otherwise) runs a layer without autograd in the forward pass and again, with autograd, in backward: a loss
+    computed in the forward has no graph and would train nothing. As Megatron-LM's MoE layers do
+    (``MoEAuxLossAutoScaler``), the recomputed layer hangs its losses on its output (:class:`AuxLossHook`), with the
+    gradient the model's loss passes on to any term added to it (gradient accumulation and loss scaling included),
+    which a probe in that term records (:class:`LossGradientProbe`). Without checkpointing, losses train as usual.
+    """
+
+    values: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The losses the layers added during the current call (already weighted), by name."""
+    without_autograd: bool = False
+    """Whether a layer computed one of them with autograd disabled, as reentrant gradient checkpointing runs it."""
+    gradient_scale: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+
+    def begin(self) -> None:
+        """Forget the previous call's losses."""
+        self.values, self.without_autograd, self.gradient_scale = {}, False, torch.zeros(())
+
+    def carry(self, output: torch.Tensor, losses: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+        """Add a layer's losses to the call's and return its output, or, recomputed in backward, hang them on it. Left
+        out of compiled graphs (no graph break per layer): the recomputation runs eagerly even in a compiled model."""
+        if not torch.compiler.is_compiling() and in_backward():
+            total = sum(value for _, value in losses)
+            return AuxLossHook.apply(output, total, self.gradient_scale.to(total.device))
+        if not torch.is_grad_enabled():
+            self.without_autograd = True
+        for name, value in losses:
+            self.values[name] = self.values[name] + value if name in self.values else value
+        return output
+
+    def added_to(self, loss: torch.Tensor, training: bool) -> torch.Tensor:
+        """``loss`` plus this call's losses: through the probe when they were computed without a graph in a training
+        call with autograd on (reentrant checkpointing: they train when the layers are recomputed)."""
+        total = sum(self.values.values())
+        if self.without_autograd and training and torch.is_grad_enabled():
+            anchor = torch.zeros((), device=loss.device, requires_grad=True)
+            return loss + LossGradientProbe.apply(anchor, total.to(loss.device, loss.dtype), self.gradient_scale)
+        return loss + total
+
+
+Observer = Callable[[torch.nn.Module, str, RoutingDecision, bool], None]
+"""Called with ``(layer, adapter_name, decision, generating)`` for every routing decision a layer applies;
+``generating``: inside ``generate``, whose steps reuse the decision made at prefill."""
+
+
+@dataclass
+class RoutingContext:
+    """Per-call state shared by a :class:`~peft_smear.core.model.SmearModel` and its layers, one part per job."""
+
+    call: CallState = field(default_factory=CallState)
+    aux: AuxLosses = field(default_factory=AuxLosses)
+    routing_cache: dict[tuple[torch.nn.Module, str], RoutingDecision] | None = None
+    """During ``generate``: the decision every layer made at prefill, reused for every later step."""
+    observers: list[Observer] = field(default_factory=list)
+    """Who watches the routing (:mod:`peft_smear.training`: recording, statistics): called for every decision a
+    layer applies, but not for gradient checkpointing's recomputation of a layer."""
+
+    def cached_decision(self, key: tuple[torch.nn.Module, str], batch_size: int) -> RoutingDecision | None:
+        """Inside ``generate``, the decision ``key`` (a layer and adapter) made at prefill: decode steps see only the
+        new token, and routing on it would both differ from training and change as the answer grows."""
+        if self.routing_cache is None or key not in self.routing_cache:
+            return None
+        decision = self.routing_cache[key]
+        if decision.weights.shape[0] != batch_size:
+            raise RuntimeError(
+                f"Routing cached at prefill has batch {decision.weights.shape[0]}; a generation step has {batch_size}."
             )
-        if limit is not None:
-            self.context.check_task_ids(task_ids, limit, method)
-        return task_ids
+        return decision
 
-    def routing_token_ids(self, method: str) -> list[torch.Tensor]:
-        """Each example's routing tokens' ids on the host: its prompt's for prompt routing, else its real tokens'."""
-        if self.router_input == "prompt":
-            mask = self.context.prompt_mask_for(
-                self.batch_size, self.tokens().shape[1], self.prefix_length, self.layer.training
-            )
-            return self.context.routing_token_ids(method, mask, self.prefix_length)
-        return self.context.routing_token_ids(method, self.context.attention_mask, -1)
-
-
-def _check_covers(mask: torch.Tensor, batch_size: int, seq_len: int, name: str) -> None:
-    if mask.shape[0] != batch_size or mask.shape[1] < seq_len:
-        raise ValueError(
-            f"SMEAR cannot pool a layer input of batch {batch_size} and {seq_len} tokens with a {name} of shape "
-            f"{tuple(mask.shape)}: the mask must be [batch, tokens] and cover every token the layer sees."
-        )
+    def observe(self, key: tuple[torch.nn.Module, str], decision: RoutingDecision) -> None:
+        """Every decision a layer applies passes here: kept for reuse inside ``generate``, and shown to the
+        observers."""
+        generating = self.routing_cache is not None
+        if generating:
+            self.routing_cache[key] = decision
+        if self.observers and not in_backward():
+            for observer in self.observers:
+                observer(*key, decision, generating)

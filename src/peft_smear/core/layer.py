@@ -1,5 +1,5 @@
-"""SmearLinear: a linear layer with, per adapter, a bank of experts (of one :mod:`~peft_smear.core.experts` kind) and a
-router (one :mod:`~peft_smear.core.routers` method)."""
+"""SmearLinear: a linear layer with, per adapter, a bank of experts (of one expert kind) and a router (of one routing
+method)."""
 
 from __future__ import annotations
 
@@ -9,19 +9,16 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from .aux_losses import hook_aux_loss, in_backward
 from .base_layers import output_may_be_locked_view
-from .context import RouterInputs
-from .experts import EXPERT_KINDS, EXPERT_PARAMETER_NAMES, ExpertKind
-from .experts.base import Params
-from .pooling import ROUTER_INPUTS
+from .context import CallRouterInputs, RoutingContext
+from .experts import EXPERT_KINDS, ExpertKind
 from .registration import BaseTunerLayer
-from .routers import ROUTERS, RoutingDecision
+from .routers import ROUTERS
+from .types import ROUTER_INPUTS, Expert, Params, RoutingDecision
 
 
 if TYPE_CHECKING:
     from .config import SmearConfig
-    from .context import RoutingContext
 
 
 MERGE_UNSUPPORTED = (
@@ -40,17 +37,17 @@ def in_out_features(base_layer: nn.Module) -> tuple[int, int]:
 
 
 class SmearLinear(nn.Module, BaseTunerLayer):
-    """Wraps an ``nn.Linear`` or transformers ``Conv1D``: each example b goes through the module with its own expert,
+    """Wraps an ``nn.Linear`` or transformers ``Conv1D``: each example goes through the module with its own expert,
     e.g. ``y = base(x) + merged_lora_b(x)``. Per adapter, the expert kind (``expert_kind[adapter]``) says what an
-    expert is and how it is applied, the router (``smear_router[adapter]``) decides, per batch, which experts each
-    example uses and how, and ``router_input[adapter]`` says what an example is routed on
-    (:class:`~peft_smear.core.context.RouterInputs`).
+    expert is, the router (``smear_router[adapter]``) which experts each example uses and how, and
+    ``router_input[adapter]`` what it is routed on.
 
     Expert parameters are flat ``ParameterDict`` entries and routers flat modules, all prefixed ``smear_``: PEFT finds
     adapter weights by that prefix and strips the adapter name only when it is one of the last two key components.
+    The layer lists its kinds' ``ParameterDict``s in its own ``adapter_layer_names``, as PEFT's LoRA variants do.
     """
 
-    adapter_layer_names = (*EXPERT_PARAMETER_NAMES, "smear_router")
+    adapter_layer_names: tuple[str, ...] = ("smear_router",)
     other_param_names = ("expert_kind", "router_input", "routing_prefix_length")
 
     def __init__(
@@ -73,8 +70,6 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         self.expert_kind: dict[str, ExpertKind] = {}
         self.router_input: dict[str, str] = {}
         self.routing_prefix_length: dict[str, int | None] = {}
-        for name in EXPERT_PARAMETER_NAMES:
-            setattr(self, name, nn.ParameterDict())
         self.smear_router = nn.ModuleDict()
         self._active_adapter = adapter_name
         self.train(base_layer.training)  # wrapping a module must not switch an eval-mode model into training
@@ -96,9 +91,13 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         self.router_input[adapter_name] = router_input
         self.routing_prefix_length[adapter_name] = config.routing_prefix_length
 
-        for name in EXPERT_PARAMETER_NAMES:  # a re-created adapter may change kind: drop the old kind's tensors
-            if adapter_name in getattr(self, name):
+        for name in self.adapter_layer_names:  # a re-created adapter may change kind: drop the old kind's tensors
+            if name != "smear_router" and adapter_name in getattr(self, name):
                 del getattr(self, name)[adapter_name]
+        for name in kind.parameter_names:
+            if name not in self.adapter_layer_names:
+                setattr(self, name, nn.ParameterDict())
+                self.adapter_layer_names = (*self.adapter_layer_names, name)
         for name, tensor in kind.create_parameters(config.num_experts, config.init_weights).items():
             getattr(self, name)[adapter_name] = nn.Parameter(tensor)
         features = kind.router_features if router_features is None else router_features
@@ -116,16 +115,16 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         if self.disable_adapters or not adapters:
             return self.base_layer(x, *args, **kwargs)
         # One example per row: a packed row holds several sequences, each an example of its own.
-        packing = self.routing_context.packing
+        packing = self.routing_context.call.packing
         x_each = packing.unpack(x) if packing is not None else x
         tokens = x_each.reshape(x_each.shape[0], -1, x_each.shape[-1])  # [examples, tokens, in]
-        # Kinds that change the module's input (IA3 on a feed-forward input) act before it runs.
+        # Kinds that act on the module's input (IA3 on a feed-forward input) apply their experts before it runs.
         inputs, decisions = x, []
         for name in adapters:
-            kind = self.expert_kind[name]
-            if kind.scales_input:
-                decisions.append(self.route(name, x_each))
-                scaled = kind.scale_input(tokens, self.expert_params(name), decisions[-1]).reshape(x_each.shape)
+            if self.expert_kind[name].scales_input:
+                params = self.expert_params(name)
+                decisions.append(self.route(name, x_each, params))
+                scaled = self.apply_experts(name, decisions[-1], tokens, tokens, params).reshape(x_each.shape)
                 inputs = packing.pack(scaled) if packing is not None else scaled
         # 1. The base output, on the rows as they came.
         y = self._base_output(inputs, *args, **kwargs)
@@ -138,25 +137,13 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             # 2. What the router reads: the module's input, or its output for kinds that route on it.
             routed = out.reshape(y_each.shape) if kind.routes_on_output else x_each
             # 3. The router's decision for each example. 4. The experts' contribution, added to its output.
-            decisions.append(self.route(name, routed))
-            out = kind.output(tokens, out, self.expert_params(name), decisions[-1])
+            params = self.expert_params(name)
+            decisions.append(self.route(name, routed, params))
+            out = self.apply_experts(name, decisions[-1], tokens, out, params)
         result = out.reshape(y_each.shape)
         result = packing.pack(result) if packing is not None else result
-        return self._carry_aux_losses(result, decisions)
-
-    def _carry_aux_losses(self, output: torch.Tensor, decisions: list[RoutingDecision]) -> torch.Tensor:
-        """Add the routers' auxiliary losses to the call's; when reentrant gradient checkpointing recomputes this
-        layer inside backward, carry them on the output instead, so that they train (:mod:`.aux_losses`)."""
         losses = [(name, value) for decision in decisions for name, value in decision.aux_losses.items()]
-        if not losses:
-            return output
-        # Left out of compiled graphs (no graph break per layer): the recomputation inside backward runs eagerly even
-        # in a compiled model, so the losses train there too (tests/test_compile.py).
-        if not torch.compiler.is_compiling() and in_backward():
-            return hook_aux_loss(output, sum(value for _, value in losses), self.routing_context.aux_gradient_scale)
-        for name, value in losses:
-            self.routing_context.add_aux_loss(name, value)
-        return output
+        return self.routing_context.aux.carry(result, losses) if losses else result
 
     def _base_output(self, inputs: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         result = self.base_layer(inputs, *args, **kwargs)
@@ -164,16 +151,57 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             result = result.clone()  # experts add into the output in place, which autograd forbids on such a view
         return result
 
-    def route(self, adapter_name: str, routed: torch.Tensor) -> RoutingDecision:
-        """How ``adapter_name``'s experts apply to each example (or token) of ``routed``: inside ``generate`` the
-        decision made at prefill, else the router's decision on what it reads."""
-        key, router = (self, adapter_name), self.smear_router[adapter_name]
+    def route(self, adapter_name: str, routed: torch.Tensor, params: Params | None = None) -> RoutingDecision:
+        """How ``adapter_name``'s experts (``params``, unless read here) apply to each example (or token) of
+        ``routed``: inside ``generate`` the decision made at prefill, else the router's decision on what it reads."""
+        key, router, context = (self, adapter_name), self.smear_router[adapter_name], self.routing_context
         # A per-token router routes every new token on itself, so nothing made at prefill is reused.
-        decision = None if router.per_token else self.routing_context.cached_decision(key, routed.shape[0])
+        decision = None if router.per_token else context.cached_decision(key, routed.shape[0])
         if decision is None:
-            decision = router(RouterInputs(self, adapter_name, routed))
-        self.routing_context.observe(key, decision)
+            inputs = CallRouterInputs(
+                routed,
+                context.call,
+                self.router_input[adapter_name],
+                self.routing_prefix_length[adapter_name],
+                self.training,
+                self.expert_params(adapter_name) if params is None else params,
+            )
+            decision = router(inputs)
+        context.observe(key, decision)
         return decision
+
+    def apply_experts(
+        self,
+        adapter_name: str,
+        decision: RoutingDecision,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        params: Params | None = None,
+    ) -> torch.Tensor:
+        """``y`` changed by ``adapter_name``'s experts (``params``, unless read here) as ``decision`` says: their
+        outputs mixed, or each example's one expert, chosen or merged. ``x [batch, tokens, in]`` is the module's
+        input; ``y`` its output, updated in place (see :meth:`ExpertKind.apply`), or its input for kinds that act on it
+        (``scales_input``)."""
+        kind = self.expert_kind[adapter_name]
+        params = self.expert_params(adapter_name) if params is None else params
+        if decision.mixture:
+            return kind.mix(x, y, params, decision.weights)
+        return kind.apply(x, y, self._expert(kind, params, decision, y.dtype), decision.output_scale)
+
+    @staticmethod
+    def _expert(kind: ExpertKind, params: Params, decision: RoutingDecision, dtype: torch.dtype) -> Expert:
+        """Each example's expert under ``decision``: the chosen one, or the merge of all by its weights.
+
+        Kept on the decision, so a decision reused across calls (every step of ``generate``) builds it only once, at
+        prefill: per decoded token the merge would cost a quarter of the base layer's work at N=8, r=8, width 512.
+        """
+        if decision.per_example_expert is None:
+            decision.per_example_expert = (
+                kind.gather(params, decision.expert_index, dtype, decision.up_expert_index)
+                if decision.expert_index is not None
+                else kind.merge(params, decision.weights, dtype)
+            )
+        return decision.per_example_expert
 
     def expert_params(self, adapter_name: str) -> Params:
         """``adapter_name``'s expert parameters in this layer, by parameter name, as its kind reads them."""

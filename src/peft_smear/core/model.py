@@ -11,16 +11,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .aux_losses import probe_for
 from .base_layers import check_base_layer
 from .checks import listing
 from .config import SmearConfig
 from .context import ROUTING_MASK, RoutingContext
 from .experts import EXPERT_KINDS
 from .layer import MERGE_UNSUPPORTED, SmearLinear
-from .losses import per_example_task_loss, predicting_positions
-from .packing import packed_layout
-from .pooling import masked_mean
+from .packing import PACKING_ARGUMENTS, packed_layout
 from .registration import (
     DEFAULT_TARGET_MODULES,
     BaseTuner,
@@ -28,7 +25,9 @@ from .registration import (
     adapter_state_dict_prefixes,
     select_adapter_entries,
 )
-from .routers import ROUTERS, CallInput, Router
+from .routers import ROUTERS, Router
+from .smear import masked_mean
+from .types import CallInput
 
 
 def known_call_inputs() -> dict[str, CallInput]:
@@ -56,8 +55,8 @@ class SmearModel(BaseTuner):
     ``smear_*`` inputs, and for the decoder of an encoder-decoder model the encoder's output. Forward pre-hooks on the
     wrapped model record them into one :class:`RoutingContext` that every layer reads: hooks, because ``generate``
     calls the wrapped model (and its encoder) directly, bypassing this class. A forward hook then lets each active
-    routing method finish the call (:meth:`Router.finish_call`), adds the routers' auxiliary losses to the output's
-    ``loss`` and reports them as ``output.smear_aux_losses``.
+    routing method that needs the output finish the call (``Router.finish_call``), adds the routers' auxiliary losses
+    to the output's ``loss`` and reports them as ``output.smear_aux_losses``.
     """
 
     prefix: str = "smear_"
@@ -107,11 +106,14 @@ class SmearModel(BaseTuner):
         if call_inputs or not self._generating:
             self._set_call_inputs(call_inputs)
         self._call_labels = arguments.get("labels")
-        self.routing_context.begin_model_call()
+        self.routing_context.aux.begin()
         if self.model.training:
             self._count_training_call()
         if not self._is_encoder_decoder:  # an encoder-decoder's mask is recorded when its encoder runs
-            self._start_context(arguments, arguments.get("labels"), packed_layout(arguments))
+            # Only a call that names sequence boundaries can pack several sequences in a row.
+            named = {**arguments.get("kwargs", {}), **arguments}
+            packed = any(named.get(name) is not None for name in PACKING_ARGUMENTS)
+            self._start_context(arguments, arguments.get("labels"), packed_layout(arguments) if packed else None)
 
     def _count_training_call(self) -> None:
         """Advance the clock of every router that follows a schedule (one in-place add for all of them)."""
@@ -131,39 +133,26 @@ class SmearModel(BaseTuner):
     def _start_context(self, arguments: dict[str, Any], labels: torch.Tensor | None, packing: Any) -> None:
         per_token = {name for name, call_input in known_call_inputs().items() if call_input.per_token}
         mask = _padding_mask(arguments.get("attention_mask"), "attention_mask")
-        self.routing_context.start_call(mask, labels, arguments.get("input_ids"), packing, per_token)
+        self.routing_context.call.start(mask, labels, arguments.get("input_ids"), packing, per_token)
 
     def _finish_call(self, model: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        """Let every active routing method finish the call, add the auxiliary losses of this call's routing to
-        ``output.loss`` (when the model computed one, i.e. it got labels) and report them as
+        """Let every active routing method that needs the output finish the call, add the auxiliary losses of this
+        call's routing to ``output.loss`` (when the model computed one, i.e. it got labels) and report them as
         ``output.smear_aux_losses``."""
         if self._second_pass:
             return output
-        context = self.routing_context
-        if model.training and torch.is_grad_enabled() and context.left_without_autograd:
-            names = ", ".join(sorted(context.left_without_autograd))
-            raise RuntimeError(
-                f"routing {names} recorded its training signal with autograd disabled inside a training call that has "
-                "autograd on, which is what reentrant gradient checkpointing does: it would not train the routers. "
-                "Use non-reentrant checkpointing, gradient_checkpointing_kwargs={'use_reentrant': False} "
-                "(transformers' default; PEFT's prepare_model_for_kbit_training takes the same argument)."
-            )
-        aux = dict(context.aux_losses)
-        call = ModelCall(self, model, args, kwargs, output, self._call_labels)
-        finished = {}
+        aux = self.routing_context.aux
+        finished, call = {}, ModelCall(self, model, args, kwargs, output, self._call_labels)
         for router in dict.fromkeys(ROUTERS[config.routing] for config in self._active_configs()):
-            finished.update(router.finish_call(call))
-        losses = {**aux, **finished}
+            if router.finish_call is not None:
+                finished.update(router.finish_call(call))
+        losses = {**aux.values, **finished}
         if not losses:
             return output
         labels = self._call_labels
         loss = output[0] if isinstance(output, tuple) else getattr(output, "loss", None)
         if loss is not None and (labels is not None or not isinstance(output, tuple)):
-            if aux and context.aux_losses_without_autograd and model.training and torch.is_grad_enabled():
-                # Computed without a graph (reentrant checkpointing): they train when the layers are recomputed.
-                loss = loss + probe_for(loss, sum(aux.values()), context.aux_gradient_scale)
-            elif aux:
-                loss = loss + sum(aux.values())
+            loss = aux.added_to(loss, model.training) if aux.values else loss
             loss = loss + sum(finished.values()) if finished else loss
         if isinstance(output, tuple):  # return_dict=False: the loss, when there is one, comes first
             return (loss, *output[1:]) if labels is not None else output
@@ -178,11 +167,11 @@ class SmearModel(BaseTuner):
     def _record_encoder_summary(self, arguments: dict[str, Any], routing_inputs: dict[str, Any]) -> None:
         states = arguments.get("encoder_hidden_states")
         mask = _padding_mask(arguments.get("encoder_attention_mask"), "encoder_attention_mask")
-        self.routing_context.encoder_summary = None if states is None else masked_mean(states, mask)
+        self.routing_context.call.encoder_summary = None if states is None else masked_mean(states, mask)
 
     def _set_call_inputs(self, call_inputs: dict[str, Any]) -> None:
         known = known_call_inputs()
-        self.routing_context.set_call_inputs({name: known[name].prepare(value) for name, value in call_inputs.items()})
+        self.routing_context.call.set_inputs({name: known[name].prepare(value) for name, value in call_inputs.items()})
 
     def _wrap_generate(self, model: nn.Module) -> None:
         """Route every sequence once, on its prompt, at prefill, and keep the ``smear_*`` inputs for every step
@@ -209,7 +198,7 @@ class SmearModel(BaseTuner):
 
     def _router_input(self, config: SmearConfig, key: str) -> str:
         """What the layer ``key`` routes on, from ``config.router_input`` and the architecture (see
-        :data:`~peft_smear.core.pooling.ROUTER_INPUTS`)."""
+        :data:`~peft_smear.core.types.ROUTER_INPUTS`)."""
         in_decoder = self._decoder_prefix is not None and key.startswith(self._decoder_prefix)
         choice = config.router_input
         if choice == "auto":
@@ -308,7 +297,7 @@ class SmearModel(BaseTuner):
 
 @dataclass
 class ModelCall:
-    """One finished call of the wrapped model, as a routing method's :meth:`Router.finish_call` sees it."""
+    """One finished call of the wrapped model, as a routing method's ``finish_call`` sees it."""
 
     tuner: SmearModel
     model: nn.Module
@@ -325,38 +314,14 @@ class ModelCall:
     def training(self) -> bool:
         return self.model.training
 
-    def configs_of(self, router: type[Router]) -> list[SmearConfig]:
-        """The configs of the active adapters that route with ``router``."""
-        return [config for config in self.tuner._active_configs() if ROUTERS[config.routing] is router]
-
     @property
-    def _shifts_tokens(self) -> bool:
+    def shifts_tokens(self) -> bool:
         """Whether a token's label is predicted at the position before it (causal LMs)."""
         return self.tuner._generates_text and not self.tuner._is_encoder_decoder
 
-    def example_task_losses(self, method: str) -> torch.Tensor:
-        """``[examples]`` fp32: each example's own task loss, from the output's logits and the call's labels, for
-        routing ``method``; one per sequence of a packed call, as routed."""
-        logits = getattr(self.output, "logits", None)
-        if self.labels is None or logits is None:
-            raise ValueError(
-                f"routing={method!r} learns from each example's task loss, so training calls need labels and an "
-                "output with logits (or an output with example_losses)."
-            )
-        labels, packing = self.labels, self.context.packing
-        if packing is not None:
-            logits, labels = packing.unpack(logits), packing.unpack_tokens(labels, -100, "labels")
-        try:
-            return per_example_task_loss(logits, labels, self._shifts_tokens)
-        except ValueError as error:
-            raise ValueError(f"routing={method!r} rewards each example with minus its own loss: {error}") from None
-
-    def predicting_positions(self) -> torch.Tensor | None:
-        """``[batch, tokens]`` bool: the output positions whose prediction has a label (``None`` for per-example
-        labels)."""
-        if self.labels is None or self.labels.dim() != 2:
-            return None
-        return predicting_positions(self.labels, self._shifts_tokens)
+    def configs_of(self, router: type[Router]) -> list[SmearConfig]:
+        """The configs of the active adapters that route with ``router``."""
+        return [config for config in self.tuner._active_configs() if ROUTERS[config.routing] is router]
 
     def run_again(self) -> Any:
         """The wrapped model's output for the very same call, run once more (e.g. with other random experts); the
@@ -416,47 +381,3 @@ def _check_adapter_state_dict(model: nn.Module, adapter_name: str, state_dict: d
 
 def _listing(lines: list[str]) -> str:
     return "\n  " + listing(lines, limit=8, separator="\n  ")
-
-
-def get_routing_weights(
-    peft_model: nn.Module, adapter_name: str | None = None, **inputs: Any
-) -> dict[str, torch.Tensor]:
-    """Run ``peft_model(**inputs)`` in eval mode without gradients and return, for every SMEAR layer that ran, its
-    ``[batch, num_experts]`` routing weights, keyed by the layer's module name in the base model.
-
-    Routing follows the configured source: pass ``labels`` (or ``smear_routing_mask``) to route a causal LM on the
-    prompt exactly as in training. ``adapter_name`` defaults to the active adapter and must be active. Training mode
-    of every module is restored afterwards.
-    """
-    tuner = getattr(peft_model, "base_model", None)
-    if not isinstance(tuner, SmearModel):
-        raise TypeError(
-            f"get_routing_weights needs a PeftModel with a SMEAR adapter, got {type(peft_model).__name__}."
-        )
-    if adapter_name is None:
-        if len(tuner.active_adapters) != 1:
-            raise ValueError(f"Several adapters are active ({tuner.active_adapters}); pass adapter_name.")
-        adapter_name = tuner.active_adapters[0]
-    if adapter_name not in tuner.active_adapters:
-        raise ValueError(
-            f"Adapter {adapter_name!r} is not active (active: {tuner.active_adapters}, "
-            f"all: {sorted(tuner.peft_config)}); set_adapter() it first."
-        )
-
-    training_modes = [(module, module.training) for module in peft_model.modules()]
-    context = tuner.routing_context
-    context.recorded = {}
-    try:
-        peft_model.eval()
-        with torch.no_grad():
-            peft_model(**inputs)
-        recorded = context.recorded
-    finally:
-        context.recorded = None
-        for module, training in training_modes:
-            module.training = training
-    return {
-        name: recorded[(module, adapter_name)]
-        for name, module in tuner.model.named_modules()
-        if (module, adapter_name) in recorded
-    }

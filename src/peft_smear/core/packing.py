@@ -1,12 +1,9 @@
-"""Packed and padding-free batches: several sequences in one row, each routed as an example of its own.
-
-TRL's ``SFTConfig(packing=True)`` and transformers' ``DataCollatorWithFlattening`` put several sequences in one row
-and pass no attention mask; where each sequence starts is told by ``position_ids`` restarting (transformers' rule:
-wherever a position is not its predecessor's plus one), and by TRL's ``cu_seq_lens_q`` / ``seq_idx``. SMEAR routes
-every sequence on its own prompt: a wrapped layer that sees the packed ``[rows, tokens, features]`` input unpacks it
-into a padded batch with one sequence per row (:meth:`PackedLayout.unpack`, an index gather), runs the per-example
-path on it unchanged, and gathers the output back into the packed layout (:meth:`PackedLayout.pack`). The wrapped
-module itself still runs on the packed row, so it does no work on the padding.
+"""Packed and padding-free batches (TRL's ``SFTConfig(packing=True)``, transformers' ``DataCollatorWithFlattening``):
+several sequences in one row, no attention mask, each sequence's start told by ``position_ids`` restarting
+(transformers' rule: not its predecessor's plus one) or by ``cu_seq_lens_q`` / ``seq_idx``. Every sequence is routed
+as an example of its own: a wrapped layer unpacks its ``[rows, tokens, features]`` input into a padded batch with one
+sequence per row (an index gather), runs the per-example path on it unchanged, and packs the output back; the wrapped
+module itself runs on the packed rows, with no work on padding.
 """
 
 from __future__ import annotations
@@ -19,24 +16,15 @@ import torch.nn.functional as F
 
 
 BOUNDARY_SOURCES = ("position_ids", "cu_seq_lens_q", "seq_idx")
-
-UNMARKED_PACKING = (
-    "SMEAR prompt routing found a row whose labels switch from prompt (-100) to response more than once, but the "
-    "model got no sequence boundaries (position_ids restarting at 0, cu_seq_lens_q or seq_idx). If the row packs "
-    "several sequences, each is NOT routed on its own prompt: the whole row is routed once, on the tokens before its "
-    "first label. Pass position_ids that restart at 0 for every sequence (TRL: SFTConfig(packing=True, "
-    "packing_strategy='bfd') or padding_free=True; transformers: DataCollatorWithFlattening). If each row is one "
-    "multi-turn conversation, this is expected: routing uses the turns before the first labelled reply. (Shown once.)"
-)
+PACKING_ARGUMENTS = (*BOUNDARY_SOURCES, "cu_seq_lens_k")
+"""The call arguments that may start a new sequence inside a row (``cu_seq_lens_k`` stands in for a missing
+``cu_seq_lens_q``): a call with none of them is an ordinary batch."""
 
 
 class PackedLayout:
     """Where each sequence of a packed call lies, and the index maths between the packed ``[rows, tokens]`` layout
-    and a padded batch ``[sequences, longest]`` with one sequence per row.
-
-    Built once per call from the boundaries (``starts [rows, tokens]``, true at the first token of every sequence);
-    every wrapped layer then unpacks its input and output with one gather each, and packs its output back with one.
-    """
+    and a padded batch ``[sequences, longest]``: built once per call from ``starts [rows, tokens]`` (true at the first
+    token of every sequence), then one gather per unpacked or packed tensor."""
 
     def __init__(self, starts: torch.Tensor) -> None:
         starts = starts.clone()
@@ -177,14 +165,3 @@ def _sequence_starts(name: str, value: torch.Tensor, rows: int, length: int) -> 
 
 def _start_list(starts: torch.Tensor) -> list[tuple[int, int]]:
     return [tuple(pair) for pair in starts.nonzero().tolist()]
-
-
-def several_prompts(labels: torch.Tensor, real: torch.Tensor | None) -> bool:
-    """Whether some row's labels switch from unlabelled to labelled more than once: several prompt/response pairs,
-    as in a packed row (or a multi-turn conversation)."""
-    labelled = labels != -100
-    if real is not None:
-        labelled &= real.to(labelled.device).bool()
-    run_starts = labelled.clone()
-    run_starts[:, 1:] &= ~labelled[:, :-1]
-    return bool((run_starts.sum(dim=1) > 1).any())

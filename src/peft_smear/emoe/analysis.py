@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.routing_report import RoutingReport
+from ..training.report import RoutingReport
 from .gate import EmoeGate
 
 

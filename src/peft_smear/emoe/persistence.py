@@ -17,7 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..core import atomic
+from ..saving import atomic
 from .card import write_emoe_card
 from .moefy import emoe_gates, moefy
 
@@ -31,7 +31,7 @@ GATE_SUFFIX = ":gate_weight"  # the learned gate's weight of a layer, in the par
 def save_emoe(model: nn.Module, directory: str | os.PathLike) -> None:
     """Write the EMoE settings and partition of ``model`` (a transformers model or a ``PeftModel``) into
     ``directory`` (created if needed; e.g. the adapter's own). The directory is replaced in one step with a copy in
-    which both files and the model card are new and everything else is as it was (see :mod:`peft_smear.core.atomic`):
+    which both files and the model card are new and everything else is as it was (see :mod:`peft_smear.saving.atomic`):
     a kill at any moment leaves the old pair of files or the new pair, never one of each. The card (README.md, made if
     missing) gets a section saying that loading needs :func:`load_emoe` on the base model before
     ``PeftModel.from_pretrained``."""
@@ -64,7 +64,7 @@ def save_emoe(model: nn.Module, directory: str | os.PathLike) -> None:
         atomic.step(f"wrote {PARTITION_NAME}")
         (staging / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         atomic.step(f"wrote {CONFIG_NAME}")
-        write_emoe_card(staging, config, CONFIG_NAME, PARTITION_NAME)
+        write_emoe_card(staging, config, CONFIG_NAME, PARTITION_NAME, model)
         atomic.step("wrote README.md")
 
 

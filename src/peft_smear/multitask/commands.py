@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..core.arguments import CommandError, add_form_arguments, positive_float, positive_int
+from ..arguments import CommandError, add_form_arguments, positive_float, positive_int
 from ..core.routers import ROUTERS
 from .routings import trainable_routings, why_not_trainable
 from .tasks import BENCHMARK_TASKS

@@ -25,7 +25,7 @@ from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import ModelOutput
 
 from ..core.base_layers import SUPPORTED_BASE_LAYERS
-from ..core.pooling import masked_mean
+from ..core.smear import masked_mean
 from .tasks import TaskInfo
 
 

@@ -1,7 +1,7 @@
-"""The routing report of ``peft-smear train``: :class:`~peft_smear.core.routing_report.RoutingReport`, defined in the
-core because EMoE's selection report and the model card read it too."""
+"""The routing report of ``peft-smear train``: :class:`~peft_smear.training.report.RoutingReport`, defined below
+the application because EMoE's selection report and the model card read it too."""
 
-from ..core.routing_report import RoutingReport
+from ..training.report import RoutingReport
 
 
 __all__ = ["RoutingReport"]

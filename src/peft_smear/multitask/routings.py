@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from ..core.routers import ROUTERS, TASK_IDS
+from ..bank import BankRouter
+from ..core.routers import ROUTERS
+from ..routers import TASK_IDS
 
 
 def why_not_trainable(routing: str) -> str | None:
@@ -10,7 +12,7 @@ def why_not_trainable(routing: str) -> str | None:
     when it can: ``train`` trains experts and routing together from scratch, gives every call only the task ids, and
     reports one routing distribution per example and router."""
     router = ROUTERS[routing]
-    if router.over_existing_adapters:
+    if issubclass(router, BankRouter):
         return (
             f"{routing!r} routes over a bank of existing, separately trained adapters, and `train` trains its experts "
             f"from scratch: train one LoRA adapter per task, then build the bank with `peft-smear build-bank "

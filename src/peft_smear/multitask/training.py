@@ -23,14 +23,15 @@ from peft import PeftConfig, PeftModel, get_peft_model
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, Trainer, TrainingArguments, set_seed
 from transformers.trainer_callback import PrinterCallback
 
-from ..core import atomic
-from ..core.arguments import form_summary, name_path_pairs
+from ..arguments import form_summary, name_path_pairs
 from ..core.config import SmearConfig
-from ..core.export import DEFAULT_FORM, check_export_form, check_exportable, export_merged_adapter, refuse_occupied
-from ..core.model_card import write_model_card
-from ..core.optimizer import create_router_optimizer
-from ..core.routers import ROUTERS, TASK_IDS
-from ..core.routing_report import RoutingReport
+from ..core.routers import ROUTERS
+from ..export.export import DEFAULT_FORM, check_export_form, check_exportable, export_merged_adapter, refuse_occupied
+from ..routers import TASK_IDS
+from ..saving import atomic
+from ..saving.cards import write_model_card
+from ..training.optimizer import create_router_optimizer, default_lr_ratio
+from ..training.report import RoutingReport
 from .data import load_benchmark
 from .features import benchmark_task_info
 from .model import (
@@ -74,7 +75,7 @@ def default_model_dir() -> Path:
 def train(args: argparse.Namespace) -> dict[str, float]:
     """The ``train`` job; returns the test metrics (also in ``<output-dir>/metrics.json``). The run is written into a
     staging directory beside ``--output-dir`` that replaces it in one step once the run is complete (see
-    :mod:`peft_smear.core.atomic`): a run that fails or is killed leaves no partial directory (a killed one leaves a
+    :mod:`peft_smear.saving.atomic`): a run that fails or is killed leaves no partial directory (a killed one leaves a
     hidden staging directory, removed by the next run to the same output), and a previous run replaced with
     ``--overwrite`` stays complete until then."""
     started = time.perf_counter()
@@ -104,7 +105,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     peft_model.print_trainable_parameters()
     collator = MultiTaskCollator(tokenizer)
     optimizer = None  # Trainer's own AdamW, unless the routers learn at their own rate
-    ratio = args.router_lr_ratio if args.router_lr_ratio is not None else ROUTERS[args.routing].default_lr_ratio
+    ratio = args.router_lr_ratio if args.router_lr_ratio is not None else default_lr_ratio(ROUTERS[args.routing])
     if ratio != 1:
         optimizer = create_router_optimizer(peft_model, lr=args.learning_rate, router_lr_ratio=ratio)
     # The whole run is written into a staging directory beside the output, which replaces it in one step at the end:
@@ -278,7 +279,7 @@ def export_tasks(
     task's ``split`` examples in ``form`` (the experts merged with their mean routing, or their mean update, exact or
     truncated to ``rank``: see :func:`export_merged_adapter`), plus the run's ``tasks.json`` and the task's name, so
     :func:`load_run` rebuilds the complete model for that task. Each task's directory is replaced in one step once it
-    is complete (see :mod:`peft_smear.core.atomic`): a kill leaves every task's old export or its new one, never a
+    is complete (see :mod:`peft_smear.saving.atomic`): a kill leaves every task's old export or its new one, never a
     part of one."""
     run_dir, output_dir = Path(run_dir), Path(output_dir)
     run = _read_run(run_dir)

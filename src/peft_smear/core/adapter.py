@@ -9,27 +9,21 @@ sub-layer's output ("the preceding hidden states"), unless the layer routes on t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from ..checks import require_bool, require_integer
-from .base import (
-    Expert,
-    ExpertKind,
-    Params,
-    exported_config_fields,
-    fan_in_uniform_,
-    merge_parameter,
-    per_token,
-    scaled,
-)
+from .checks import choice, integer, require_bool
+from .experts import ExpertKind, register_expert_kind
+from .smear import merge_parameter, per_token, scaled
+from .types import Expert, Option, Params
 
 
 if TYPE_CHECKING:
-    from ..config import SmearConfig
+    from peft import PeftConfig
 
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -62,24 +56,36 @@ DOWN, DOWN_BIAS, UP, UP_BIAS = (
 NORM_WEIGHT, NORM_BIAS = "smear_adapter_norm_weight", "smear_adapter_norm_bias"
 
 
+@register_expert_kind
 class BottleneckAdapterExperts(ExpertKind):
     """N bottleneck adapters on the module's output ``y [.., d]``: ``y + LN?(act(y @ down + b_down) @ up + b_up)``.
 
     ``down [N, d, width]`` and ``up [N, width, d]`` are stored input-major, so each example's merged expert is used
     by ``bmm`` as it comes out of the merge. SMEAR merges every parameter of the expert: both projections, both
     biases and, with ``adapter_layer_norm``, the LayerNorm's gain and bias, which belong to each expert. The paper
-    (and its reference code) puts that LayerNorm on the expert's *output*; since it is part of the expert, Top-k's
-    and ST-Gumbel's scale multiplies the normalised output, so the router still gets a gradient.
+    (and its reference code) puts that LayerNorm on the expert's *output*; since it is part of the expert, a routing
+    method's output scale multiplies the normalised output, so the router still gets a gradient.
     """
 
     name = "adapter"
     title = "bottleneck adapter"
-    exported_as = "a single-expert SMEAR adapter"
     parameter_names = (DOWN, DOWN_BIAS, UP, UP_BIAS, NORM_WEIGHT, NORM_BIAS)
-    options = ("adapter_width", "adapter_reduction_factor", "adapter_activation", "adapter_layer_norm")
+    options = (
+        Option("adapter_width", None, "bottleneck width of each expert", integer(1)),
+        Option(
+            "adapter_reduction_factor",
+            None,
+            f"width = out_features // factor ({DEFAULT_REDUCTION_FACTOR} when no width is set)",
+            integer(1),
+        ),
+        Option(
+            "adapter_activation", "swish", f"the activation, one of {tuple(ACTIVATIONS)}", choice(tuple(ACTIVATIONS))
+        ),
+        Option("adapter_layer_norm", False, "a LayerNorm on each expert's output", require_bool),
+    )
     routes_on_output = True
 
-    def __init__(self, in_features: int, out_features: int, config: SmearConfig, module_name: str) -> None:
+    def __init__(self, in_features: int, out_features: int, config: PeftConfig, module_name: str) -> None:
         super().__init__(in_features, out_features, config, module_name)
         if config.adapter_width is not None:
             self.width = config.adapter_width
@@ -97,24 +103,23 @@ class BottleneckAdapterExperts(ExpertKind):
         self.names = (DOWN, DOWN_BIAS, UP, UP_BIAS, NORM_WEIGHT, NORM_BIAS)[: 6 if self.layer_norm else 4]
 
     @classmethod
-    def validate(cls, config: SmearConfig) -> None:
+    def validate(cls, config: PeftConfig) -> None:
         width, factor = config.adapter_width, config.adapter_reduction_factor
         if width is not None and factor is not None:
             raise ValueError(
                 f"Set adapter_width or adapter_reduction_factor, not both (got adapter_width={width!r}, "
                 f"adapter_reduction_factor={factor!r})."
             )
-        for name, value in (("adapter_width", width), ("adapter_reduction_factor", factor)):
-            if value is not None:
-                require_integer(name, value, minimum=1)
-        if config.adapter_activation not in ACTIVATIONS:
-            raise ValueError(
-                f"adapter_activation must be one of {tuple(ACTIVATIONS)}, got {config.adapter_activation!r}."
-            )
-        require_bool("adapter_layer_norm", config.adapter_layer_norm)
 
     @classmethod
-    def fill_default_targets(cls, config: SmearConfig, model_type: str | None) -> None:
+    def describe(cls, config: PeftConfig) -> str:
+        factor = config.adapter_reduction_factor or DEFAULT_REDUCTION_FACTOR
+        width = config.adapter_width or f"out_features // {factor}"
+        norm = ", LayerNorm on its output" if config.adapter_layer_norm else ""
+        return f"bottleneck adapter, width {width}, {config.adapter_activation} activation{norm}"
+
+    @classmethod
+    def fill_default_targets(cls, config: PeftConfig, model_type: str | None) -> None:
         if config.target_modules is not None:
             return
         if model_type not in DEFAULT_TARGET_MODULES:
@@ -194,23 +199,8 @@ class BottleneckAdapterExperts(ExpertKind):
             out = out + normed * (weights[..., expert, None] * p[NORM_WEIGHT][expert])
         return out
 
-    def export_weights(self, params: Params, distribution: torch.Tensor) -> dict[str, torch.Tensor]:
-        """One expert of a single-expert SMEAR adapter: the merged parameters, with an expert dimension of 1."""
-        return {name: merge_parameter(params[name], distribution[None], params[name].dtype) for name in self.names}
 
-    @classmethod
-    def export_config(
-        cls,
-        config: SmearConfig,
-        modules: Mapping[str, ExpertKind],
-        fan_in_fan_out: bool,
-        rank: int | None = None,
-    ) -> SmearConfig:
-        """No PEFT method is a bottleneck adapter, so the export is a SMEAR adapter with one expert and
-        ``routing="single"``: no router, the cost of one adapter, loadable wherever ``peft_smear`` is imported."""
-        return type(config)(
-            expert_type=cls.name,
-            routing="single",
-            **{option: getattr(config, option) for option in cls.options},
-            **exported_config_fields(config, modules),
-        )
+def fan_in_uniform_(tensor: torch.Tensor, fan_in: int) -> None:
+    """What ``kaiming_uniform_(a=sqrt(5))`` gives an ``nn.Linear`` weight with ``fan_in`` inputs, for any layout."""
+    bound = 1 / math.sqrt(fan_in)
+    torch.nn.init.uniform_(tensor, -bound, bound)

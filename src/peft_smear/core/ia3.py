@@ -9,19 +9,18 @@ every example once.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
-from peft import IA3Config
 
-from ..registration import DEFAULT_IA3_FEEDFORWARD_MODULES, DEFAULT_IA3_TARGET_MODULES
-from ..routers.base import RoutingDecision
-from .base import Expert, ExpertKind, Params, exported_config_fields, merge_parameter, per_token
+from .experts import ExpertKind, register_expert_kind
+from .registration import DEFAULT_IA3_FEEDFORWARD_MODULES, DEFAULT_IA3_TARGET_MODULES
+from .smear import merge_parameter, per_token
+from .types import Expert, Option, Params
 
 
 if TYPE_CHECKING:
-    from ..config import SmearConfig
+    from peft import PeftConfig
 
 
 VECTOR = "smear_ia3_l"
@@ -37,29 +36,37 @@ def is_feedforward(module_name: str, feedforward_modules: set[str] | str | None)
     return any(module_name == name or module_name.endswith(f".{name}") for name in feedforward_modules)
 
 
+@register_expert_kind
 class IA3Experts(ExpertKind):
     """N scaling vectors ``l_n`` of the module's output (or input) features.
 
     IA3 is linear in its vector, so every routing decision reduces to one vector per example: SMEAR's merge
     ``sum_n p_n l_n``, and for output mixtures or scaled outputs ``1 + sum_n w_n (l_n - 1)`` (the contribution of
-    expert n is ``y * (l_n - 1)``). The ensemble of IA3 experts is therefore exactly their merge.
+    expert n is ``y * (l_n - 1)``): mixing IA3 experts' outputs is exactly merging them. A feed-forward module's
+    experts scale its input: the layer passes the input as ``y`` to :meth:`apply` and :meth:`mix`.
     """
 
     name = "ia3"
     title = "(IA)³"
-    exported_as = "an IA3 adapter"
-    mean_update = "mean_routing"  # E_b[l(p_b)] = l(E_b[p_b]): the mean routing's merged expert is the mean update
     parameter_names = (VECTOR,)
-    options = ("ia3_feedforward_modules",)
+    options = (
+        Option(
+            "ia3_feedforward_modules",
+            None,
+            "target modules whose input features are scaled (names in target_modules, or a regex)",
+        ),
+    )
 
-    def __init__(self, in_features: int, out_features: int, config: SmearConfig, module_name: str) -> None:
+    def __init__(self, in_features: int, out_features: int, config: PeftConfig, module_name: str) -> None:
         super().__init__(in_features, out_features, config, module_name)
         self.scales_input = is_feedforward(module_name, config.ia3_feedforward_modules)
         self.features = in_features if self.scales_input else out_features
 
     @classmethod
-    def validate(cls, config: SmearConfig) -> None:
+    def validate(cls, config: PeftConfig) -> None:
         feedforward, targets = config.ia3_feedforward_modules, config.target_modules
+        if isinstance(feedforward, (list, tuple)):
+            feedforward = config.ia3_feedforward_modules = set(feedforward)
         if isinstance(feedforward, set) and isinstance(targets, set) and not feedforward <= targets:
             raise ValueError(
                 f"ia3_feedforward_modules {sorted(feedforward - targets)} are not in target_modules "
@@ -67,7 +74,15 @@ class IA3Experts(ExpertKind):
             )
 
     @classmethod
-    def fill_default_targets(cls, config: SmearConfig, model_type: str | None) -> None:
+    def describe(cls, config: PeftConfig) -> str:
+        modules = config.ia3_feedforward_modules
+        if not modules:
+            return "(IA)³ scaling vector"
+        names = f"`{modules}` (regex)" if isinstance(modules, str) else ", ".join(f"`{m}`" for m in sorted(modules))
+        return f"(IA)³ scaling vector (input features of {names})"
+
+    @classmethod
+    def fill_default_targets(cls, config: PeftConfig, model_type: str | None) -> None:
         """PEFT IA3's defaults: keys, values and the feed-forward output projection, whose *input* is scaled."""
         if config.target_modules is not None:
             return
@@ -106,31 +121,6 @@ class IA3Experts(ExpertKind):
 
     def mix(self, x: torch.Tensor, y: torch.Tensor, params: Params, weights: torch.Tensor) -> torch.Tensor:
         return y * mixed_vector(params[VECTOR], weights, y.dtype)
-
-    def scale_input(self, x: torch.Tensor, params: Params, decision: RoutingDecision) -> torch.Tensor:
-        if decision.mixture:
-            return x * mixed_vector(params[VECTOR], decision.weights, x.dtype)
-        vector = with_output_scale(self.expert_for(params, decision, x.dtype)[0], decision.output_scale)
-        return x * vector.unsqueeze(1)
-
-    def export_weights(self, params: Params, distribution: torch.Tensor) -> dict[str, torch.Tensor]:
-        """PEFT IA3's ``ia3_l``: ``[1, in]`` for an input-scaling (feed-forward) module, ``[out, 1]`` otherwise."""
-        vector = merge_parameter(params[VECTOR], distribution[None], params[VECTOR].dtype)[0]
-        return {"ia3_l": vector[None] if self.scales_input else vector[:, None]}
-
-    @classmethod
-    def export_config(
-        cls,
-        config: SmearConfig,
-        modules: Mapping[str, ExpertKind],
-        fan_in_fan_out: bool,
-        rank: int | None = None,
-    ) -> IA3Config:
-        return IA3Config(
-            feedforward_modules=sorted(name for name, kind in modules.items() if kind.scales_input),
-            fan_in_fan_out=fan_in_fan_out,
-            **exported_config_fields(config, modules),
-        )
 
 
 def with_output_scale(vector: torch.Tensor, output_scale: torch.Tensor | None) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""Routers that do not learn from the example's content: one expert for everything, the task's expert (tag), a hash
-of the example's tokens, Adamix's random expert, and Polytropon's learned task-by-expert matrix (Latent Skills)."""
+"""The SMEAR paper's baselines that do not learn from the example's content, registered as plug-ins: one expert for
+everything, the task's expert (tag), a hash of the example's tokens, Adamix's random experts, and Polytropon's learned
+task-by-expert matrix (Latent Skills)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..checks import integer, is_integer, number
-from .base import CallInput, Option, Router, RoutingDecision, merged, one_expert
+from ..core.checks import integer, is_integer, number
+from ..core.context import require
+from ..core.routers import ROUTERS, Router, merged, one_expert
+from ..core.types import CallInput, Option, RouterInputs, RoutingDecision
+from .losses import predicting_positions
 
 
 if TYPE_CHECKING:
-    from ..config import SmearConfig
-    from ..context import RouterInputs
-    from ..model import ModelCall
+    from ..core.config import SmearConfig
+    from ..core.model import ModelCall
 
 
 def task_id_tensor(value: Any) -> torch.Tensor:
@@ -37,7 +40,7 @@ def task_id_tensor(value: Any) -> torch.Tensor:
 
 
 def _task_ids_example(config: SmearConfig) -> str:
-    tasks = config.routed_tasks
+    tasks = ROUTERS[config.routing].routed_tasks(config)
     return "\n".join(
         [
             "import torch",
@@ -55,6 +58,44 @@ TASK_IDS = CallInput(
     task_id_tensor,
     example=_task_ids_example,
 )
+
+
+class TaskRouter(Router):
+    """A method that routes each example by its task id (``smear_task_ids``), each checked to be in
+    ``[0, routed_tasks)``."""
+
+    reads_content = False
+    call_inputs = (TASK_IDS,)
+
+    def __init__(self, features: int, config: SmearConfig, module_name: str) -> None:
+        super().__init__(features, config, module_name)
+        self.task_limit = self.routed_tasks(config)
+
+    @classmethod
+    def routed_tasks(cls, config: SmearConfig) -> int:
+        """How many task ids the routing accepts."""
+        raise NotImplementedError
+
+    def task_ids(self, inputs: RouterInputs) -> torch.Tensor:
+        """``[batch]`` int64 ``smear_task_ids``. Reading the ids back synchronises host and device, so they are
+        checked once per call (and limit), not in every layer."""
+        task_ids = inputs.call_input(TASK_IDS.name)
+        if task_ids is None:
+            raise ValueError(
+                f"routing={self.name!r} routes by task id, but the model was called without smear_task_ids "
+                "(an integer tensor [batch]); add it to the inputs, e.g. with peft_smear.SmearDataCollator."
+            )
+        key, limit = ("task ids checked", self.task_limit), self.task_limit
+        if key not in inputs.memo:
+            require(
+                ((task_ids >= 0) & (task_ids < limit)).all(),
+                lambda: (
+                    f"smear_task_ids must be in [0, {limit}) for routing={self.name!r}, got "
+                    f"{sorted(set(task_ids.tolist()))}."
+                ),
+            )
+            inputs.memo[key] = True
+        return task_ids
 
 
 class SingleRouter(Router):
@@ -77,14 +118,12 @@ class SingleRouter(Router):
         return one_expert(torch.zeros(inputs.batch_size, dtype=torch.long, device=inputs.device), self.num_experts)
 
 
-class TagRouter(Router):
+class TagRouter(TaskRouter):
     """The expert of the example's task id (``smear_task_ids``), optionally through ``tag_experts`` so that several
     tasks share an expert: the oracle that knows each example's task."""
 
     name = "tag"
     description = "the expert of the example's task id (`smear_task_ids`)"
-    reads_content = False
-    call_inputs = (TASK_IDS,)
     options = (
         Option(
             "num_tasks",
@@ -128,7 +167,7 @@ class TagRouter(Router):
         return len(experts) if experts is not None else config.num_experts
 
     def forward(self, inputs: RouterInputs) -> RoutingDecision:
-        task_ids = inputs.task_ids(self.name, self.task_limit)
+        task_ids = self.task_ids(inputs)
         if self.tag_experts is None:
             return one_expert(task_ids, self.num_experts)
         return one_expert(task_ids.new_tensor(self.tag_experts)[task_ids], self.num_experts)
@@ -150,9 +189,32 @@ class HashRouter(Router):
         choices = [
             int.from_bytes(hashlib.blake2b(ids.numpy().tobytes(), digest_size=8, key=self.key).digest(), "little")
             % self.num_experts
-            for ids in inputs.routing_token_ids(self.name)
+            for ids in routing_token_ids(inputs, self.name)
         ]
         return one_expert(torch.tensor(choices, dtype=torch.long, device=inputs.device), self.num_experts)
+
+
+def routing_token_ids(inputs: RouterInputs, method: str) -> list[torch.Tensor]:
+    """Each example's routing tokens' ids, on the host: its prompt's for prompt routing, else its real tokens'. Read
+    once per call and rule, for every layer."""
+    key = ("routing token ids", inputs.router_input, inputs.prefix_length)
+    if key not in inputs.memo:
+        ids = inputs.input_ids()
+        if ids is None:
+            raise ValueError(
+                f"routing={method!r} reads each example's token ids, but the model was called without input_ids "
+                "(e.g. with inputs_embeds). Pass input_ids."
+            )
+        mask = inputs.token_mask() if inputs.router_input == "prompt" else inputs.padding_mask()
+        if mask is not None and tuple(mask.shape) != tuple(ids.shape):
+            raise ValueError(
+                f"routing={method!r} needs input_ids {tuple(ids.shape)} and the routing mask "
+                f"{tuple(mask.shape)} to cover the same tokens; call the model on whole sequences (generate() "
+                "routes once at prefill)."
+            )
+        rows, keep = ids.cpu().long(), None if mask is None else mask.cpu().bool()
+        inputs.memo[key] = [row if keep is None else row[keep[i]] for i, row in enumerate(rows)]
+    return inputs.memo[key]
 
 
 class AdamixRouter(Router):
@@ -197,7 +259,7 @@ class AdamixRouter(Router):
         second = call.run_again()
         return {
             "adamix_consistency": weight
-            * consistency_loss(call.output.logits, second.logits, call.predicting_positions())
+            * consistency_loss(call.output.logits, second.logits, predicting_positions(call))
         }
 
 
@@ -217,16 +279,16 @@ def consistency_loss(first: torch.Tensor, second: torch.Tensor, token_mask: torc
     return symmetric.mean()
 
 
-class LatentSkillsRouter(Router):
+class LatentSkillsRouter(TaskRouter):
     """Polytropon's Latent Skills: a learned task-by-expert matrix of logits. Each task's row gives a relaxed-Bernoulli
     sample per expert in training (the sigmoid at inference), normalised to sum to one, and the experts' parameters
     are merged by it."""
 
     name = "latent_skills"
     description = "Polytropon's learned task-by-expert matrix merges the experts per task id"
-    reads_content = False
-    default_lr_ratio = 10.0  # the SMEAR paper's ratio for the skill matrix, best of {1, 10, 100} in both settings
-    call_inputs = (TASK_IDS,)
+    # The optimizer helper's trait (peft_smear.create_router_optimizer): the SMEAR paper trained the skill matrix at
+    # 10 times the experts' rate, best of {1, 10, 100} in both settings.
+    default_lr_ratio = 10.0
     options = (
         Option(
             "num_tasks",
@@ -254,7 +316,7 @@ class LatentSkillsRouter(Router):
         return config.routing_options["num_tasks"]
 
     def forward(self, inputs: RouterInputs) -> RoutingDecision:
-        logits = self.skill_logits[inputs.task_ids(self.name, self.task_limit)].float()
+        logits = self.skill_logits[self.task_ids(inputs)].float()
         if self.training:
             noise = torch.rand_like(logits).clamp(1e-6, 1 - 1e-6)
             active = ((logits + noise.log() - (-noise).log1p()) / self.temperature).sigmoid()

@@ -1,10 +1,5 @@
-"""Routers that learn from the example's pooled input: SMEAR's and the baselines that share its router (ensemble,
-Top-k, ST-Gumbel, REINFORCE), and DSelect-k's gate over the same normalised input.
-
-SMEAR's router (paper, section 4.1) is ``softmax(LN(pooled) @ LN_rows(W).T)``: a LayerNorm on the pooled input, a
-LayerNorm over each expert's weight row whose gain starts at 0.01 so initial routing is near uniform, no bias, all in
-fp32. Normalising both sides keeps the logits from saturating the softmax; the row gain is learned, so routing can
-still become sharp where that helps.
+"""The SMEAR paper's baselines that share SMEAR's router, registered as plug-ins: each turns SMEAR's distribution
+into its own decision (ensemble, Top-k, ST-Gumbel, REINFORCE); and DSelect-k's gate over the same normalised input.
 """
 
 from __future__ import annotations
@@ -16,144 +11,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checks import choice, integer, number
-from .base import Option, Router, RoutingDecision, merged, mixed, one_expert, require_top_k, with_defaults
+from ..core.checks import choice, integer, number
+from ..core.routers import mixed, one_expert
+from ..core.smear import NormalisedInputRouter, ProbabilityRouter
+from ..core.types import Option, RouterInputs, RoutingDecision
+from .common import require_top_k
 from .dselect_k_gate import dselect_k_entropy, dselect_k_gate, dselect_k_num_bits, init_dselect_k_
+from .losses import example_task_losses
 
 
 if TYPE_CHECKING:
-    from ..config import SmearConfig
-    from ..context import RouterInputs, RoutingContext
-    from ..model import ModelCall
-
-
-# Gain of the LayerNorm over the router's weight rows at initialisation. Small, so that initial routing is close to
-# uniform and every expert receives gradient early (the reference implementation's choice).
-ROW_NORM_INIT_GAIN = 1e-2
-
-
-def drop_experts(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Expert dropout on router logits: each expert of each example is removed with probability ``p`` (its logit
-    becomes -inf), so the softmax renormalises over the rest.
-
-    Dropping in logit space, not by rescaling probabilities, keeps a sharp router finite: when every kept expert's
-    probability underflows, ``kept / kept.sum()`` has a gradient of ``1 / sum**2`` that overflows to NaN. An example
-    that would lose every expert keeps them all, so its distribution stays defined.
-    """
-    keep = torch.rand_like(logits) >= p
-    keep |= ~keep.any(dim=-1, keepdim=True)
-    return logits.masked_fill(~keep, float("-inf"))
-
-
-def router_probabilities(
-    normed_input: torch.Tensor, row_norm_weight: torch.Tensor, weight: torch.Tensor, expert_dropout: float = 0.0
-) -> torch.Tensor:
-    """``softmax(normed_input @ LN_rows(weight).T)`` in fp32: ``[batch, features]`` -> ``[batch, num_experts]``,
-    with each expert of each example dropped with probability ``expert_dropout``."""
-    normed_rows = F.layer_norm(weight.float(), (weight.shape[-1],), row_norm_weight.float())
-    logits = normed_input @ normed_rows.T
-    if expert_dropout > 0:
-        logits = drop_experts(logits, expert_dropout)
-    return logits.softmax(dim=-1)
-
-
-class NormalisedInputRouter(Router):
-    """A linear map of ``LN(pooled)`` (no bias): ``weight [rows, features]`` and the input LayerNorm's gain and bias.
-    Subclasses say what the ``rows`` are and turn the logits into a decision."""
-
-    def __init__(self, features: int, config: SmearConfig, module_name: str, rows: int | None = None) -> None:
-        super().__init__(features, config, module_name)
-        rows = config.num_experts if rows is None else rows
-        self.weight = nn.Parameter(torch.randn(rows, features) * config.router_init_std)
-        self.input_norm_weight = nn.Parameter(torch.ones(features))
-        self.input_norm_bias = nn.Parameter(torch.zeros(features))
-
-    def normalised_input(self, summary: torch.Tensor) -> torch.Tensor:
-        """``LN(summary)`` in fp32: what the logits (and REINFORCE's baseline) read."""
-        weight, bias = self.input_norm_weight.float(), self.input_norm_bias.float()
-        return F.layer_norm(summary.float(), (summary.shape[-1],), weight, bias)
-
-
-class ProbabilityRouter(NormalisedInputRouter):
-    """``softmax(LN(pooled) @ LN_rows(W).T / router_temperature)`` in fp32, with expert dropout in training: the
-    distribution SMEAR merges by, and that the baselines sharing its router turn into their own decisions
-    (:meth:`decide`).
-
-    Three options against router collapse: a temperature that softens the logits, a warm-up during which every
-    example is routed uniformly (the experts differentiate under expert dropout before the router commits; the router
-    learns nothing meanwhile), and a load-balancing loss on the batch's mean routing,
-    ``router_balance_weight * (N * sum_n mean_p_n^2 - 1)`` per router (0 for an even load, N - 1 when every example
-    goes to one expert), added to the model's loss as ``router_balance``. All are off by default (the paper's
-    router), except SMEAR's load balancing, which won on the collapse benchmark.
-    """
-
-    accepts_expert_dropout = True
-    keeps_training_clock = True  # the warm-up's
-    options = (
-        Option(
-            "router_temperature",
-            1.0,
-            "divide the router's logits by this before the softmax; above 1 routing is softer (1: the paper's)",
-            number(),
-        ),
-        Option(
-            "router_warmup_steps",
-            0,
-            "route every example uniformly (with expert dropout) for the first k training calls (0: the paper's)",
-            integer(0),
-        ),
-        Option(
-            "router_balance_weight",
-            0.0,
-            "weight of a load-balancing loss on each router's mean routing over the batch (0: the paper's)",
-            number(inclusive=True),
-        ),
-    )
-
-    def __init__(self, features: int, config: SmearConfig, module_name: str) -> None:
-        super().__init__(features, config, module_name)
-        self.row_norm_weight = nn.Parameter(torch.full((features,), ROW_NORM_INIT_GAIN))
-        self.expert_dropout = config.expert_dropout
-        options = config.routing_options
-        self.temperature = options["router_temperature"]
-        self.warmup_steps = options["router_warmup_steps"]
-        self.balance_weight = options["router_balance_weight"]
-
-    def forward(self, inputs: RouterInputs) -> RoutingDecision:
-        normed = self.normalised_input(inputs.summary())
-        dropout = self.expert_dropout if self.training else 0.0
-        # Dividing the rows' LayerNorm gain divides the logits: the weight itself is normalised away.
-        gain = self.row_norm_weight if self.temperature == 1 else self.row_norm_weight / self.temperature
-        probs = router_probabilities(normed, gain, self.weight, dropout)
-        context = inputs.context
-        if self.warmup_steps and self.training:
-            # Uniform (with expert dropout) while warming up, by arithmetic rather than a branch on the counter, so
-            # that a compiled model neither breaks its graph nor recompiles; the router's gradient is zero meanwhile.
-            uniform = drop_experts(torch.zeros_like(probs), dropout).softmax(dim=-1)
-            warming = (self.training_calls <= self.warmup_steps).to(probs.dtype)
-            probs = probs * (1 - warming) + uniform * warming
-        decision = self.decide(probs, normed, context)
-        if self.training and self.balance_weight > 0:
-            mean = probs.mean(dim=0)
-            decision.aux_losses["router_balance"] = self.balance_weight * (self.num_experts * mean.square().sum() - 1)
-        return decision
-
-    def decide(self, probs: torch.Tensor, normed: torch.Tensor, context: RoutingContext) -> RoutingDecision:
-        raise NotImplementedError
-
-
-class SmearRouter(ProbabilityRouter):
-    """SMEAR: the experts' parameters are merged by the router's distribution into one expert per example. Its load
-    balancing is on by default (``router_balance_weight=0.01``): it beat the paper's router on the collapse benchmark
-    (``benchmarks/RESULTS.md``); ``router_balance_weight=0.0`` gives the paper's router."""
-
-    name = "smear"
-    description = "the router's distribution averages the experts' parameters into one expert per example"
-    options = with_defaults(ProbabilityRouter.options, router_balance_weight=0.01)
-    default_expert_dropout = 0.1
-
-    def decide(self, probs: torch.Tensor, normed: torch.Tensor, context: RoutingContext) -> RoutingDecision:
-        return merged(probs)
+    from ..core.config import SmearConfig
+    from ..core.model import ModelCall
 
 
 class EnsembleRouter(ProbabilityRouter):
@@ -164,7 +33,7 @@ class EnsembleRouter(ProbabilityRouter):
     default_expert_dropout = 0.1
     exportable = False
 
-    def decide(self, probs: torch.Tensor, normed: torch.Tensor, context: RoutingContext) -> RoutingDecision:
+    def decide(self, probs: torch.Tensor, normed: torch.Tensor, inputs: RouterInputs) -> RoutingDecision:
         return mixed(probs)
 
 
@@ -190,7 +59,7 @@ class TopKRouter(ProbabilityRouter):
     def validate(cls, config: SmearConfig) -> None:
         require_top_k(config, "top_k")
 
-    def decide(self, probs: torch.Tensor, normed: torch.Tensor, context: RoutingContext) -> RoutingDecision:
+    def decide(self, probs: torch.Tensor, normed: torch.Tensor, inputs: RouterInputs) -> RoutingDecision:
         if self.k == 1:
             index = probs.argmax(dim=-1)
             return one_expert(index, probs.shape[-1], output_scale=probs.gather(1, index[:, None]).squeeze(1))
@@ -234,7 +103,7 @@ class STGumbelRouter(ProbabilityRouter):
             options["gumbel_min_temperature"],
         )
 
-    def decide(self, probs: torch.Tensor, normed: torch.Tensor, context: RoutingContext) -> RoutingDecision:
+    def decide(self, probs: torch.Tensor, normed: torch.Tensor, inputs: RouterInputs) -> RoutingDecision:
         if not self.training:
             return one_expert(probs.argmax(dim=-1), probs.shape[-1])
         start, rate, floor = self.schedule
@@ -247,6 +116,7 @@ class STGumbelRouter(ProbabilityRouter):
 
 
 BASELINE_REDUCTION = 8  # the reference code's baseline: hidden width = the model's width / 8
+POLICY_STEPS = "reinforce policy steps"  # where the layers' steps of a call wait for finish_call (RouterInputs.memo)
 
 
 @dataclass
@@ -259,15 +129,16 @@ class PolicyStep:
     policy_weight: float
     entropy_weight: float
     value_weight: float
+    with_autograd: bool = True  # False as reentrant gradient checkpointing runs the layer: nothing to train then
 
 
 class ReinforceRouter(ProbabilityRouter):
     """One expert sampled from the router in training, trained by a policy gradient on minus the example's task loss
     against a learned baseline (a one-hidden-layer network on the detached normalised input); the argmax at
-    inference. Each
-    layer leaves a :class:`PolicyStep` in the context; :meth:`finish_call` turns them into losses once the task loss
-    is known. The reward is recomputed per example from the logits and labels of standard heads; models with custom
-    heads can return ``example_losses`` (``[batch]``) in their output, which is then used instead."""
+    inference. Each layer's router notes its :class:`PolicyStep` in the call's scratch (``RouterInputs.memo``);
+    :meth:`finish_call` turns this call's into losses once the task loss is known. The reward is recomputed per
+    example from the logits and labels of standard heads; models with custom heads can return ``example_losses``
+    (``[batch]``) in their output, which is then used instead."""
 
     name = "reinforce"
     description = "one sampled expert per example, trained by a policy gradient; the argmax at inference"
@@ -308,7 +179,7 @@ class ReinforceRouter(ProbabilityRouter):
         hidden = torch.relu(normed @ self.baseline_hidden_weight.float().T + self.baseline_hidden_bias.float())
         return hidden @ self.baseline_output_weight.float() + self.baseline_output_bias.float()
 
-    def decide(self, probs: torch.Tensor, normed: torch.Tensor, context: RoutingContext) -> RoutingDecision:
+    def decide(self, probs: torch.Tensor, normed: torch.Tensor, inputs: RouterInputs) -> RoutingDecision:
         if not self.training:
             return one_expert(probs.argmax(dim=-1), probs.shape[-1])
         index = torch.multinomial(probs.detach(), 1).squeeze(1)
@@ -317,16 +188,25 @@ class ReinforceRouter(ProbabilityRouter):
         # The baseline reads a detached input: its value loss trains the baseline alone, not the router's LayerNorm
         # nor, through the pooled summary, the layers below.
         baseline = self.baseline(normed.detach())
-        context.leave_for_finish(self.name, PolicyStep(log_prob, probs, baseline, policy, entropy, value))
+        step = PolicyStep(log_prob, probs, baseline, policy, entropy, value, torch.is_grad_enabled())
+        inputs.memo.setdefault(POLICY_STEPS, []).append(step)
         return one_expert(index, probs.shape[-1])
 
     @classmethod
     def finish_call(cls, call: ModelCall) -> dict[str, torch.Tensor]:
-        steps = call.context.left_for_finish(cls.name)
+        steps = call.context.call.memo.pop(POLICY_STEPS, [])
         if not steps:
             return {}
+        if call.training and torch.is_grad_enabled() and not all(step.with_autograd for step in steps):
+            raise RuntimeError(
+                f"routing {cls.name} recorded its training signal with autograd disabled inside a training call "
+                "that has autograd on, which is what reentrant gradient checkpointing does: it would not train the "
+                "routers. "
+                "Use non-reentrant checkpointing, gradient_checkpointing_kwargs={'use_reentrant': False} "
+                "(transformers' default; PEFT's prepare_model_for_kbit_training takes the same argument)."
+            )
         example_losses = getattr(call.output, "example_losses", None)  # a custom head's own per-example losses
-        rewards = -(example_losses.detach() if example_losses is not None else call.example_task_losses(cls.name))
+        rewards = -(example_losses.detach() if example_losses is not None else example_task_losses(call, cls.name))
         return reinforce_losses(steps, rewards)
 
 

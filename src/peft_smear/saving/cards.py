@@ -1,15 +1,18 @@
-"""The model card (README.md) of a SMEAR adapter: what SMEAR is, how this adapter is configured, the exact code that
-loads it, and, after ``peft-smear train``, where each task is routed.
+"""The model cards (README.md) the library writes, each rendered from a template in ``templates/`` by
+``huggingface_hub``'s ``ModelCard.from_template``: a SMEAR adapter's (what SMEAR is, how this adapter is configured,
+the exact code that loads it and, after ``peft-smear train``, where each task is routed), and an exported or merged
+adapter's. This module computes what the cards say; the templates say how it reads.
 
 ``PeftModel.save_pretrained`` writes PEFT's card first; :func:`create_or_update_model_card` then amends it. A card
 that existed before (written by the user, or fetched from the Hub by ``push_to_hub``) keeps its text and metadata:
-only its tags grow and one delimited section is added, or replaced on the next save. A new card is SMEAR's own.
+only its tags grow and the template's one delimited section is added, or replaced on the next save. A new card is the
+template's whole.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +21,12 @@ import peft
 from huggingface_hub import ModelCard, ModelCardData
 from torch import nn
 
+from ..core.experts import EXPERT_KINDS
+from ..core.layer import SmearLinear
+from ..core.routers import ROUTERS
+from ..training.report import RoutingReport
 from ..version import __version__
 from .atomic import destination
-from .experts import EXPERT_KINDS
-from .experts.adapter import DEFAULT_REDUCTION_FACTOR
-from .layer import SmearLinear
-from .routers import ROUTERS
 
 
 PAPER_URL = "https://arxiv.org/abs/2306.03745"
@@ -34,6 +37,7 @@ SECTION_END = "<!-- peft-smear: end -->"
 FRAMEWORK_HEADING = "### Framework versions"
 ROUTING_JSON, ROUTING_HEATMAP = "routing.json", "routing.png"
 BASE_MODEL_TAG = "base_model:adapter:"
+TEMPLATES = Path(__file__).parent / "templates"
 
 # The model classes of the load snippet, by PEFT task type: (transformers Auto class, PEFT AutoPeftModel class).
 AUTO_CLASSES = {
@@ -44,6 +48,15 @@ AUTO_CLASSES = {
     "QUESTION_ANS": ("AutoModelForQuestionAnswering", "AutoPeftModelForQuestionAnswering"),
     "FEATURE_EXTRACTION": ("AutoModel", "AutoPeftModelForFeatureExtraction"),
 }
+# The model classes whose name ends so, by PEFT task type: a model's Auto class when no config names its task.
+TASK_OF_CLASS_SUFFIX = {
+    "ForCausalLM": "CAUSAL_LM",
+    "LMHeadModel": "CAUSAL_LM",
+    "ForConditionalGeneration": "SEQ_2_SEQ_LM",
+    "ForSequenceClassification": "SEQ_CLS",
+    "ForTokenClassification": "TOKEN_CLS",
+    "ForQuestionAnswering": "QUESTION_ANS",
+}
 ROUTER_INPUT_DESCRIPTIONS = {
     "self": "the layer's own input, averaged over the example's real tokens",
     "prompt": "the layer's input averaged over the example's prompt tokens only, so the response never reaches it",
@@ -51,25 +64,42 @@ ROUTER_INPUT_DESCRIPTIONS = {
 }
 
 
+def auto_class_name(model: nn.Module) -> str:
+    """The transformers Auto class that loads a model of ``model``'s class, by its name (``AutoModel`` for a model
+    without a head)."""
+    name = type(model).__name__
+    task = next((task for suffix, task in TASK_OF_CLASS_SUFFIX.items() if name.endswith(suffix)), None)
+    return AUTO_CLASSES[task][0] if task else "AutoModel"
+
+
 def routing_description(config: Any) -> str:
     """One line on what ``config.routing`` does with the experts, from its router class."""
     return ROUTERS[config.routing].describe(config)
 
 
-def expert_description(config: Any) -> str:
-    if config.expert_type == "lora":
-        return f"LoRA, rank r={config.r}, alpha {config.lora_alpha:g}" + (
-            ", rsLoRA scaling" if config.use_rslora else ""
-        )
-    if config.expert_type == "adapter":
-        width = (
-            config.adapter_width or f"out_features // {config.adapter_reduction_factor or DEFAULT_REDUCTION_FACTOR}"
-        )
-        norm = ", LayerNorm on its output" if config.adapter_layer_norm else ""
-        return f"bottleneck adapter, width {width}, {config.adapter_activation} activation{norm}"
-    return "(IA)³ scaling vector" + (
-        f" (input features of {_listing(config.ia3_feedforward_modules)})" if config.ia3_feedforward_modules else ""
-    )
+def render(template: str, card_data: ModelCardData, **variables: Any) -> ModelCard:
+    """The card ``templates/<template>`` makes of ``card_data`` (its metadata) and ``variables``."""
+    defaults = {
+        "section_begin": SECTION_BEGIN,
+        "section_end": SECTION_END,
+        "framework_versions": [f"- PEFT {peft.__version__}", f"- peft-smear {__version__}"],
+    }
+    return ModelCard.from_template(card_data, template_path=str(TEMPLATES / template), **{**defaults, **variables})
+
+
+def amended(text: str, section: str, begin: str, end: str, otherwise: Callable[[str, str], str]) -> str:
+    """``text`` with its delimited section (from ``begin`` to ``end``) replaced by ``section``, or, when it has
+    none, ``otherwise(text, section)``."""
+    if begin in text and end in text:
+        start, stop = text.index(begin), text.index(end) + len(end)
+        return text[:start] + section + text[stop:]
+    return otherwise(text, section)
+
+
+def section_of(card: ModelCard, begin: str = SECTION_BEGIN, end: str = SECTION_END) -> str:
+    """The delimited section of a rendered card, its markers included."""
+    text = card.text
+    return text[text.index(begin) : text.index(end) + len(end)]
 
 
 def create_or_update_model_card(original: Callable[[Any, str], None], peft_model: Any, output_dir: str) -> None:
@@ -110,6 +140,8 @@ def _amend(
     usage: str | None,
     tags: Iterable[str],
 ) -> None:
+    """PEFT's card in ``directory``, with the SMEAR template's metadata and section: the whole template for a new
+    card, its section in a card that existed before."""
     path = directory / "README.md"
     card = ModelCard.load(path)
     base_model = _base_model_id(peft_model)
@@ -117,28 +149,29 @@ def _amend(
     old_tags = (previous_data.tags or []) if previous_data is not None else []
     card.data.tags = sorted({*old_tags, *(card.data.tags or []), *CARD_TAGS, *tags})
     _set_base_model(card, base_model, previous_data.base_model if previous_data is not None else None)
-
-    section = "\n".join([SECTION_BEGIN, _section(peft_model, directory, adapter_id, usage, base_model), SECTION_END])
+    rendered = render(
+        "smear_adapter.md", card.data, **_adapter_variables(peft_model, directory, adapter_id, usage, base_model)
+    )
     if previous is None:
-        text = f"# SMEAR adapter for {_base_model_words(peft_model, base_model)}\n\n{section}\n"
-    else:
-        text = card.text
-        if SECTION_BEGIN in text and SECTION_END in text:
-            start, end = text.index(SECTION_BEGIN), text.index(SECTION_END) + len(SECTION_END)
-            text = text[:start] + section + text[end:]
-        elif FRAMEWORK_HEADING in text:
-            at = text.index(FRAMEWORK_HEADING)
-            text = text[:at].rstrip("\n") + "\n\n" + section + "\n\n" + text[at:]
-        else:
-            text = text.rstrip("\n") + "\n\n" + section + "\n"
-    card.text = _with_framework_versions(text)
+        rendered.save(path)
+        return
+    card.text = _with_framework_versions(
+        amended(card.text, section_of(rendered), SECTION_BEGIN, SECTION_END, _before_framework_versions)
+    )
     card.save(path)
+
+
+def _before_framework_versions(text: str, section: str) -> str:
+    """``section`` added to a card's ``text``: before its framework versions, or at its end."""
+    if FRAMEWORK_HEADING in text:
+        at = text.index(FRAMEWORK_HEADING)
+        return text[:at].rstrip("\n") + "\n\n" + section + "\n\n" + text[at:]
+    return text.rstrip("\n") + "\n\n" + section + "\n"
 
 
 def _with_framework_versions(text: str) -> str:
     """``text`` with PEFT's and peft-smear's versions under its framework versions heading (added if missing), where
     PEFT puts its own line: right below the heading."""
-
     lines = text.rstrip("\n").splitlines()
     if FRAMEWORK_HEADING not in lines:
         lines += ["", FRAMEWORK_HEADING, ""]
@@ -149,50 +182,26 @@ def _with_framework_versions(text: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _section(
+def _adapter_variables(
     peft_model: Any, directory: Path, adapter_id: str | None, usage: str | None, base_model: str | None
-) -> str:
+) -> dict[str, Any]:
+    """What the SMEAR adapter's card says, by the template's names."""
     name = peft_model.active_adapter
     config = peft_model.peft_config[name]
     layers = [m for m in peft_model.modules() if isinstance(m, SmearLinear) and name in m.expert_kind]
     router_inputs = sorted({layer.router_input[name] for layer in layers})
-    n, routing, options = config.num_experts, config.routing, config.routing_options
-    router = ROUTERS[routing]
-    expert = EXPERT_KINDS[config.expert_type].title
-    bank = _bank_words(config)
-    if routing == "smear":
-        pitch = (
-            f"Every adapted layer holds {n} {expert} experts and a small router. For each example the router reads "
-            f"the example once and produces a distribution over the experts; the experts' *parameters* are averaged "
-            "by that distribution into a single merged expert, which then processes the example. Routing is learned "
-            f"by plain backpropagation, without task labels, and the adapter costs about one {expert}'s compute "
-            f"instead of {n}."
-        )
-    elif router.over_existing_adapters:
-        pitch = (
-            f"Every adapted layer holds {n} {expert} expert{'s' * (n != 1)}, routed by `{routing}`, a router made for "
-            f"a bank of existing, separately trained adapters rather than for experts trained with it: "
-            f"{routing_description(config)}."
-        )
-    else:
-        pitch = (
-            f"Every adapted layer holds {n} {expert} expert{'s' * (n != 1)}. This adapter uses one of the routing "
-            f"methods the SMEAR paper compares with instead of SMEAR's merging, `{routing}`: "
-            f"{routing_description(config)}."
-        )
-    if bank:
-        pitch += " " + bank
+    options, router, kind = config.routing_options, ROUTERS[config.routing], EXPERT_KINDS[config.expert_type]
     rows = [
         ("method", f"SMEAR (`peft_type: SMEAR`), [paper]({PAPER_URL})"),
-        ("experts per layer (N)", str(n)),
-        ("expert", f"`{config.expert_type}`: {expert_description(config)}"),
+        ("experts per layer (N)", str(config.num_experts)),
+        ("expert", f"`{config.expert_type}`: {kind.describe(config)}"),
         *([("experts", _listing_in_order(config.expert_names))] if config.expert_names else []),
         *(
             [("expert task descriptions", "; ".join(f"`{e}`: {_cell(d)}" for e, d in _described(config)))]
             if config.expert_descriptions
             else []
         ),
-        ("routing", f"`{routing}`: {routing_description(config)}"),
+        ("routing", f"`{config.routing}`: {routing_description(config)}"),
         ("router input", _router_input_words(config, router, router_inputs)),
         ("expert dropout", f"{config.expert_dropout:g}"),
         *(
@@ -214,38 +223,37 @@ def _section(
         *_untrained_experts(layers, name, config),
         ("trainable parameters", _trainable_parameters(peft_model)),
         *_frozen_adapter_parameters(peft_model, name, config),
+        *([("trained in full", _listing(config.modules_to_save))] if config.modules_to_save else []),
+        *([("task type", f"`{config.task_type}`")] if config.task_type else []),
     ]
-    if config.modules_to_save:
-        rows.append(("trained in full", _listing(config.modules_to_save)))
-    if config.task_type:
-        rows.append(("task type", f"`{config.task_type}`"))
-    lines = [
-        f"A [SMEAR]({PAPER_URL}) adapter (*Soft Merging of Experts with Adaptive Routing*, Muqeeth, Liu & Raffel) "
-        + (f"for [`{base_model}`](https://huggingface.co/{base_model}), " if _looks_like_repo_id(base_model) else "")
-        + f"made with [peft-smear]({PACKAGE_URL}).",
-        "",
-        pitch,
-        "",
-        "## Usage",
-        "",
-        "```bash",
-        "pip install peft-smear",
-        "```",
-        "",
-        "```python",
-        # a save being staged loads from its target, not from the staging directory the card is written in
-        usage or _load_snippet(config, adapter_id or str(destination(directory)), base_model),
-        "```",
-    ]
-    for call_input in router.call_inputs:
-        lines += ["", f"Every call needs `{call_input.name}`: {call_input.help}."]
-        if call_input.example is not None:
-            lines += ["", "```python", call_input.example(config), "```"]
-    lines += ["", "## Adapter", "", "| | |", "|---|---|", *(f"| {key} | {value} |" for key, value in rows)]
     report = directory / ROUTING_JSON
-    if report.is_file():
-        lines += ["", *_routing_report(json.loads(report.read_text()), (directory / ROUTING_HEATMAP).is_file())]
-    return "\n".join(lines)
+    auto, auto_peft = AUTO_CLASSES.get(config.task_type, (None, None))
+    return {
+        "base_model_words": _base_model_words(peft_model, base_model),
+        "paper_url": PAPER_URL,
+        "package_url": PACKAGE_URL,
+        "hub_id": base_model if _looks_like_repo_id(base_model) else None,
+        "routing": config.routing,
+        "routing_words": routing_description(config),
+        "for_a_bank": getattr(router, "over_existing_adapters", False),  # the bank's trait of its routers
+        "n": config.num_experts,
+        "expert": kind.title,
+        "bank_words": _bank_words(config),
+        "usage": usage,
+        "auto": auto,
+        "auto_peft": auto_peft,
+        "base": base_model or "BASE_MODEL",  # the base model was built without a name or path
+        # a save being staged loads from its target, not from the staging directory the card is written in
+        "adapter_id": adapter_id or str(destination(directory)),
+        "call_inputs": [
+            {"name": c.name, "help": c.help, "code": c.example(config) if c.example else None}
+            for c in router.call_inputs
+        ],
+        "rows": rows,
+        "report": _report_variables(json.loads(report.read_text()), (directory / ROUTING_HEATMAP).is_file())
+        if report.is_file()
+        else None,
+    }
 
 
 def _trainable_parameters(peft_model: Any) -> str:
@@ -275,10 +283,12 @@ def _frozen_adapter_parameters(peft_model: nn.Module, adapter_name: str, config:
 
 
 def _untrained_experts(layers: list[SmearLinear], adapter_name: str, config: Any) -> list[tuple[str, str]]:
-    """A row naming the experts that no layer's router learned to route to (e.g. PHATGOOSE gates never trained)."""
+    """A row naming the experts that no layer's router learned to route to (e.g. PHATGOOSE gates never trained): the
+    card's trait of a router, its method ``untrained_experts()`` where it has one."""
     untrained = None
     for layer in layers:
-        experts = set(layer.smear_router[adapter_name].untrained_experts())
+        router = layer.smear_router[adapter_name]
+        experts = set(router.untrained_experts()) if hasattr(router, "untrained_experts") else set()
         untrained = experts if untrained is None else untrained & experts
     if not untrained:
         return []
@@ -343,36 +353,8 @@ def _is_adapter_parameter(name: str, adapter_name: str) -> bool:
     )
 
 
-def _load_snippet(config: Any, adapter_id: str, base_model: str | None) -> str:
-    base = base_model or "BASE_MODEL"  # the base model was built without a name or path
-    if config.task_type in AUTO_CLASSES:
-        auto, auto_peft = AUTO_CLASSES[config.task_type]
-        return "\n".join(
-            [
-                "import peft_smear  # registers the SMEAR adapter type with PEFT",
-                "from peft import AutoPeftModel" + auto_peft.removeprefix("AutoPeftModel") + ", PeftModel",
-                f"from transformers import {auto}",
-                "",
-                f'base = {auto}.from_pretrained("{base}")',
-                f'model = PeftModel.from_pretrained(base, "{adapter_id}")',
-                f'# or, in one step: model = {auto_peft}.from_pretrained("{adapter_id}")',
-            ]
-        )
-    return "\n".join(
-        [
-            "import peft_smear  # registers the SMEAR adapter type with PEFT",
-            "from peft import PeftModel",
-            "",
-            f"base = ...  # the base model, {base}",
-            f'model = PeftModel.from_pretrained(base, "{adapter_id}")',
-        ]
-    )
-
-
-def _routing_report(report: dict[str, Any], heatmap: bool) -> list[str]:
-    """The card's view of a ``routing.json`` written by :class:`peft_smear.multitask.report.RoutingReport`."""
-    from .routing_report import RoutingReport
-
+def _report_variables(report: dict[str, Any], heatmap: bool) -> dict[str, Any]:
+    """The card's view of a ``routing.json`` written by :class:`peft_smear.training.report.RoutingReport`."""
     tasks, routers = report["tasks"], report["routers"]
     routing = RoutingReport(
         tasks,
@@ -382,38 +364,24 @@ def _routing_report(report: dict[str, Any], heatmap: bool) -> list[str]:
         np.array([report["entropy"][task] for task in tasks]),
     )
     n = routing.num_experts
-    lines = [
-        "## Where each task is routed",
-        "",
-        f"Mean routing of each task's held-out examples at each of the {len(routers)} routers ({n} experts each); "
-        "the router never saw the task. Entropy is a share of the uniform routing's (1: uniform, 0: one expert); "
-        "experts used: how many get more than their uniform share, per router.",
-        "",
-        "| task | examples | routing entropy | experts used per router | mean top weight | top expert per router |",
-        "|---|---|---|---|---|---|",
-    ]
-    for t, task in enumerate(tasks):
-        used = (routing.mean_routing[t] > 1 / n + 1e-9).sum(axis=-1).mean()
-        top = routing.mean_routing[t].max(axis=-1).mean()
-        signature = ("" if n <= 10 else " ").join(str(e) for e in routing.mean_routing[t].argmax(axis=-1))
-        entropy = routing.entropy[t] / np.log(n)
-        lines.append(f"| {task} | {routing.examples[t]} | {entropy:.2f} | {used:.1f} | {top:.2f} | `{signature}` |")
-    if len(tasks) > 1:
-        lines += [
-            "",
-            "Routing similarity of two tasks (1 minus the total-variation distance of their mean routing, averaged "
-            "over routers; 1: routed alike):",
-            "",
-            "| | " + " | ".join(tasks) + " |",
-            "|---|" + "---|" * len(tasks),
-            *(
-                f"| {task} | " + " | ".join(f"{value:.2f}" for value in row) + " |"
-                for task, row in zip(tasks, routing.similarity(), strict=True)
-            ),
-        ]
-    if heatmap:
-        lines += ["", f"![Mean routing of each task (rows) over the experts (columns), per router]({ROUTING_HEATMAP})"]
-    return lines
+    return {
+        "routers": len(routers),
+        "experts": n,
+        "task_names": tasks,
+        "tasks": [
+            {
+                "name": task,
+                "examples": routing.examples[t],
+                "entropy": routing.entropy[t] / np.log(n),
+                "used": (routing.mean_routing[t] > 1 / n + 1e-9).sum(axis=-1).mean(),
+                "top": routing.mean_routing[t].max(axis=-1).mean(),
+                "signature": ("" if n <= 10 else " ").join(str(e) for e in routing.mean_routing[t].argmax(axis=-1)),
+            }
+            for t, task in enumerate(tasks)
+        ],
+        "similarity": list(zip(tasks, routing.similarity(), strict=True)) if len(tasks) > 1 else None,
+        "heatmap": ROUTING_HEATMAP if heatmap else None,
+    }
 
 
 def _base_model_id(peft_model: Any) -> str | None:
@@ -466,21 +434,20 @@ def write_export_card(
     adapter_name: str,
     routing: Any,
     parameters: int,
+    exported_as: str,
     source: str | None = None,
     usage: str | None = None,
 ) -> Path:
     """The card of an adapter :func:`peft_smear.export_merged_adapter` wrote into ``directory``: what it was exported
     from (``source``: the SMEAR adapter's directory or Hub id, when known), with which routing (``routing``, an
-    ``ExportedRouting``), its settings and ``parameters`` (every value it saved), and how to load it (``usage``
-    replaces the load snippet)."""
-    directory = Path(directory)
+    ``ExportedRouting``), its settings and ``parameters`` (every value it saved), ``exported_as`` (what it is, in
+    words), and how to load it (``usage`` replaces the load snippet)."""
     smear_config = peft_model.peft_config[adapter_name]
     peft_type = str(getattr(exported_config.peft_type, "value", exported_config.peft_type))
     needs_smear = peft_type == "SMEAR"
     base_model = exported_config.base_model_name_or_path or _base_model_id(peft_model)
-    kind = EXPERT_KINDS[smear_config.expert_type]
+    kind = EXPERT_KINDS[smear_config.expert_type].title
     data, hub_id = _export_card_data(base_model, exported_config.task_type, {peft_type.lower()})
-
     if peft_type == "LORA":
         adapter = f"PEFT LoRA, r={exported_config.r}, lora_alpha={exported_config.lora_alpha:g}" + (
             ", rsLoRA scaling" if exported_config.use_rslora else ""
@@ -488,43 +455,41 @@ def write_export_card(
     elif peft_type == "IA3":
         adapter = "PEFT (IA)³ scaling vectors"
     else:
-        adapter = f"SMEAR with one {kind.title} expert and `routing='single'` (no PEFT method is one)"
+        adapter = f"SMEAR with one {kind} expert and `routing='single'` (no PEFT method is one)"
     source_words = f"`{source}`" if source else "a SMEAR adapter"
     names = smear_config.expert_names
     origin = (
-        f"{source_words}: {smear_config.num_experts} {kind.title} experts per layer, routing `{smear_config.routing}`"
+        f"{source_words}: {smear_config.num_experts} {kind} experts per layer, routing `{smear_config.routing}`"
         + (f", experts {_listing_in_order(names)}" if names else "")
+    )
+    title = exported_as[0].upper() + exported_as[1:]
+    plain = "loads with peft_smear imported" if needs_smear else "loads with plain PEFT, without peft_smear"
+    intro = (
+        f"{title} written by [peft-smear]({PACKAGE_URL})'s `export_merged_adapter` from {source_words}, a "
+        f"[SMEAR]({PAPER_URL}) adapter"
+        + (f" for [`{hub_id}`](https://huggingface.co/{hub_id})" if hub_id else "")
+        + f", with one fixed routing: {routing.describe()}. It {plain}, at the cost of one {kind}, with no router."
     )
     rows = [
         ("exported from", origin),
         ("routing merged", routing.describe()),
         ("adapter", f"`peft_type: {peft_type}`, {adapter}"),
-        ("target modules", _target_modules_words(exported_config.target_modules)),
-        ("parameters", f"{parameters:,}"),
+        *_exported_rows(exported_config, parameters),
     ]
-    if exported_config.modules_to_save:
-        rows.append(("trained in full", _listing(exported_config.modules_to_save)))
-    if exported_config.task_type:
-        rows.append(("task type", f"`{exported_config.task_type}`"))
-    plain = "loads with peft_smear imported" if needs_smear else "loads with plain PEFT, without peft_smear"
-    title = kind.exported_as[0].upper() + kind.exported_as[1:]
-    intro = (
-        f"{title} written by [peft-smear]({PACKAGE_URL})'s `export_merged_adapter` from {source_words}, a "
-        f"[SMEAR]({PAPER_URL}) adapter"
-        + (f" for [`{hub_id}`](https://huggingface.co/{hub_id})" if hub_id else "")
-        + f", with one fixed routing: {routing.describe()}. It {plain}, at the cost of one {kind.title}, with no "
-        "router."
-    )
-    snippet = usage or _export_snippet(exported_config, str(destination(directory)), base_model, needs_smear)
-    return _save_export_card(
-        directory,
+    card = render(
+        "exported_adapter.md",
         data,
-        f"{title} exported from a SMEAR adapter",
-        intro,
-        snippet,
-        rows,
-        _energy_kept_section(routing),
+        title=f"{title} exported from a SMEAR adapter",
+        intro=intro,
+        rows=rows,
+        mean_update_gap=getattr(routing, "mean_update_gap", None),
+        energy_kept=routing.energy_kept if getattr(routing, "truncated", False) else None,
+        rank=getattr(routing, "rank", None),
+        **_snippet_variables(exported_config, directory, base_model, usage, needs_smear),
     )
+    path = Path(directory) / "README.md"
+    card.save(path)
+    return path
 
 
 def write_merge_card(
@@ -548,24 +513,54 @@ def write_merge_card(
     experts = f"{smear_config.num_experts} LoRA experts per layer" + (
         f" ({_listing_in_order(names)})" if names else ""
     )
-    rows = [
-        ("merged from", f"{source_words}: {experts}, routing `{smear_config.routing}`"),
-        ("combination", f"{combination}, by PEFT {peft.__version__}'s `add_weighted_adapter`, layer by layer"),
-        ("weights", weights),
-        ("adapter", f"`peft_type: LORA`, r={merged_config.r}, lora_alpha={merged_config.lora_alpha:g}"),
-        ("target modules", _target_modules_words(merged_config.target_modules)),
-        ("parameters", f"{parameters:,}"),
-    ]
-    if merged_config.task_type:
-        rows.append(("task type", f"`{merged_config.task_type}`"))
     intro = (
         f"A plain PEFT LoRA written by [peft-smear]({PACKAGE_URL})'s `merge_experts`: the LoRA experts of "
         f"{source_words} combined by PEFT's {combination} merge, weights {weights}. It loads with plain PEFT, without "
         "peft_smear, at the cost of one LoRA."
     )
-    snippet = usage or _export_snippet(merged_config, str(destination(directory)), base_model, needs_smear=False)
-    title = "A LoRA merged from the experts of a SMEAR adapter"
-    return _save_export_card(Path(directory), data, title, intro, snippet, rows)
+    rows = [
+        ("merged from", f"{source_words}: {experts}, routing `{smear_config.routing}`"),
+        ("combination", f"{combination}, by PEFT {peft.__version__}'s `add_weighted_adapter`, layer by layer"),
+        ("weights", weights),
+        ("adapter", f"`peft_type: LORA`, r={merged_config.r}, lora_alpha={merged_config.lora_alpha:g}"),
+        *_exported_rows(merged_config, parameters),
+    ]
+    card = render(
+        "exported_adapter.md",
+        data,
+        title="A LoRA merged from the experts of a SMEAR adapter",
+        intro=intro,
+        rows=rows,
+        **_snippet_variables(merged_config, directory, base_model, usage, needs_smear=False),
+    )
+    path = Path(directory) / "README.md"
+    card.save(path)
+    return path
+
+
+def _exported_rows(config: Any, parameters: int) -> list[tuple[str, str]]:
+    """The rows every exported or merged adapter's card has: its modules, its size, its head and task."""
+    modules = sorted(config.target_modules)
+    return [
+        ("target modules", f"{_listing(sorted({m.rsplit('.', 1)[-1] for m in modules}))} ({len(modules)} layers)"),
+        ("parameters", f"{parameters:,}"),
+        *([("trained in full", _listing(config.modules_to_save))] if config.modules_to_save else []),
+        *([("task type", f"`{config.task_type}`")] if config.task_type else []),
+    ]
+
+
+def _snippet_variables(
+    config: Any, directory: str | Path, base_model: str | None, usage: str | None, needs_smear: bool
+) -> dict[str, Any]:
+    """What the exported card's load snippet reads: the model class of its task (``AutoModel`` for any other), the
+    base model and the directory a staged save ends up in."""
+    return {
+        "usage": usage,
+        "needs_smear": needs_smear,
+        "auto": AUTO_CLASSES.get(config.task_type, ("AutoModel", None))[0],
+        "base": base_model or "BASE_MODEL",
+        "adapter_id": str(destination(Path(directory))),
+    }
 
 
 def _export_card_data(
@@ -579,90 +574,3 @@ def _export_card_data(
     if task_type == "CAUSAL_LM":
         data.pipeline_tag = "text-generation"
     return data, hub_id
-
-
-def _target_modules_words(target_modules: Iterable[str]) -> str:
-    modules = sorted(target_modules)
-    return f"{_listing(sorted({m.rsplit('.', 1)[-1] for m in modules}))} ({len(modules)} layers)"
-
-
-def _save_export_card(
-    directory: Path,
-    data: ModelCardData,
-    title: str,
-    intro: str,
-    snippet: str,
-    rows: list[tuple[str, str]],
-    sections: Sequence[str] = (),
-) -> Path:
-    lines = [
-        f"# {title}",
-        "",
-        SECTION_BEGIN,
-        intro,
-        "",
-        "## Usage",
-        "",
-        "```python",
-        snippet,
-        "```",
-        "",
-        "## Adapter",
-        "",
-        "| | |",
-        "|---|---|",
-        *(f"| {key} | {value} |" for key, value in rows),
-        *sections,
-        SECTION_END,
-    ]
-    card = ModelCard(f"---\n{data.to_yaml()}\n---\n" + _with_framework_versions("\n".join(lines)))
-    path = directory / "README.md"
-    card.save(path)
-    return path
-
-
-def _energy_kept_section(routing: Any) -> list[str]:
-    """A truncated mean update's share of energy kept, or a mean routing's gap to the mean update, per module, in the
-    order of the model's modules."""
-    if getattr(routing, "mean_update_gap", None):
-        return [
-            "",
-            "## Gap to the task's mean update, per module",
-            "",
-            "How far this export's update (the merged expert of the task's mean routing) is from the average of the "
-            "task's examples' own merged experts: the relative Frobenius distance. `form=\"mean_update\"` exports "
-            "the latter exactly.",
-            "",
-            "| module | gap |",
-            "|---|---|",
-            *(f"| `{module}` | {gap:.2%} |" for module, gap in routing.mean_update_gap.items()),
-        ]
-    if not getattr(routing, "truncated", False):
-        return []
-    return [
-        "",
-        "## Energy kept per module",
-        "",
-        f"The share of each module's mean update (its squared Frobenius norm) that the rank-{routing.rank} "
-        "truncation keeps; the relative error of the module's update is the square root of the rest.",
-        "",
-        "| module | energy kept |",
-        "|---|---|",
-        *(f"| `{module}` | {share:.4%} |" for module, share in routing.energy_kept.items()),
-    ]
-
-
-def _export_snippet(config: Any, adapter_id: str, base_model: str | None, needs_smear: bool) -> str:
-    base = base_model or "BASE_MODEL"
-    auto = AUTO_CLASSES.get(config.task_type, ("AutoModel", None))[0]
-    lines = ["import peft_smear  # registers the SMEAR adapter type with PEFT"] if needs_smear else []
-    lines += [
-        "from peft import PeftModel",
-        f"from transformers import {auto}",
-        "",
-        f'base = {auto}.from_pretrained("{base}")',
-        f'model = PeftModel.from_pretrained(base, "{adapter_id}")',
-    ]
-    if not needs_smear:
-        lines.append("# model = model.merge_and_unload()  # or fold it into the base weights")
-    return "\n".join(lines)

@@ -27,12 +27,13 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from . import atomic
-from .experts.base import exported_config_fields
+from ..core.layer import SmearLinear
+from ..core.model import SmearModel
+from ..saving import atomic
+from ..saving.cards import write_merge_card
+from ..training.recording import get_routing_weights
 from .export import refuse_occupied
-from .layer import SmearLinear
-from .model import SmearModel, get_routing_weights
-from .model_card import write_merge_card
+from .kinds import exported_config_fields
 
 
 COMBINATION_TYPES = (

@@ -5,8 +5,14 @@ batch-mean loss is not enough.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+
+if TYPE_CHECKING:
+    from ..core.model import ModelCall
 
 
 SUPPORTED_HEADS = (
@@ -44,7 +50,29 @@ def per_example_task_loss(logits: torch.Tensor, labels: torch.Tensor, shift_toke
     )
 
 
-def predicting_positions(labels: torch.Tensor, shift_tokens: bool) -> torch.Tensor:
-    """``[batch, tokens]`` bool: the output positions whose prediction has a label (shifted for causal LMs)."""
+def example_task_losses(call: ModelCall, method: str) -> torch.Tensor:
+    """``[examples]`` fp32: each example's own task loss in ``call``, from the output's logits and the call's labels,
+    for routing ``method``; one per sequence of a packed call, as routed."""
+    logits = getattr(call.output, "logits", None)
+    if call.labels is None or logits is None:
+        raise ValueError(
+            f"routing={method!r} learns from each example's task loss, so training calls need labels and an "
+            "output with logits (or an output with example_losses)."
+        )
+    labels, packing = call.labels, call.context.call.packing
+    if packing is not None:
+        logits, labels = packing.unpack(logits), packing.unpack_tokens(labels, -100, "labels")
+    try:
+        return per_example_task_loss(logits, labels, call.shifts_tokens)
+    except ValueError as error:
+        raise ValueError(f"routing={method!r} rewards each example with minus its own loss: {error}") from None
+
+
+def predicting_positions(call: ModelCall) -> torch.Tensor | None:
+    """``[batch, tokens]`` bool: the output positions of ``call`` whose prediction has a label (``None`` for
+    per-example labels)."""
+    labels = call.labels
+    if labels is None or labels.dim() != 2:
+        return None
     supervised = labels != -100
-    return F.pad(supervised[:, 1:], (0, 1), value=False) if shift_tokens else supervised
+    return F.pad(supervised[:, 1:], (0, 1), value=False) if call.shifts_tokens else supervised

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .model import get_routing_weights
+from .recording import get_routing_weights
 
 
 @dataclass

@@ -4,7 +4,7 @@
 ``adapter_config.json`` (under ``<name>/`` for adapters not named ``default``), one file after the other, into the
 target directory: killed in between, it leaves new weights with an old config, which loads without an error and
 computes something else. Here PEFT writes into a staging directory beside the target (see
-:mod:`peft_smear.core.atomic`), which holds hard links to everything else of the target (a ``Trainer`` checkpoint's
+:mod:`peft_smear.saving.atomic`), which holds hard links to everything else of the target (a ``Trainer`` checkpoint's
 optimizer, scheduler and trainer state, a run's report) and a copy of the card that PEFT and SMEAR amend; then the
 staging directory and the target are exchanged. A kill at any moment leaves the complete old directory or the complete
 new one. Other PEFT models keep PEFT's method untouched (see

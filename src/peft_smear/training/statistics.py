@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .aux_losses import in_backward
+from ..core.model import SmearModel
+from ..core.types import RoutingDecision
 
 
 COLLAPSE_THRESHOLD = 0.9
@@ -72,8 +73,6 @@ class RoutingStatistics:
         return statistics
 
     def attach_to(self, model: nn.Module) -> None:
-        from .model import SmearModel  # the tuner imports the layer, which reports here: import late, no cycle
-
         tuners = [module for module in model.modules() if isinstance(module, SmearModel)]
         if not tuners:
             raise ValueError(
@@ -81,9 +80,10 @@ class RoutingStatistics:
                 "(get_peft_model(model, SmearConfig(...)) makes one)."
             )
         for tuner in tuners:
-            if tuner.routing_context.statistics not in (None, self):
+            observers = tuner.routing_context.observers
+            if any(isinstance(getattr(o, "__self__", None), RoutingStatistics) for o in observers):
                 raise ValueError("This SMEAR model already reports routing statistics elsewhere; detach() that first.")
-            tuner.routing_context.statistics = self
+            observers.append(self.observe)
             handle = tuner.model.register_forward_hook(self._end_of_call)
             self._attached.append((tuner, handle))
 
@@ -91,14 +91,16 @@ class RoutingStatistics:
         """Stop collecting: the model's layers no longer report here. What was collected can still be read."""
         for tuner, handle in self._attached:
             handle.remove()
-            if tuner.routing_context.statistics is self:
-                tuner.routing_context.statistics = None
+            if self.observe in tuner.routing_context.observers:
+                tuner.routing_context.observers.remove(self.observe)
         self._attached = []
 
-    def observe(self, layer: nn.Module, adapter_name: str, weights: torch.Tensor) -> None:
-        """Note one routing decision of ``layer``: ``weights`` ``[batch, num_experts]``. Host-side bookkeeping only;
-        the arithmetic waits for the end of the model call."""
-        if weights.shape[-1] < 2 or layer.routing_context.routing_cache is not None or in_backward():
+    def observe(self, layer: nn.Module, adapter_name: str, decision: RoutingDecision, generating: bool) -> None:
+        """Note one routing decision of ``layer`` (a routing context's observer): its ``[batch, num_experts]``
+        weights, unless ``generating``. Host-side bookkeeping only; the arithmetic waits for the end of the model
+        call."""
+        weights = decision.weights
+        if weights.shape[-1] < 2 or generating:
             return
         name = layer.module_name if adapter_name == "default" else f"{layer.module_name}[{adapter_name}]"
         self._pending.append(("train" if layer.training else "eval", name, weights.detach()))

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers.trainer_callback import TrainerCallback, TrainerControl, TrainerState
 
-from .routing_stats import RoutingStatistics
+from .statistics import RoutingStatistics
 
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """Export the merged expert of a fixed routing as an adapter with one expert per module.
 
 For one fixed distribution ``p`` per layer the merged expert is an ordinary adapter of the same kind, and each expert
-kind writes it as such (:meth:`~peft_smear.core.experts.ExpertKind.export_weights`):
+kind's export writes it as such (:mod:`peft_smear.export.kinds`):
 
 * LoRA experts: SMEAR applies ``(sum_n p_n B_n)(sum_n p_n A_n) x * scaling``, exactly a LoRA with
   ``A = sum_n p_n A_n`` and ``B = sum_n p_n B_n`` at the same rank and scaling, which vanilla PEFT, vLLM, TGI and
@@ -31,12 +31,14 @@ from peft.utils import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
 from safetensors.torch import save_file
 from transformers.pytorch_utils import Conv1D
 
-from . import atomic
-from .experts import EXPERT_KINDS
-from .layer import SmearLinear
-from .model import SmearModel, get_routing_weights
-from .model_card import write_export_card
-from .routers import ROUTERS
+from ..core.experts import EXPERT_KINDS
+from ..core.layer import SmearLinear
+from ..core.model import SmearModel
+from ..core.routers import ROUTERS, Router
+from ..saving import atomic
+from ..saving.cards import write_export_card
+from ..training.recording import get_routing_weights
+from .kinds import kind_export
 
 
 Routing = Mapping[str, torch.Tensor] | Iterable[Mapping[str, Any]]
@@ -86,7 +88,7 @@ def export_merged_adapter(
 
     One expert (a one-hot routing) can be exported from an adapter of any routing method: it is that expert, however
     the method routes. Other routings only from methods whose output is one merged or chosen expert
-    (``Router.exportable``): a per-token router or an output mixture has no single expert to export.
+    (:func:`exportable`): a per-token router or an output mixture has no single expert to export.
 
     The directory is replaced in one step once the new export, card included, is complete: a process killed at any
     moment leaves the old directory (or nothing, if there was none) or the complete new export, never a mix. An
@@ -124,8 +126,8 @@ def export_merged_adapter(
     distributions, second_moments, examples = _routing_distributions(
         peft_model, layers, routing, adapter_name, method, what
     )
-    kind = EXPERT_KINDS[smear_config.expert_type]
-    low_rank = is_task and form == "mean_update" and kind.mean_update == "low_rank"
+    export = kind_export(smear_config.expert_type)
+    low_rank = is_task and form == "mean_update" and export.mean_update == "low_rank"
     exported_rank = (rank or smear_config.num_experts * smear_config.r) if low_rank else None
     kinds = {name: layer.expert_kind[adapter_name] for name, layer in layers.items()}
     weights, energy_kept, gaps = {}, {} if low_rank else None, {}
@@ -133,11 +135,11 @@ def export_merged_adapter(
         for name, layer in layers.items():
             params = layer.expert_params(adapter_name)
             if low_rank:
-                exported, energy_kept[name] = kinds[name].export_mean_update(params, second_moments[name], rank)
+                exported, energy_kept[name] = export.mean_update_weights(params, second_moments[name], rank)
             else:
-                exported = kinds[name].export_weights(params, distributions[name])
+                exported = export.weights(kinds[name], params, distributions[name])
                 if is_task:  # the measured gap the card reports: mean routing's expert against the mean update
-                    gaps[name] = kinds[name].mean_routing_gap(params, distributions[name], second_moments[name])
+                    gaps[name] = export.mean_routing_gap(params, distributions[name], second_moments[name])
             for suffix, tensor in exported.items():
                 weights[f"base_model.model.{name}.{suffix}"] = tensor
     # modules_to_save (e.g. a classification head) are stored exactly as PEFT stores them for every adapter type.
@@ -146,7 +148,7 @@ def export_merged_adapter(
             weights[key] = value
 
     fan_in_fan_out = any(isinstance(layer.get_base_layer(), Conv1D) for layer in layers.values())
-    exported_config = kind.export_config(smear_config, kinds, fan_in_fan_out, rank=exported_rank)
+    exported_config = export.config(smear_config, kinds, fan_in_fan_out, rank=exported_rank)
     exported_from = ExportedRouting.of(routing, distributions, examples, smear_config, task)
     if is_task and gaps:
         exported_from = replace(exported_from, mean_update_gap=gaps)
@@ -162,7 +164,15 @@ def export_merged_adapter(
 
     def card(directory: Path) -> None:
         write_export_card(
-            directory, exported_config, peft_model, adapter_name, exported_from, parameters, source, usage
+            directory,
+            exported_config,
+            peft_model,
+            adapter_name,
+            exported_from,
+            parameters,
+            export.exported_as,
+            source,
+            usage,
         )
 
     _write_atomically(target, exported_config, {k: v.detach().cpu().contiguous() for k, v in weights.items()}, card)
@@ -179,11 +189,11 @@ def check_export_form(
     form_name, rank_name = names
     if form not in FORMS:
         raise ValueError(f"{form_name} must be one of {', '.join(FORMS)}, got {form!r}.")
-    kind = EXPERT_KINDS[config.expert_type]
-    if task and form == "mean_update" and kind.mean_update is None:
+    export, title = kind_export(config.expert_type), EXPERT_KINDS[config.expert_type].title
+    if task and form == "mean_update" and export.mean_update is None:
         raise ValueError(
-            f"{form_name} mean_update is refused for {kind.title} experts: they are nonlinear in their parameters, so "
-            f"no single {kind.title} equals the average of the examples' own merged experts; use {form_name} "
+            f"{form_name} mean_update is refused for {title} experts: they are nonlinear in their parameters, so "
+            f"no single {title} equals the average of the examples' own merged experts; use {form_name} "
             "mean_routing."
         )
     if rank is None:
@@ -197,9 +207,9 @@ def check_export_form(
         )
     if form != "mean_update":
         raise ValueError(f"{rank_name} truncates the mean update: it needs {form_name} mean_update, not {form!r}.")
-    if kind.mean_update != "low_rank":
+    if export.mean_update != "low_rank":
         raise ValueError(
-            f"{rank_name} applies to LoRA experts; the mean update of {kind.title} experts is exact and has no rank."
+            f"{rank_name} applies to LoRA experts; the mean update of {title} experts is exact and has no rank."
         )
     full = config.num_experts * config.r
     if rank > full:
@@ -227,9 +237,16 @@ def _why_not_one_expert(routing_method: str) -> str | None:
     router = ROUTERS[routing_method]
     if router.per_token:
         return "routes every token on its own and mixes the experts' outputs per token"
-    if not router.exportable:
+    if not exportable(router):
         return "mixes or scales the experts' outputs instead of merging their parameters"
     return None
+
+
+def exportable(router: type[Router]) -> bool:
+    """Whether a routing method's layer output is one merged or chosen expert, which a fixed routing can export:
+    export's trait of a router, its class attribute ``exportable`` where it declares one (``False`` for output
+    mixtures and probability-scaled experts), else ``True``."""
+    return getattr(router, "exportable", True)
 
 
 @dataclass(frozen=True)
@@ -405,7 +422,7 @@ def _write_atomically(
     target: Path, config: PeftConfig, weights: dict[str, torch.Tensor], card: Callable[[Path], None]
 ) -> None:
     """Write the adapter and its card into a staging directory beside ``target``, then swap it into place in one
-    step (see :mod:`peft_smear.core.atomic`): a kill at any moment leaves the old directory or the new adapter, never
+    step (see :mod:`peft_smear.saving.atomic`): a kill at any moment leaves the old directory or the new adapter, never
     a mix and never nothing; the old one is deleted only once the new one is in place."""
     with atomic.staged_directory(target) as staging:
         config.save_pretrained(staging)

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .export import DEFAULT_FORM, FORMS, energy_summary
+from .export.export import DEFAULT_FORM, FORMS, energy_summary
 
 
 class CommandError(Exception):

@@ -16,7 +16,7 @@ from typing import Any
 from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi
 from huggingface_hub.errors import RemoteEntryNotFoundError, RevisionNotFoundError
 
-from .model_card import write_model_card
+from .cards import write_model_card
 
 
 def push_to_hub(

@@ -1,0 +1,2 @@
+"""Helpers for training and watching SMEAR models, built on the PEFT method: routing statistics and their Trainer
+callback, the routing report, the routers' own learning rate, and a collator that keeps ``smear_task_ids``."""
