@@ -16,6 +16,10 @@ from conftest import tiny_llama
 
 FIXTURES = Path(__file__).parent / "fixtures" / "legacy_adapters"
 CASES = sorted(path.name for path in FIXTURES.iterdir() if path.is_dir())
+# GLIDER scales its global score by gamma = 100 (the paper's) before the softmax that merges the experts, so the last
+# bit of fp32 rounding, which differs between CPUs' kernels, moves its logits by a few 1e-6 (3.1e-6 on a 2.8 GHz Xeon
+# against the machine that saved the fixture); every other method reproduces them within 1e-6.
+ATOL = {"glider_merge": 1e-5}
 
 
 def test_every_routing_method_and_expert_kind_has_a_legacy_fixture() -> None:
@@ -38,4 +42,4 @@ def test_a_legacy_adapter_loads_and_gives_the_logits_it_gave_when_saved(case: st
     logits = expected.pop("logits")
     with torch.no_grad():
         output = model(**expected).logits
-    torch.testing.assert_close(output, logits, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(output, logits, rtol=1e-5, atol=ATOL.get(case, 1e-6))
