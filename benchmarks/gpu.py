@@ -45,7 +45,7 @@ from common import add_results_option, command_line, machine_description, write_
 PARTS = ("dtypes", "speed", "qlora", "serving", "compile", "curve")
 # The seconds each part may take at most out of the default budget (scaled with --budget); the last part run takes
 # whatever the others left.
-SHARES = {"dtypes": 35, "speed": 100, "qlora": 45, "serving": 30, "compile": 170, "curve": 70}
+SHARES = {"dtypes": 50, "speed": 100, "qlora": 40, "serving": 40, "compile": 170, "curve": 70}
 DTYPES = ("float32", "bfloat16", "float16")
 # How far a half-precision run's losses may be from the fp32 run's, relative: the rounding of a 16-bit base model.
 LOSS_TOLERANCE = {"bfloat16": 0.02, "float16": 0.01}
@@ -64,6 +64,7 @@ class Scale:
     serving_preset: str
     compile_preset: str
     compile_backend: str
+    compile_mixed_batches: int
     curve_preset: str
 
 
@@ -91,6 +92,8 @@ GPU = Scale(
     serving_preset="cpu",
     compile_preset="cpu",
     compile_backend="inductor",
+    # dynamo decides recompilation whatever the device: the CPU's compile_speed.py counts them, a short lease can't
+    compile_mixed_batches=0,
     curve_preset="gpu-curve",
 )
 CPU = Scale(
@@ -118,9 +121,18 @@ CPU = Scale(
     serving_preset="tiny",
     compile_preset="tiny",
     compile_backend="eager",  # dynamo alone: graphs, breaks and recompiles, without generating code
+    compile_mixed_batches=10,
     curve_preset="tiny-curve",
 )
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+STARTED = time.perf_counter()
+
+
+def note(message: str) -> None:
+    """A part's progress, on its standard error: what a part stopped at its time limit had reached."""
+    print(f"[{time.perf_counter() - STARTED:.0f} s] {message}", file=sys.stderr, flush=True)
 
 
 def scale_for(device: str) -> Scale:
@@ -194,6 +206,7 @@ def part_dtypes(device: str, scale: Scale) -> dict:
             adapter_dtypes = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})
             losses, step, _ = train(model, batches, device)
             runs[f"{method} {dtype}"] = {"losses": losses, "step_s": step, "adapter_dtypes": adapter_dtypes}
+            note(f"dtypes: {method} {dtype} trained, step {step:.4f} s")
             del model
     for name, run in runs.items():
         method, dtype = name.split()
@@ -232,7 +245,7 @@ def part_speed(device: str, scale: Scale) -> dict:
     import speed
 
     methods = speed.PRESETS[GPU.speed_preset].methods  # the GPU's methods, also at the CPU's toy shapes
-    rows = speed.run_benchmark(scale.speed_preset, device=device, methods=methods, memory="inprocess", log=lambda _: None)
+    rows = speed.run_benchmark(scale.speed_preset, device=device, methods=methods, memory="inprocess", log=note)
     return {"rows": rows, "preset": scale.speed_preset}
 
 
@@ -270,6 +283,7 @@ def part_qlora(device: str, scale: Scale) -> dict:
             quantized = sum(isinstance(m, bitsandbytes.nn.Linear4bit) for m in model.modules())
             losses, step, peak = train(model, batches, device)
             runs[method] = {"losses": losses, "step_s": step, "peak_mb": peak, "linear4bit": quantized}
+            note(f"qlora: {method} trained, step {step:.4f} s")
             del model, base
     return {"runs": runs, "model": scale.quantized_model, "batch": batch, "seq_len": seq_len}
 
@@ -308,6 +322,7 @@ def part_serving(device: str, scale: Scale) -> dict:
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     with tempfile.TemporaryDirectory() as scratch, torch.no_grad():
         work = serving.build_workload(preset, Path(scratch))
+        note("serving: exports built and loaded")
         served = work.served.to(device=device, dtype=dtype)
         requests = {name: value.to(device) for name, value in work.requests.items()}
         groups = {task: {k: v.to(device) for k, v in rows.items()} for task, rows in work.by_task().items()}
@@ -335,6 +350,7 @@ def part_serving(device: str, scale: Scale) -> dict:
                 lambda inputs: serving.generate(served, inputs, preset.new_tokens)
             ),
         }
+        note("serving: mixed batch checked against each task alone")
         for call in calls.values():
             call()
         seconds = {name: min(timed(device, call) for _ in range(3)) for name, call in calls.items()}
@@ -379,23 +395,45 @@ def serving_markdown(result: dict) -> tuple[list[str], list[tuple[str, bool, str
     return lines, checks
 
 
-def part_compile(device: str, scale: Scale, budget: float) -> dict:
+def part_compile(device: str, scale: Scale, budget: float, output: Path) -> dict:
+    """Each method's figures, written to ``output`` as each is measured: a part cut short keeps the methods done."""
     import compile_speed
 
     dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    figures, started = {}, time.perf_counter()
+    result = {"figures": {}, "preset": scale.compile_preset, "backend": scale.compile_backend, "dtype": dtype}
+    started = time.perf_counter()
     for method in compile_speed.METHODS:
         remaining = budget - (time.perf_counter() - started)
-        figures[method] = compile_speed.measure_cold(
-            method, scale.compile_preset, device, dtype, 3, scale.compile_backend, timeout=remaining
+        result["figures"][method] = compile_speed.measure_cold(
+            method,
+            scale.compile_preset,
+            device,
+            dtype,
+            3,
+            scale.compile_backend,
+            timeout=remaining,
+            log=note,
+            mixed=scale.compile_mixed_batches,
         )
-    return {"figures": figures, "preset": scale.compile_preset, "backend": scale.compile_backend, "dtype": dtype}
+        keep_partial(output, {**result, "partial": True})
+    return result
+
+
+def keep_partial(output: Path, result: dict) -> None:
+    staged = output.with_suffix(".partial")
+    staged.write_text(json.dumps(result))
+    os.replace(staged, output)  # whole or absent when the time limit kills the process
 
 
 def compile_markdown(result: dict) -> tuple[list[str], list[tuple[str, bool, str]]]:
     import compile_speed
     import speed
 
+    if set(result["figures"]) != set(compile_speed.METHODS):
+        measured = ", ".join(result["figures"]) or "none"
+        table = [compile_speed.markdown(result["figures"])] if "lora" in result["figures"] else []
+        lines = [f"Cut short by its time limit; measured: {measured}.", "", *table]
+        return lines, [("every method measured", False, f"{measured} of {', '.join(compile_speed.METHODS)}")]
     lines = [
         f"The `{result['preset']}` preset's model ({speed.PRESETS[result['preset']].note.split(':')[0]}), "
         f"{result['dtype']}, backend `{result['backend']}`, each method in a fresh process with empty inductor and "
@@ -415,13 +453,9 @@ def part_curve(device: str, scale: Scale, output: Path) -> dict:
     import speed
 
     def keep(rows: list[dict]) -> None:
-        staged = output.with_suffix(".partial")
-        staged.write_text(json.dumps({"rows": rows, "preset": scale.curve_preset, "partial": True}))
-        os.replace(staged, output)  # whole or absent when the time limit kills the process
+        keep_partial(output, {"rows": rows, "preset": scale.curve_preset, "partial": True})
 
-    rows = speed.run_benchmark(
-        scale.curve_preset, device=device, memory="inprocess", log=lambda _: None, progress=keep
-    )
+    rows = speed.run_benchmark(scale.curve_preset, device=device, memory="inprocess", log=note, progress=keep)
     return {"rows": rows, "preset": scale.curve_preset}
 
 
@@ -472,11 +506,13 @@ def run_part(part: str, device: str, budget: float) -> dict:
             _, stderr = process.communicate(timeout=budget)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
+            _, stderr = process.communicate()
             seconds = time.perf_counter() - started
             if output.exists():  # a part that keeps what it measured as it goes
                 return {"status": "ran", "seconds": seconds, "result": json.loads(output.read_text())}
-            return {"status": f"stopped after its {budget:.0f} s", "seconds": seconds}
+            progress = [line for line in stderr.splitlines() if line.startswith("[")]
+            reached = f", having reached: {progress[-1]}" if progress else ", before its first step"
+            return {"status": f"stopped after its {budget:.0f} s{reached}", "seconds": seconds, "log": stderr[-4000:]}
         seconds = time.perf_counter() - started
         if process.returncode != 0 or not output.exists():
             error = (stderr.strip().splitlines() or ["no message"])[-1]
@@ -485,9 +521,10 @@ def run_part(part: str, device: str, budget: float) -> dict:
 
 
 def run_in_this_process(part: str, device: str, budget: float, output: Path) -> None:
+    note(f"{part}: started")
     scale = scale_for(device)
     if part == "compile":
-        result = part_compile(device, scale, budget)
+        result = part_compile(device, scale, budget, output)
     elif part == "curve":
         result = part_curve(device, scale, output)
     else:

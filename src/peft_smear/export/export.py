@@ -133,7 +133,8 @@ def export_merged_adapter(
     weights, energy_kept, gaps = {}, {} if low_rank else None, {}
     with torch.no_grad():
         for name, layer in layers.items():
-            params = layer.expert_params(adapter_name)
+            # on the CPU, beside the routing distributions, whatever the model's device
+            params = {key: value.detach().cpu() for key, value in layer.expert_params(adapter_name).items()}
             if low_rank:
                 exported, energy_kept[name] = export.mean_update_weights(params, second_moments[name], rank)
             else:
@@ -375,7 +376,7 @@ def _routing_distributions(
         raise TypeError(f"routing must be a mapping of routing weights or an iterable of batches, got {routing!r}.")
     _check_distributions(distributions, layers, adapter_name)
     if second_moments is not None:
-        second_moments = {name: second_moments[name] for name in layers}
+        second_moments = {name: second_moments[name].cpu() for name in layers}
     return {name: distributions[name].cpu() for name in layers}, second_moments, examples
 
 
