@@ -18,6 +18,9 @@ runs out of time is reported as such, and the others still run. The parts:
   ten mixed batches (``compile_speed.py``, each method in a fresh process);
 * ``curve``: the cost curve (``speed.py --preset gpu-curve``) with what time is left.
 
+Each run writes ``gpu.json`` (what it measured, where, with which command); ``--combine`` renders one section from the
+runs of some parts each that a short lease allowed, every part from the latest run that measured it.
+
 On a machine without CUDA the same command runs every part at toy shapes on the CPU (its numbers mean nothing), so
 that a test keeps it working; bitsandbytes' 4-bit layers run on the CPU too.
 """
@@ -532,19 +535,41 @@ def run_in_this_process(part: str, device: str, budget: float, output: Path) -> 
     output.write_text(json.dumps(result))
 
 
-def results_section(outcomes: dict[str, dict], device: str, command: str, seconds: float) -> str:
-    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "CPU (toy shapes)"
-    lines = [
-        f"## GPU validation, {name}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-        "",
-        f"- Command: `{command}`",
-        f"- Machine: {machine_description(device)}",
-        f"- Wall time: {seconds / 60:.1f} min, every part in a process of its own under a time limit.",
-        "",
-    ]
+def run_record(outcomes: dict[str, dict], device: str, command: str, seconds: float) -> dict:
+    """What one run of this command measured, with where and how: the ``gpu.json`` that ``--combine`` renders."""
+    return {
+        "device_name": torch.cuda.get_device_name(device) if device.startswith("cuda") else "CPU (toy shapes)",
+        "machine": machine_description(device),
+        "command": command,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "seconds": seconds,
+        "outcomes": outcomes,
+    }
+
+
+def results_section(records: list[dict], combined_by: str | None = None) -> str:
+    """One section from one or more runs on the same device: each part as the latest run that measured it reported it
+    (a lease too short for every part at once is used by runs of some parts each)."""
+    devices = {record["device_name"] for record in records}
+    if len(devices) != 1:
+        raise ValueError(f"runs of one device can be combined, got {sorted(devices)}")
+    header = [f"## GPU validation, {records[0]['device_name']}, {records[-1]['date']}", ""]
+    for record in records:
+        minutes = record["seconds"] / 60
+        header.append(f"- Command ({record['date']}, wall time {minutes:.1f} min): `{record['command']}`")
+    header += [f"- Machine: {records[-1]['machine']}", "- Every part in a process of its own under a time limit."]
+    if combined_by is not None:
+        header.append(f"- This section: `{combined_by}`")
+    lines = [""]
+    outcomes = {}
+    for record in records:
+        for part, outcome in record["outcomes"].items():
+            if outcome["status"] == "ran" or outcomes.get(part, {}).get("status") != "ran":
+                outcomes[part] = {**outcome, "date": record["date"]}
     summary = []
-    for part, outcome in outcomes.items():
-        lines += [f"### {TITLES[part]} (`{part}`, {outcome['seconds']:.0f} s)", ""]
+    for part in (part for part in PARTS if part in outcomes):
+        outcome = outcomes[part]
+        lines += [f"### {TITLES[part]} (`{part}`, {outcome['seconds']:.0f} s, run of {outcome['date']})", ""]
         if outcome["status"] != "ran":
             lines += [f"Not measured: {outcome['status']}.", ""]
             summary.append(f"{part}: {outcome['status']}")
@@ -556,8 +581,7 @@ def results_section(outcomes: dict[str, dict], device: str, command: str, second
         failed = [label for label, ok, _ in checks if not ok]
         summary.append(f"{part}: {'all checks passed' if not failed else 'failed: ' + '; '.join(failed)}")
         lines.append("")
-    lines[5:5] = ["- Summary: " + " · ".join(summary), ""]
-    return "\n".join(lines)
+    return "\n".join([*header, "- Summary: " + " · ".join(summary), *lines])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -566,6 +590,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--budget", type=float, default=450.0, help="seconds for all the parts together")
     parser.add_argument("--output-dir", type=Path, default=Path("outputs/gpu"), help="where the JSON results go")
+    parser.add_argument(
+        "--combine",
+        nargs="+",
+        type=Path,
+        default=None,
+        metavar="GPU_JSON",
+        help="run nothing: one section from these runs' gpu.json, each part from the latest run that measured it",
+    )
     add_results_option(parser)
     parser.add_argument("--part", choices=PARTS, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--part-output", type=Path, default=None, help=argparse.SUPPRESS)
@@ -581,6 +613,9 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
             return 1
         return 0
+    if args.combine is not None:
+        records = [json.loads(path.read_text()) for path in args.combine]
+        return publish(records, args, combined_by=command_line("gpu.py", argv))
     started, outcomes = time.perf_counter(), {}
     total_share = sum(SHARES[part] for part in args.parts)
     for part in args.parts:
@@ -594,10 +629,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{part}: {outcomes[part]['status']} in {outcomes[part]['seconds']:.0f} s", flush=True)
         if "log" in outcomes[part]:
             print(outcomes[part]["log"], file=sys.stderr)
-    seconds = time.perf_counter() - started
+    record = run_record(outcomes, args.device, command_line("gpu.py", argv), time.perf_counter() - started)
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "gpu.json").write_text(json.dumps(outcomes, indent=1, default=str))
-    section = results_section(outcomes, args.device, command_line("gpu.py", argv), seconds)
+    (args.output_dir / "gpu.json").write_text(json.dumps(record, indent=1, default=str))
+    return publish([record], args)
+
+
+def publish(records: list[dict], args: argparse.Namespace, combined_by: str | None = None) -> int:
+    section = results_section(records, combined_by)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
     (args.output_dir / "gpu.md").write_text(section)
     print(section)
     if args.append_results is not None:

@@ -22,11 +22,12 @@ def run(tmp_path_factory):
     results = directory / "RESULTS.md"
     argv = ["--device", "cpu", "--budget", "1200", "--output-dir", str(directory), "--append-results", str(results)]
     assert gpu.main(argv) == 0
-    return json.loads((directory / "gpu.json").read_text()), results.read_text()
+    record = json.loads((directory / "gpu.json").read_text())
+    return record["outcomes"], results.read_text(), record
 
 
 def test_every_part_runs_on_the_cpu(run):
-    outcomes, _ = run
+    outcomes = run[0]
     assert list(outcomes) == list(gpu.PARTS)
     assert {part: outcome["status"] for part, outcome in outcomes.items()} == dict.fromkeys(gpu.PARTS, "ran")
 
@@ -74,7 +75,7 @@ def test_cost_curve_measures_every_shape_of_its_sweep(run):
 
 
 def test_results_section_names_the_device_and_sums_up_the_checks(run):
-    _, text = run
+    text = run[1]
     section = text[text.index("## GPU validation") :]
     assert section.startswith("## GPU validation, CPU (toy shapes), ")
     summary = next(line for line in section.splitlines() if line.startswith("- Summary: "))
@@ -84,7 +85,22 @@ def test_results_section_names_the_device_and_sums_up_the_checks(run):
         assert f"{part}: all checks passed" in summary
 
 
-def test_a_part_stopped_at_its_limit_is_reported():
+def test_a_part_stopped_at_its_limit_is_reported_with_how_far_it_got():
     outcome = gpu.run_part("speed", "cpu", budget=0.5)
-    assert outcome["status"] == "stopped after its 0 s"
+    assert outcome["status"] == "stopped after its 0 s, before its first step"
     assert "result" not in outcome
+
+
+def test_combined_runs_take_each_part_from_the_latest_run_that_measured_it(run):
+    first = {**run[2], "command": "first", "date": "2026-01-01 00:00 UTC"}
+    first["outcomes"] = {**first["outcomes"], "serving": {"status": "stopped after its 9 s", "seconds": 9.0}}
+    second = {**run[2], "command": "second", "date": "2026-01-02 00:00 UTC"}
+    second["outcomes"] = {"serving": run[2]["outcomes"]["serving"], "qlora": {"status": "failed: X", "seconds": 1.0}}
+    section = gpu.results_section([first, second])
+    assert "`first`" in section and "`second`" in section
+    assert "stopped after its 9 s" not in section  # the second run measured serving
+    assert "(`serving`, " in section and "run of 2026-01-02 00:00 UTC)" in section
+    assert "failed: X" not in section  # the first run's qlora stands: it ran
+    assert "(`qlora`, " in section and section.count("run of 2026-01-01 00:00 UTC)") == len(gpu.PARTS) - 1
+    with pytest.raises(ValueError, match="runs of one device"):
+        gpu.results_section([first, {**second, "device_name": "NVIDIA H100"}])
