@@ -1429,8 +1429,9 @@ def report_body(
     seeds: int,
     figure: Path | None,
     heatmaps: Sequence[Path],
+    grid: Sequence[float],
 ) -> str:
-    rates = ", ".join(f"{rate:.0e}" for rate in preset.learning_rates)
+    rates = ", ".join(f"{rate:.0e}" for rate in grid)
     lines = [
         f"{MODEL_NAMES[preset.model]}. Adapters on "
         f"{' and '.join(preset.targets)} of the top {preset.adapted_layers} layers; {preset.num_experts} experts of "
@@ -1487,11 +1488,22 @@ def report_body(
 
 
 def results_section(
-    body: str, preset_name: str, regimes: Sequence[Regime], command: str, machine: str, load, seconds, cpu, replayed
+    body: str,
+    preset_name: str,
+    regimes: Sequence[Regime],
+    grid: Sequence[float],
+    command: str,
+    machine: str,
+    load,
+    seconds,
+    cpu,
+    replayed,
 ) -> str:
     chosen = [regime.name for regime in regimes]
     default = [regime.name for regime in STUDY_REGIMES[preset_name]]
     subset = "" if chosen == default else f", regimes {', '.join(chosen)}"
+    if tuple(grid) != PRESETS[preset_name].learning_rates:
+        subset += ", learning rates " + ", ".join(f"{rate:.0e}" for rate in grid)
     reused = (
         f" {replayed} runs were replayed from the journals of an earlier command with the same settings (`--resume`): "
         "their time is in the CPU-minutes, not in the wall time."
@@ -1568,6 +1580,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--regimes", nargs="+", help="run only these regimes (default: all of the preset's)")
     parser.add_argument("--methods", nargs="+", choices=TRAINED, default=list(TRAINED), help="(the bank brings Arrow)")
     parser.add_argument("--seeds", type=int, help="seeds per method at the chosen rate (default: the preset's)")
+    parser.add_argument(
+        "--learning-rates",
+        nargs="+",
+        type=float,
+        help="the grid of the regimes that sweep (default: the preset's); runs a journal holds are reused",
+    )
     parser.add_argument("--cache-dir", help="benchmark data cache (default: $PEFT_SMEAR_CACHE or ~/.cache/peft_smear)")
     parser.add_argument(
         "--model-cache",
@@ -1598,7 +1616,8 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
         if unknown:
             raise SystemExit(f"unknown regimes {unknown}; preset {args.preset!r} has {[r.name for r in regimes]}")
         regimes = [regime for regime in regimes if regime.name in args.regimes]
-    rates = {regime.name: tuple(preset.learning_rates) for regime in regimes}
+    grid = tuple(args.learning_rates or preset.learning_rates)
+    rates = {regime.name: grid for regime in regimes}
     load_before, started = os.getloadavg(), time.perf_counter()
     args.output_dir.mkdir(parents=True, exist_ok=True)
     state_cache = args.state_cache or args.output_dir / "states"
@@ -1633,7 +1652,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
     shown = [*outcomes, *([pooled] if pooled else [])]
     figure = save_figure(shown, args.figure)
     heatmaps = routing_heatmaps(regimes, by_regime, args.figure.parent, args.figure.stem)
-    body = report_body(regimes, shown, infos, by_regime, preset, seeds, figure, heatmaps)
+    body = report_body(regimes, shown, infos, by_regime, preset, seeds, figure, heatmaps, grid)
     write_csv(by_regime, args.output_dir / "runs.csv")
     (args.output_dir / "study.md").write_text(body)
     log(body)
@@ -1642,7 +1661,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
         machine = f"{machine_description('cpu')}; {args.jobs} run(s) side by side, each with those threads"
         cpu = setup_cpu + sum(row["cpu_seconds"] for rows in by_regime.values() for row in rows)
         section = results_section(
-            body, args.preset, regimes, command, machine, (load_before, load_after), seconds, cpu, replayed
+            body, args.preset, regimes, grid, command, machine, (load_before, load_after), seconds, cpu, replayed
         )
         write_results(args.append_results, section)
     return 0

@@ -308,3 +308,24 @@ def test_a_study_cut_off_resumes_from_its_journals(study, outputs, tmp_path):
     (tmp_path / "out" / regime / "runs.jsonl").write_text('{"settings": {"preset": "another"}}\n')
     with pytest.raises(SystemExit, match="other settings"):
         run_script_main(study, [*argv, "--resume"])
+
+
+def test_a_wider_grid_reuses_the_journalled_runs(study, outputs, tmp_path):
+    root, rows = outputs
+    regime = "balanced"
+    (tmp_path / "out" / regime).mkdir(parents=True)
+    (tmp_path / "out" / regime / "runs.jsonl").write_text((root / "out" / regime / "runs.jsonl").read_text())
+    lines = []
+    argv = [*tiny_argv(root), "--regimes", regime, "--output-dir", tmp_path / "out", "--figure", tmp_path / "f.png"]
+    grid = ["1e-2", "5e-2", "1e-1"]
+    run_script_main(
+        study, [*argv, "--learning-rates", *grid, "--resume", "--append-results", tmp_path / "R.md"], log=lines.append
+    )
+    trained = [line for line in lines if line.startswith(regime) and "(from the journal)" not in line]
+    swept = [line for line in trained if " lr 1.0e-01 seed 0:" in line]
+    assert len(swept) == len(study.TRAINED) + 1  # every method's new rate (the bank brings Arrow), and nothing else
+    assert all(" lr 1.0e-01 " in line for line in trained)  # and the seeds of a method that chose the new rate
+    replayed = [line for line in lines if line.startswith(regime) and "(from the journal)" in line]
+    sweeps = [row for row in rows if row["regime"] == regime and row["phase"] == "sweep"]
+    assert sum("validation" in line for line in replayed) == len(sweeps)  # the old rates' sweep: none trained again
+    assert f"preset `tiny`, regimes {regime}, learning rates 1e-02, 5e-02, 1e-01, " in (tmp_path / "R.md").read_text()
