@@ -1,0 +1,331 @@
+"""The LLM study of "when SMEAR pays" end to end on a tiny random Llama and synthetic tasks: every regime's runs are in
+the CSV with finite metrics and the documented learning-rate choice; the cached lower layers plus the adapted top
+layers compute what the whole model computes with ``layers_to_transform``, and the exact match is what greedy
+generation gives; the regimes are the pre-registered ones; the verdicts in the table follow the rule, recomputed here
+from the CSV; a study cut off resumes from its journals; the table, the figure and the RESULTS.md section are
+written. The numbers mean nothing."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import math
+import statistics
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from conftest import import_script, run_script_main, tiny_llama, tiny_tokenizer
+from peft_smear import SmearConfig
+
+
+SEEDS = 2
+
+
+@pytest.fixture(scope="module")
+def study():
+    return import_script("when_smear_pays_llm")
+
+
+def tiny_argv(root) -> list:
+    return ["--preset", "tiny", "--seeds", SEEDS, "--state-cache", root / "states"]
+
+
+@pytest.fixture(scope="module")
+def outputs(study, tmp_path_factory):
+    root = tmp_path_factory.mktemp("llm-study")
+    outputs = ["--output-dir", root / "out", "--figure", root / "figure.png", "--append-results", root / "RESULTS.md"]
+    run_script_main(study, [*tiny_argv(root), *outputs])
+    with open(root / "out" / "runs.csv") as handle:
+        return root, list(csv.DictReader(handle))
+
+
+def test_every_regime_and_method_ran_with_the_chosen_rates(study, outputs):
+    _, rows = outputs
+    regimes = {regime.name: regime for regime in study.STUDY_REGIMES["tiny"]}
+    assert {row["regime"] for row in rows} == set(regimes)
+    rates = study.PRESETS["tiny"].learning_rates
+    chosen_in = {}
+    for name, regime in regimes.items():
+        mine = [row for row in rows if row["regime"] == name]
+        assert [row["phase"] for row in mine if row["method"] == study.BASE] == ["reference"]
+        methods = study.methods_of(regime, study.TRAINED)
+        assert ("tag" in methods) == (not regime.held_out)
+        assert {row["method"] for row in mine} == {study.BASE, *methods, study.ARROW}
+        for method in [*methods, study.ARROW]:
+            runs = [row for row in mine if row["method"] == method]
+            if regime.rates_from is None:
+                assert len(runs) == len(rates) + SEEDS - 1
+                source = study.BANK if method == study.ARROW else method
+                sweep = [row for row in mine if row["method"] == source and row["phase"] == "sweep"]
+                best = max(sweep, key=lambda row: (float(row["validation_average"]), -float(row["learning_rate"])))
+                chosen_in[name, method] = best["learning_rate"]
+            else:  # every seed at the rate its source regime chose, no sweep
+                assert sorted(row["seed"] for row in runs) == [str(s) for s in range(SEEDS)]
+                assert {row["learning_rate"] for row in runs} == {chosen_in[regime.rates_from, method]}
+            assert {row["learning_rate"] for row in runs if row["chosen"] == "True"} == {
+                chosen_in.get((name, method), runs[0]["learning_rate"])
+            }
+            for row in runs:
+                assert math.isfinite(float(row["test_average"])) and 0 <= float(row["test_exact_match"]) <= 1
+    routed = [row for row in rows if row["method"] in ("smear", "ensemble", "tag", "bank")]
+    assert routed and all(row["routing_entropy"] != "" for row in routed)
+    trained = [row for row in rows if row["method"] in study.TRAINED]
+    assert all(float(row["step_seconds"]) > 0 for row in trained)
+
+
+def split_pair(study, config, adapted=2):
+    """A tiny Llama with ``config`` on its top ``adapted`` layers (``layers_to_transform``, random adapter weights),
+    and the same adapter on the top model of ``split_model`` with the cached lower layers."""
+    full_base = tiny_llama(seed=0, num_hidden_layers=3)
+    layers = list(range(3 - adapted, 3))
+    torch.manual_seed(1)
+    full = get_peft_model(copy.deepcopy(full_base), replace_layers(config, layers)).eval()
+    lower, top = study.split_model(copy.deepcopy(full_base), adapted)
+    split = get_peft_model(top, config).eval()
+    state = {}
+    for key, value in full.state_dict().items():
+        if ".layers." in key:
+            index = int(key.split(".layers.")[1].split(".")[0])
+            if index not in layers:
+                continue  # a frozen lower layer: part of the cached states
+            key = key.replace(f".layers.{index}.", f".layers.{layers.index(index)}.")
+        state[key] = value
+    split.load_state_dict(state, strict=True)
+    return full, lower, split
+
+
+def replace_layers(config, layers):
+    config = copy.deepcopy(config)
+    config.layers_to_transform = layers
+    return config
+
+
+def tiny_examples(study, answers="own", task="tiny_order", count=6):
+    preset = study.PRESETS["tiny"]
+    rows, infos = study.tiny_tasks(preset)
+    formatter = study.Formatter(tiny_tokenizer(), study.TASK_TEXTS["tiny"], infos, preset)
+    return [formatter.example(t, text, label, answers) for t, text, label in rows["test"] if t == task][:count]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, task_type="CAUSAL_LM"),
+        SmearConfig(
+            num_experts=3, r=2, target_modules=["q_proj", "v_proj"], init_weights=False, task_type="CAUSAL_LM"
+        ),
+    ],
+    ids=["lora", "smear"],
+)
+def test_the_cached_lower_layers_and_the_top_model_are_the_whole_model(study, config):
+    full, lower, split = split_pair(study, config)
+    examples = tiny_examples(study)
+    examples[1].ids = examples[1].ids[1:]  # lengths differ, so the batch is padded on the left
+    study.cache_states(lower, examples, pad_id=0)
+    batch = study.collate(examples)
+    kept = split(**batch).logits
+    keep = batch["logits_to_keep"]
+    for k, e in enumerate(examples):
+        labels = torch.tensor([[-100] * (len(e.ids) - e.answer_length) + e.ids[-e.answer_length :]])
+        whole = full(input_ids=torch.tensor([e.ids]), labels=labels).logits[0, -keep:]  # routed on the prompt
+        torch.testing.assert_close(kept[k], whole, atol=1e-5, rtol=1e-4)
+
+
+def test_exact_match_is_what_greedy_generation_gives(study):
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, task_type="CAUSAL_LM")
+    full, lower, split = split_pair(study, config)
+    examples = tiny_examples(study)
+    for e in examples:  # the answer becomes what the whole model generates greedily after the prompt
+        prompt = e.ids[: -e.answer_length]
+        generated = full.generate(input_ids=torch.tensor([prompt]), max_new_tokens=e.answer_length, do_sample=False)
+        e.ids = prompt + generated[0, len(prompt) :].tolist()
+    study.cache_states(lower, examples, pad_id=0)
+    infos = study.tiny_tasks(study.PRESETS["tiny"])[1]
+    assert study.evaluate(split, {"tiny_order": examples}, infos, "own")["exact_match"] == 1.0
+    wrong = copy.deepcopy(examples[0])
+    wrong.ids = [*wrong.ids[:-1], (wrong.ids[-1] + 1) % 90 + 2]  # another final token than the generated one
+    study.cache_states(lower, [wrong], pad_id=0)
+    assert study.evaluate(split, {"tiny_order": [wrong]}, infos, "own")["exact_match"] == 0.0
+
+
+def test_the_regimes_are_the_pre_registered_ones(study):
+    regimes = {regime.name: regime for regime in study.STUDY_REGIMES["cpu"]}
+    six = ("trec6", "sms_spam", "bbc_news", "rt_fresh", "tweets_sent", "nyt_reg")
+    assert list(regimes) == [
+        "balanced6",
+        "shared6",
+        "heldout_tweets_sent",
+        "heldout_trec6",
+        "heldout_sms_spam",
+        "balanced6_3x",
+    ]
+    balanced = regimes["balanced6"]
+    assert (balanced.answers, balanced.train, balanced.evaluate, balanced.rates_from) == ("own", six, six, None)
+    assert regimes["shared6"] == study.Regime("shared6", regimes["shared6"].axis, "shared", six, six)
+    budget = regimes["balanced6_3x"]
+    assert (budget.train, budget.evaluate, budget.steps_factor, budget.rates_from) == (six, six, 3, None)
+    for task in ("tweets_sent", "trec6", "sms_spam"):
+        fold = regimes[f"heldout_{task}"]
+        assert fold.held_out and fold.evaluate == (task,) and set(fold.train) == set(six) - {task}
+        assert fold.answers == "own" and fold.rates_from == "balanced6" and fold.steps_factor == 1
+        assert "tag" not in study.methods_of(fold, study.TRAINED)
+    preset = study.PRESETS["cpu"]
+    assert (preset.adapted_layers, preset.targets, preset.max_length, preset.seeds) == (4, ("q_proj", "v_proj"), 64, 3)
+    texts = study.TASK_TEXTS["smollm2"]
+    assert set(texts) == set(six)
+    for text in texts.values():  # every shared question asks about one class, and says to answer yes or no
+        assert text.question.count("{}") == 1 and "yes or no" in text.question
+    own = [tuple(sorted(text.answers.values())) for text in texts.values()]
+    assert own.count(("negative", "positive")) == 2  # only rt_fresh and tweets_sent share their own answers
+
+
+def test_shared_answers_are_yes_or_no_and_ask_about_the_true_class_half_the_time(study):
+    examples = tiny_examples(study, "shared", "tiny_parity", count=8) + tiny_examples(study, "shared", "tiny_size", 8)
+    preset = study.PRESETS["tiny"]
+    _, infos = study.tiny_tasks(preset)
+    formatter = study.Formatter(tiny_tokenizer(), study.TASK_TEXTS["tiny"], infos, preset)
+    yes_no = [formatter.answer(word)[0] for word in study.TINY_YES_NO]
+    for e in examples:
+        assert e.choices == yes_no and e.ids[-e.answer_length] == yes_no[e.gold]
+    rows, _ = study.tiny_tasks(preset)
+    asked = [
+        study.asked_class(task, text, ("even", "odd"), ("even", "odd")[int(label)]) == ("even", "odd")[int(label)]
+        for task, text, label in rows["train"]
+        if task == "tiny_parity"
+    ]
+    assert 0.25 < statistics.fmean(asked) < 0.75
+
+
+def test_the_verdict_rule(study):
+    assert study.verdict(1.0, 0.5) == "win" and study.verdict(-1.0, 0.5) == "lose"
+    assert study.verdict(0.4, 0.5) == "tie" and study.verdict(-0.5, 0.5) == "tie"
+
+    def summary(method, averages):
+        return study.Summary(method, 1e-3, [0, 1, 2], {"average": averages}, 1, None, None, None)
+
+    summaries = {
+        "smear": summary("smear", [81.0, 82.0, 83.0]),
+        "ensemble": summary("ensemble", [95.0, 95.0, 95.0]),  # never the baseline
+        "tag": summary("tag", [80.0, 81.5, 82.0]),
+        "arrow": summary("arrow", [80.0, 82.5, 82.0]),
+    }
+    assert (
+        study.best_baseline(summaries) == "arrow"
+    )  # 81.5 against tag's 81.17; SMEAR and the ensemble are no baseline
+    mean, std = study.paired_difference(summaries["smear"], summaries["arrow"])
+    assert (mean, std) == pytest.approx((0.5, 0.866), abs=1e-3) and study.verdict(mean, std) == "tie"
+
+
+def independent_verdicts(rows, study):
+    """Each regime's verdict recomputed from the CSV: the chosen runs by seed, the best non-ensemble baseline by its
+    mean test average, SMEAR minus it seed by seed, and the rule."""
+    verdicts = {}
+    for regime in dict.fromkeys(row["regime"] for row in rows):
+        chosen = {}
+        for row in rows:
+            if row["regime"] == regime and row["chosen"] == "True" and row["method"] != study.BASE:
+                chosen.setdefault(row["method"], {})[int(row["seed"])] = 100 * float(row["test_average"])
+        baselines = ["lora_1x_compute", "lora_1x_params", "tag", "single", "bank", "arrow"]
+        best = max((m for m in baselines if m in chosen), key=lambda m: statistics.fmean(chosen[m].values()))
+        differences = [chosen["smear"][s] - chosen[best][s] for s in sorted(chosen["smear"])]
+        mean, std = statistics.fmean(differences), statistics.stdev(differences)
+        verdicts[regime] = "win" if mean > std else "lose" if mean < -std else "tie"
+    return verdicts
+
+
+def test_the_table_s_verdicts_follow_the_rule(study, outputs):
+    root, rows = outputs
+    text = (root / "out" / "study.md").read_text()
+    table = [line for line in text.split("###")[0].splitlines() if line.startswith("| `")]
+    cells = {line.split("|")[1].strip().strip("`"): [c.strip() for c in line.strip("|").split("|")] for line in table}
+    for regime, expected in independent_verdicts(rows, study).items():
+        assert cells[regime][6] == f"**{expected}**", regime
+    assert "heldout (pooled)" in cells  # the folds pooled seed by seed
+    pooled = {}
+    for row in rows:
+        if (
+            row["regime"].startswith("heldout_")
+            and row["method"] in ("smear", "lora_1x_compute")
+            and row["chosen"] == "True"
+        ):
+            pooled.setdefault(row["method"], {}).setdefault(int(row["seed"]), []).append(
+                100 * float(row["test_average"])
+            )
+    differences = [
+        statistics.fmean(pooled["smear"][s]) - statistics.fmean(pooled["lora_1x_compute"][s]) for s in range(SEEDS)
+    ]
+    assert (
+        cells["heldout (pooled)"][7] == f"{statistics.fmean(differences):+.2f} ± {statistics.stdev(differences):.2f}"
+    )
+
+
+def test_figure_and_results_section(study, outputs):
+    root, _ = outputs
+    assert (root / "figure.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (root / "figure_balanced_smear_routing.png").is_file()
+    results = (root / "RESULTS.md").read_text()
+    assert "## When SMEAR pays on an LLM: SmolLM2-135M-Instruct, preset `tiny`, " in results
+    assert "python benchmarks/when_smear_pays_llm.py --preset tiny" in results
+    assert (root / "out" / "study.md").read_text() in results
+    assert "### Cost on the same runs" in results and "How alike `tiny_order` (held out)" in results
+
+
+def test_the_bank_takes_the_same_steps(study):
+    assert study.bank_steps(96, 6) == (12, 24)
+    assert study.bank_steps(96, 5) == (14, 24)
+    assert study.bank_steps(288, 6) == (36, 72)
+
+
+def test_a_study_cut_off_resumes_from_its_journals(study, outputs, tmp_path):
+    root, rows = outputs
+    regime = "balanced"
+    journal = (root / "out" / regime / "runs.jsonl").read_text().splitlines()
+    assert len(journal) == 1 + sum(row["regime"] == regime for row in rows)
+    methods = [json.loads(line)["method"] for line in journal[1:]]
+    cut = methods.index("arrow")  # keep the bank's row, not Arrow's: the bank's run must be trained again
+    (tmp_path / "out" / regime).mkdir(parents=True)
+    (tmp_path / "out" / regime / "runs.jsonl").write_text("\n".join(journal[: cut + 1]) + "\n")
+    lines = []
+    argv = [*tiny_argv(root), "--regimes", regime, "--output-dir", tmp_path / "out", "--figure", tmp_path / "f.png"]
+    run_script_main(study, [*argv, "--resume", "--append-results", tmp_path / "RESULTS.md"], log=lines.append)
+    assert f"resuming {regime}: {cut} finished runs" in lines
+    assert sum("(from the journal)" in line for line in lines) == cut - 1  # all but the bank's lone row
+    rerun = (tmp_path / "out" / regime / "runs.jsonl").read_text().splitlines()
+    assert len(rerun) == len(journal) + 1  # the bank's row again, with Arrow's
+    with open(tmp_path / "out" / "runs.csv") as handle:
+        by_run = {(r["method"], r["learning_rate"], r["seed"]): r for r in csv.DictReader(handle)}
+    for line in journal[1 : cut - 1]:
+        kept = json.loads(line)
+        assert (
+            float(by_run[kept["method"], str(kept["learning_rate"]), str(kept["seed"])]["test_average"])
+            == (kept["test_average"])
+        )
+    results = (tmp_path / "RESULTS.md").read_text()
+    assert f"preset `tiny`, regimes {regime}, " in results and "runs were replayed" in results
+    (tmp_path / "out" / regime / "runs.jsonl").write_text('{"settings": {"preset": "another"}}\n')
+    with pytest.raises(SystemExit, match="other settings"):
+        run_script_main(study, [*argv, "--resume"])
+
+
+def test_a_wider_grid_reuses_the_journalled_runs(study, outputs, tmp_path):
+    root, rows = outputs
+    regime = "balanced"
+    (tmp_path / "out" / regime).mkdir(parents=True)
+    (tmp_path / "out" / regime / "runs.jsonl").write_text((root / "out" / regime / "runs.jsonl").read_text())
+    lines = []
+    argv = [*tiny_argv(root), "--regimes", regime, "--output-dir", tmp_path / "out", "--figure", tmp_path / "f.png"]
+    grid = ["1e-2", "5e-2", "1e-1"]
+    run_script_main(
+        study, [*argv, "--learning-rates", *grid, "--resume", "--append-results", tmp_path / "R.md"], log=lines.append
+    )
+    trained = [line for line in lines if line.startswith(regime) and "(from the journal)" not in line]
+    swept = [line for line in trained if " lr 1.0e-01 seed 0:" in line]
+    assert len(swept) == len(study.TRAINED) + 1  # every method's new rate (the bank brings Arrow), and nothing else
+    assert all(" lr 1.0e-01 " in line for line in trained)  # and the seeds of a method that chose the new rate
+    replayed = [line for line in lines if line.startswith(regime) and "(from the journal)" in line]
+    sweeps = [row for row in rows if row["regime"] == regime and row["phase"] == "sweep"]
+    assert sum("validation" in line for line in replayed) == len(sweeps)  # the old rates' sweep: none trained again
+    assert f"preset `tiny`, regimes {regime}, learning rates 1e-02, 5e-02, 1e-01, " in (tmp_path / "R.md").read_text()
