@@ -232,7 +232,9 @@ def part_speed(device: str, scale: Scale) -> dict:
     import speed
 
     methods = speed.PRESETS[GPU.speed_preset].methods  # the GPU's methods, also at the CPU's toy shapes
-    rows = speed.run_benchmark(scale.speed_preset, device=device, methods=methods, memory="inprocess", log=lambda _: None)
+    rows = speed.run_benchmark(
+        scale.speed_preset, device=device, methods=methods, memory="inprocess", log=lambda _: None
+    )
     return {"rows": rows, "preset": scale.speed_preset}
 
 
