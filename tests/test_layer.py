@@ -157,7 +157,7 @@ def test_lora_dropout_drops_the_experts_input_in_training_only(tmp_path):
     layer = next(m for m in model.modules() if isinstance(m, SmearLinear))
     config = model.peft_config["default"]
     x = torch.randn(3, 5, layer.in_features)
-    model.base_model.routing_context.start_call(attention_mask=None, labels=None)
+    model.base_model.routing_context.call.start(attention_mask=None, labels=None)
     layer.train()
     torch.manual_seed(7)
     with torch.no_grad():

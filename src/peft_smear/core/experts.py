@@ -48,6 +48,10 @@ class ExpertKind:
     """Whether the expert acts on the module's input before the module runs (:meth:`scale_input`) rather than on its
     output (:meth:`apply`, :meth:`mix`)."""
 
+    input_dropout: float = 0.0
+    """In training, the dropout probability on the module's input as the experts read it (LoRA's ``lora_dropout``);
+    the router and the wrapped module read it unchanged."""
+
     def __init__(self, in_features: int, out_features: int, config: PeftConfig, module_name: str) -> None:
         self.in_features, self.out_features = in_features, out_features
         self.frozen = config.freeze_experts  # the layer keeps these parameters out of training

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
@@ -139,7 +140,8 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             # 3. The router's decision for each example. 4. The experts' contribution, added to its output.
             params = self.expert_params(name)
             decisions.append(self.route(name, routed, params))
-            out = self.apply_experts(name, decisions[-1], tokens, out, params)
+            expert_input = F.dropout(tokens, kind.input_dropout, self.training) if kind.input_dropout else tokens
+            out = self.apply_experts(name, decisions[-1], expert_input, out, params)
         result = out.reshape(y_each.shape)
         result = packing.pack(result) if packing is not None else result
         losses = [(name, value) for decision in decisions for name, value in decision.aux_losses.items()]

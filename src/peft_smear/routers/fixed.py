@@ -147,6 +147,11 @@ class TagRouter(TaskRouter):
         options = config.routing_options
         experts, num_tasks = options["tag_experts"], options["num_tasks"]
         if experts is None:
+            if num_tasks is not None and num_tasks > config.num_experts:
+                raise ValueError(
+                    f"routing='tag' routes task id t to expert t, so num_tasks={num_tasks} needs num_experts >= "
+                    f"{num_tasks}, got {config.num_experts}; or map the task ids onto the experts with tag_experts."
+                )
             return
         experts = options["tag_experts"] = list(experts) if isinstance(experts, (list, tuple)) else experts
         if (
@@ -163,8 +168,10 @@ class TagRouter(TaskRouter):
 
     @classmethod
     def routed_tasks(cls, config: SmearConfig) -> int:
-        experts = config.routing_options["tag_experts"]
-        return len(experts) if experts is not None else config.num_experts
+        options = config.routing_options
+        if options["tag_experts"] is not None:
+            return len(options["tag_experts"])
+        return options["num_tasks"] if options["num_tasks"] is not None else config.num_experts
 
     def forward(self, inputs: RouterInputs) -> RoutingDecision:
         task_ids = self.task_ids(inputs)
