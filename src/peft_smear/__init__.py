@@ -30,6 +30,8 @@ from .saving.atomic_save import save_pretrained as _save_pretrained
 from .saving.cards import create_or_update_model_card as _create_or_update_model_card
 from .saving.cards import write_model_card
 from .saving.hub import push_to_hub as _push_to_hub
+from .saving.loading import load as _load
+from .saving.loading import read_json as _read_json
 from .training.callbacks import SmearRoutingCallback
 from .training.collator import SmearDataCollator
 from .training.optimizer import create_router_optimizer
@@ -76,4 +78,4 @@ __all__ = [
     "write_model_card",
 ]
 
-_install(SmearConfig, SmearModel, _create_or_update_model_card, _push_to_hub, _save_pretrained)
+_install(SmearConfig, SmearModel, _create_or_update_model_card, _push_to_hub, _save_pretrained, _load, _read_json)

@@ -34,7 +34,7 @@ check_peft_version(peft.__version__)
 
 # These imports are below the version check on purpose: on an unsupported PEFT they may not exist.
 from peft import mapping as _peft_mapping  # noqa: E402
-from peft.config import PeftConfig  # noqa: E402
+from peft.config import PeftConfig, PeftConfigMixin  # noqa: E402
 from peft.peft_model import PeftModel  # noqa: E402
 from peft.tuners.tuners_utils import (  # noqa: E402
     BaseTuner,
@@ -63,6 +63,7 @@ __all__ = [
     "check_peft_version",
     "install",
     "register",
+    "route_peft_loading",
     "route_peft_model_method",
     "select_adapter_entries",
 ]
@@ -135,13 +136,68 @@ def route_peft_model_method(name: str, smear_method: Callable) -> None:
     setattr(PeftModel, name, method)
 
 
+def route_peft_loading(load: Callable, read_json: Callable) -> None:
+    """Make ``PeftModel.from_pretrained`` and ``load_adapter`` go through ``load(peft, model_id, subfolder, loaded)``:
+    ``peft(path)`` is PEFT's method with the caller's arguments, the adapter read from ``path`` instead (``None``: as
+    given); ``loaded``, the ``(PeftModel, adapter name)`` that ``load_adapter`` fills (``None`` for
+    ``from_pretrained``, which loads through ``load_adapter``). And make PEFT read its config files after
+    ``read_json(path)``, whose errors name the file. Idempotent."""
+    from_pretrained = _unrouted(PeftModel.__dict__["from_pretrained"].__func__)
+    load_adapter = _unrouted(PeftModel.load_adapter)
+    from_json_file = _unrouted(PeftConfigMixin.__dict__["from_json_file"].__func__)
+
+    def source(path: str | None, model_id: object, kwargs: dict) -> tuple[object, dict]:
+        return (model_id, kwargs) if path is None else (path, {k: v for k, v in kwargs.items() if k != "subfolder"})
+
+    def routed_from_pretrained(cls, model, model_id, *args, **kwargs):
+        def peft(path: str | None):
+            read_from, rest = source(path, model_id, kwargs)
+            return from_pretrained(cls, model, read_from, *args, **rest)
+
+        return load(peft, model_id, kwargs.get("subfolder"), None)
+
+    def routed_load_adapter(self, model_id, adapter_name, *args, **kwargs):
+        def peft(path: str | None):
+            read_from, rest = source(path, model_id, kwargs)
+            return load_adapter(self, read_from, adapter_name, *args, **rest)
+
+        return load(peft, model_id, kwargs.get("subfolder"), (self, adapter_name))
+
+    def routed_from_json_file(cls, path_json_file, **kwargs):
+        read_json(path_json_file)  # an error that names the file, where PEFT's would be a bare JSONDecodeError
+        return from_json_file(cls, path_json_file, **kwargs)
+
+    for routed, original in (
+        (routed_from_pretrained, from_pretrained),
+        (routed_load_adapter, load_adapter),
+        (routed_from_json_file, from_json_file),
+    ):
+        functools.update_wrapper(routed, original)
+        routed.__smear_peft_method__ = original
+    PeftModel.from_pretrained = classmethod(routed_from_pretrained)
+    PeftModel.load_adapter = routed_load_adapter
+    PeftConfigMixin.from_json_file = classmethod(routed_from_json_file)
+
+
+def _unrouted(method: Callable) -> Callable:
+    """PEFT's own ``method``, under any routing of ours."""
+    return getattr(method, "__smear_peft_method__", method)
+
+
 def install(
-    config_cls: type, tuner_cls: type, model_card: Callable, push_to_hub: Callable, save_pretrained: Callable
+    config_cls: type,
+    tuner_cls: type,
+    model_card: Callable,
+    push_to_hub: Callable,
+    save_pretrained: Callable,
+    load: Callable,
+    read_json: Callable,
 ) -> None:
     """Everything ``import peft_smear`` changes in PEFT, in one place: the ``"SMEAR"`` type in PEFT's registries,
-    and SMEAR's model card, ``push_to_hub`` and atomic ``save_pretrained`` for models whose active adapter is SMEAR
-    (others keep PEFT's)."""
+    SMEAR's model card, ``push_to_hub`` and atomic ``save_pretrained`` for models whose active adapter is SMEAR
+    (others keep PEFT's), and loading a SMEAR adapter as one save, checked (others load as PEFT loads them)."""
     register(config_cls, tuner_cls, tuner_cls.prefix)
     route_peft_model_method("create_or_update_model_card", model_card)
     route_peft_model_method("push_to_hub", push_to_hub)
     route_peft_model_method("save_pretrained", save_pretrained)
+    route_peft_loading(load, read_json)
