@@ -17,6 +17,7 @@ from .config import SmearConfig
 from .context import ROUTING_MASK, RoutingContext
 from .experts import EXPERT_KINDS
 from .layer import MERGE_UNSUPPORTED, SmearLinear
+from .memory import require_fits
 from .packing import PACKING_ARGUMENTS, packed_layout
 from .registration import (
     DEFAULT_TARGET_MODULES,
@@ -106,6 +107,8 @@ class SmearModel(BaseTuner):
         if call_inputs or not self._generating:
             self._set_call_inputs(call_inputs)
         self._call_labels = arguments.get("labels")
+        if tokens is not None and not self._is_encoder_decoder:
+            _check_labels(self._call_labels, tokens.shape[:2], per_token=self._generates_text)
         self.routing_context.aux.begin()
         if self.model.training:
             self._count_training_call()
@@ -196,6 +199,11 @@ class SmearModel(BaseTuner):
         EXPERT_KINDS[peft_config.expert_type].fill_default_targets(peft_config, model_config.get("model_type"))
         return super()._prepare_adapter_config(peft_config, model_config)
 
+    def _prepare_model(self, peft_config: SmearConfig, model: nn.Module) -> None:
+        """Before anything is allocated: refuse an adapter whose experts and routers would not fit in memory."""
+        super()._prepare_model(peft_config, model)
+        require_fits(self, peft_config, model)
+
     def _router_input(self, config: SmearConfig, key: str) -> str:
         """What the layer ``key`` routes on, from ``config.router_input`` and the architecture (see
         :data:`~peft_smear.core.types.ROUTER_INPUTS`)."""
@@ -257,6 +265,13 @@ class SmearModel(BaseTuner):
 
     def merge_and_unload(self, *args: Any, **kwargs: Any) -> nn.Module:
         raise TypeError(MERGE_UNSUPPORTED)
+
+    def add_weighted_adapter(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(
+            "add_weighted_adapter combines LoRA adapters, and a SMEAR model holds none. peft_smear.merge_experts("
+            "model, directory, weights=... or routing=..., combination_type=...) combines a SMEAR adapter's LoRA "
+            "experts with the same PEFT merges (linear, TIES, DARE, SVD, ...) into one plain LoRA."
+        )
 
     def merge_adapter(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError(MERGE_UNSUPPORTED)
@@ -331,6 +346,21 @@ class ModelCall:
             return self.model(*self.args, **self.kwargs)
         finally:
             self.tuner._second_pass = False
+
+
+def _check_labels(labels: Any, tokens: tuple[int, ...], per_token: bool) -> None:
+    """Token labels (``[batch, tokens]``, what a model that generates text takes, and what prompt routing reads) must
+    cover the input token for token; per-example labels one per row."""
+    if not isinstance(labels, torch.Tensor):
+        return
+    if labels.dim() >= 2 or per_token:
+        if tuple(labels.shape) != tuple(tokens):
+            raise ValueError(
+                f"labels have shape {tuple(labels.shape)}, but the input is [batch, tokens] = {list(tokens)}: token "
+                "labels must be one per input token (-100 where there is no target), [batch, tokens] like the input."
+            )
+    elif labels.shape[0] != tokens[0]:
+        raise ValueError(f"labels have {labels.shape[0]} rows, but the batch has {tokens[0]} examples.")
 
 
 def _padding_mask(mask: torch.Tensor | None, name: str) -> torch.Tensor | None:
