@@ -23,6 +23,8 @@ from .core.registration import SUPPORTED_PEFT_RANGE, SmearPeftType
 from .core.registration import install as _install
 from .core.routers import ROUTERS, Router, merged, mixed, one_expert, register_router
 from .core.types import CallInput, Option, RouterInputs, RoutingDecision
+from .export.conversion import LoraConversion as _LoraConversion
+from .export.conversion import fixed_routing
 from .export.export import export_merged_adapter
 from .export.merging import merge_experts
 from .export.serving import NotServerReadyError, check_server_ready
@@ -67,6 +69,7 @@ __all__ = [
     "describe_tasks",
     "embed_texts",
     "export_merged_adapter",
+    "fixed_routing",
     "get_routing_weights",
     "merge_experts",
     "merged",
@@ -78,4 +81,13 @@ __all__ = [
     "write_model_card",
 ]
 
-_install(SmearConfig, SmearModel, _create_or_update_model_card, _push_to_hub, _save_pretrained, _load, _read_json)
+_install(
+    SmearConfig,
+    SmearModel,
+    _create_or_update_model_card,
+    _push_to_hub,
+    _save_pretrained,
+    _load,
+    _read_json,
+    _LoraConversion(),
+)

@@ -3,7 +3,7 @@ method)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +71,7 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         self.expert_kind: dict[str, ExpertKind] = {}
         self.router_input: dict[str, str] = {}
         self.routing_prefix_length: dict[str, int | None] = {}
+        self.fixed_routing: dict[str, torch.Tensor] = {}  # per adapter, set by peft_smear.fixed_routing
         self.smear_router = nn.ModuleDict()
         self._active_adapter = adapter_name
         self.train(base_layer.training)  # wrapping a module must not switch an eval-mode model into training
@@ -157,9 +158,12 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         """How ``adapter_name``'s experts (``params``, unless read here) apply to each example (or token) of
         ``routed``: inside ``generate`` the decision made at prefill, else the router's decision on what it reads."""
         key, router, context = (self, adapter_name), self.smear_router[adapter_name], self.routing_context
+        fixed = self.fixed_routing.get(adapter_name)
         # A per-token router routes every new token on itself, so nothing made at prefill is reused.
         decision = None if router.per_token else context.cached_decision(key, routed.shape[0])
-        if decision is None:
+        if fixed is not None:
+            decision = RoutingDecision(weights=fixed.to(routed.device).expand(routed.shape[0], -1))
+        elif decision is None:
             inputs = CallRouterInputs(
                 routed,
                 context.call,
@@ -221,6 +225,16 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             if kind.frozen:
                 for param in self.expert_params(name).values():
                     param.requires_grad_(False)
+
+    lora_conversion: ClassVar[Any] = None
+    """PEFT's ``convert_to_lora`` / ``save_as_lora`` for a fixed routing (:mod:`peft_smear.export.conversion`,
+    installed by ``import peft_smear``): the two methods below answer through it."""
+
+    def supports_lora_conversion(self, adapter_name: str = "default") -> bool:
+        return self.lora_conversion.supports(self, adapter_name)
+
+    def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
+        return self.lora_conversion.delta_weight(self, adapter_name)
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         raise TypeError(MERGE_UNSUPPORTED)

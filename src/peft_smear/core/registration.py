@@ -192,11 +192,14 @@ def install(
     save_pretrained: Callable,
     load: Callable,
     read_json: Callable,
+    lora_conversion: object,
 ) -> None:
     """Everything ``import peft_smear`` changes in PEFT, in one place: the ``"SMEAR"`` type in PEFT's registries,
     SMEAR's model card, ``push_to_hub`` and atomic ``save_pretrained`` for models whose active adapter is SMEAR
-    (others keep PEFT's), and loading a SMEAR adapter as one save, checked (others load as PEFT loads them)."""
+    (others keep PEFT's), loading a SMEAR adapter as one save, checked (others load as PEFT loads them), and how the
+    SMEAR layers answer PEFT's ``convert_to_lora`` (``lora_conversion``)."""
     register(config_cls, tuner_cls, tuner_cls.prefix)
+    tuner_cls.tuner_layer_cls.lora_conversion = lora_conversion
     route_peft_model_method("create_or_update_model_card", model_card)
     route_peft_model_method("push_to_hub", push_to_hub)
     route_peft_model_method("save_pretrained", save_pretrained)

@@ -123,7 +123,7 @@ def export_merged_adapter(
         for name, module in tuner.model.named_modules()
         if isinstance(module, SmearLinear) and adapter_name in module.expert_kind
     }
-    distributions, second_moments, examples = _routing_distributions(
+    distributions, second_moments, examples = routing_distributions(
         peft_model, layers, routing, adapter_name, method, what
     )
     export = kind_export(smear_config.expert_type)
@@ -337,7 +337,7 @@ def refuse_occupied(directory: Path, overwrite: bool, hint: str) -> None:
         raise FileExistsError(f"{directory} exists and is not empty; {hint}.")
 
 
-def _routing_distributions(
+def routing_distributions(
     peft_model: torch.nn.Module,
     layers: dict[str, SmearLinear],
     routing: Routing,
