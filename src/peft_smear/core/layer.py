@@ -11,7 +11,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from .base_layers import output_may_be_locked_view
-from .context import CallRouterInputs, RoutingContext
+from .context import CallRouterInputs, RoutingContext, RowRouterInputs
 from .experts import EXPERT_KINDS, ExpertKind
 from .registration import BaseTunerLayer
 from .routers import ROUTERS
@@ -116,6 +116,8 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         adapters = [name for name in self.active_adapters if name in self.expert_kind]
         if self.disable_adapters or not adapters:
             return self.base_layer(x, *args, **kwargs)
+        if self.routing_context.call.adapters is not None:
+            return self._mixed_batch_forward(x, *args, **kwargs)
         # One example per row: a packed row holds several sequences, each an example of its own.
         packing = self.routing_context.call.packing
         x_each = packing.unpack(x) if packing is not None else x
@@ -148,15 +150,52 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         losses = [(name, value) for decision in decisions for name, value in decision.aux_losses.items()]
         return self.routing_context.aux.carry(result, losses) if losses else result
 
+    def _mixed_batch_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """PEFT's ``adapter_names=``: each example through its own adapter (routed on its own rows, as alone), the
+        ``"__base__"`` ones (and those of an adapter this layer lacks) through the wrapped module alone."""
+        if self.routing_context.call.packing is not None:
+            raise ValueError(
+                "adapter_names= gives each example its adapter, but this batch packs several sequences per row; pass "
+                "unpacked rows (one example each) with adapter_names."
+            )
+        names = self.routing_context.call.row_adapters(x.shape[0])
+        groups = {name: tuple(i for i, row in enumerate(names) if row == name) for name in dict.fromkeys(names)}
+        groups = {name: rows for name, rows in groups.items() if name in self.expert_kind}
+        tokens, inputs = x.reshape(x.shape[0], -1, x.shape[-1]), x
+        for name, rows in groups.items():  # kinds that act on the module's input, before it runs
+            if self.expert_kind[name].scales_input:
+                index = torch.tensor(rows, device=x.device)
+                decision = self.route(name, x[index], rows=rows, call_batch=x.shape[0])
+                scaled = self.apply_experts(name, decision, tokens[index], tokens[index])
+                inputs = inputs.index_copy(0, index, scaled.reshape(x[index].shape))
+        y = self._base_output(inputs, *args, **kwargs)
+        out = y.reshape(y.shape[0], -1, y.shape[-1])
+        for name, rows in groups.items():
+            kind = self.expert_kind[name]
+            if not kind.scales_input:
+                index = torch.tensor(rows, device=x.device)
+                routed = y[index] if kind.routes_on_output else x[index]
+                decision = self.route(name, routed, rows=rows, call_batch=x.shape[0])
+                out = out.index_copy(0, index, self.apply_experts(name, decision, tokens[index], out[index]))
+        return out.reshape(y.shape)
+
     def _base_output(self, inputs: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         result = self.base_layer(inputs, *args, **kwargs)
         if self.output_may_be_locked_view and torch.is_grad_enabled() and result._is_view():
             result = result.clone()  # experts add into the output in place, which autograd forbids on such a view
         return result
 
-    def route(self, adapter_name: str, routed: torch.Tensor, params: Params | None = None) -> RoutingDecision:
+    def route(
+        self,
+        adapter_name: str,
+        routed: torch.Tensor,
+        params: Params | None = None,
+        rows: tuple[int, ...] | None = None,
+        call_batch: int = 0,
+    ) -> RoutingDecision:
         """How ``adapter_name``'s experts (``params``, unless read here) apply to each example (or token) of
-        ``routed``: inside ``generate`` the decision made at prefill, else the router's decision on what it reads."""
+        ``routed``: inside ``generate`` the decision made at prefill, else the router's decision on what it reads
+        (``rows``: which examples of the ``call_batch`` the layer sees ``routed`` holds, in a mixed batch)."""
         key, router, context = (self, adapter_name), self.smear_router[adapter_name], self.routing_context
         fixed = self.fixed_routing.get(adapter_name)
         # A per-token router routes every new token on itself, so nothing made at prefill is reused.
@@ -172,6 +211,8 @@ class SmearLinear(nn.Module, BaseTunerLayer):
                 self.training,
                 self.expert_params(adapter_name) if params is None else params,
             )
+            if rows is not None:  # a mixed batch: the call's inputs of these rows alone
+                inputs = RowRouterInputs(**vars(inputs), rows=rows, call_batch=call_batch)
             decision = router(inputs)
         context.observe(key, decision)
         return decision

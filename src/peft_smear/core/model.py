@@ -21,6 +21,7 @@ from .memory import require_fits
 from .packing import PACKING_ARGUMENTS, packed_layout
 from .registration import (
     DEFAULT_TARGET_MODULES,
+    AuxiliaryTrainingWrapper,
     BaseTuner,
     adapter_state_dict_keys,
     adapter_state_dict_prefixes,
@@ -29,6 +30,9 @@ from .registration import (
 from .routers import ROUTERS, Router
 from .smear import masked_mean
 from .types import CallInput
+
+
+ADAPTER_NAMES = "adapter_names"  # PEFT's mixed batches: each example's adapter
 
 
 def known_call_inputs() -> dict[str, CallInput]:
@@ -40,10 +44,10 @@ def known_call_inputs() -> dict[str, CallInput]:
 
 
 def take_call_inputs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Take every ``smear_*`` keyword off ``kwargs`` (the wrapped model must not see them). The prefix is this
-    library's: an unknown one is a typo that would otherwise be dropped without a word."""
-    taken = {name: kwargs.pop(name) for name in [name for name in kwargs if name.startswith("smear_")]}
-    unknown = sorted(set(taken) - set(known_call_inputs()))
+    """Take every ``smear_*`` keyword, and PEFT's ``adapter_names``, off ``kwargs`` (the wrapped model must not see
+    them). The prefix is this library's: an unknown one is a typo that would otherwise be dropped without a word."""
+    taken = {name: kwargs.pop(name) for name in [n for n in kwargs if n.startswith("smear_") or n == ADAPTER_NAMES]}
+    unknown = sorted(set(taken) - set(known_call_inputs()) - {ADAPTER_NAMES})
     if unknown:
         raise TypeError(f"Unknown SMEAR input(s) {unknown}; the smear_ inputs are {sorted(known_call_inputs())}.")
     return taken
@@ -71,6 +75,7 @@ class SmearModel(BaseTuner):
         self._call_labels: torch.Tensor | None = None
         self._decoder_prefix: str | None = None
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._head_hooks: list[torch.utils.hooks.RemovableHandle] = []  # a mixed batch's, on modules_to_save
         self._is_encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
         self._generates_text = bool(getattr(model, "can_generate", lambda: False)())
         self._hook(model, self._start_call)
@@ -105,7 +110,7 @@ class SmearModel(BaseTuner):
         if tokens is not None and tokens.shape[0] == 0:
             raise ValueError("The batch is empty (0 examples): a SMEAR model routes each example, so give it one.")
         if call_inputs or not self._generating:
-            self._set_call_inputs(call_inputs)
+            self._set_call_inputs(call_inputs, tokens)
         self._call_labels = arguments.get("labels")
         if tokens is not None and not self._is_encoder_decoder:
             _check_labels(self._call_labels, tokens.shape[:2], per_token=self._generates_text)
@@ -144,6 +149,8 @@ class SmearModel(BaseTuner):
         ``output.smear_aux_losses``."""
         if self._second_pass:
             return output
+        if self.routing_context.call.adapters is not None and not self._generating:
+            self._set_adapter_names(None, None)  # the mixed batch is over
         aux = self.routing_context.aux
         finished, call = {}, ModelCall(self, model, args, kwargs, output, self._call_labels)
         for router in dict.fromkeys(ROUTERS[config.routing] for config in self._active_configs()):
@@ -172,9 +179,43 @@ class SmearModel(BaseTuner):
         mask = _padding_mask(arguments.get("encoder_attention_mask"), "encoder_attention_mask")
         self.routing_context.call.encoder_summary = None if states is None else masked_mean(states, mask)
 
-    def _set_call_inputs(self, call_inputs: dict[str, Any]) -> None:
-        known = known_call_inputs()
+    def _set_call_inputs(self, call_inputs: dict[str, Any], tokens: torch.Tensor | None) -> None:
+        known, adapter_names = known_call_inputs(), call_inputs.pop(ADAPTER_NAMES, None)
         self.routing_context.call.set_inputs({name: known[name].prepare(value) for name, value in call_inputs.items()})
+        if adapter_names is not None or self.routing_context.call.adapters is not None:
+            self._set_adapter_names(adapter_names, tokens)
+
+    def _set_adapter_names(self, names: Any, tokens: torch.Tensor | None) -> None:
+        """PEFT's mixed batches (``adapter_names=``, ``None`` once over): each example through its own SMEAR adapter,
+        routed on its own rows as if alone (:meth:`SmearLinear._mixed_batch_forward`); ``"__base__"`` examples through
+        the base model; the modules kept in full (``modules_to_save``) through the example's adapter's copy."""
+        for handle in self._head_hooks:
+            handle.remove()
+        self._head_hooks, call = [], self.routing_context.call
+        call.adapters = None
+        if names is None:
+            return
+        if self.model.training:
+            raise ValueError(
+                "adapter_names= serves a mixed batch in eval mode; call model.eval() first (as for LoRA)."
+            )
+        if not isinstance(names, (list, tuple)) or not all(isinstance(name, str) for name in names):
+            raise ValueError(f"adapter_names must be a list of adapter names, one per example, got {names!r}.")
+        unknown = sorted(set(names) - set(self.peft_config) - {"__base__"})
+        if unknown:
+            raise ValueError(
+                f"adapter_names names no adapter {unknown}; the adapters are {sorted(self.peft_config)}, and "
+                "'__base__' for the base model."
+            )
+        if tokens is not None and tokens.shape[0] != len(names):
+            raise ValueError(f"adapter_names has {len(names)} names, but the batch has {tokens.shape[0]} examples.")
+        call.adapters = list(names)
+
+        def head_names(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            return (args, {**kwargs, ADAPTER_NAMES: call.row_adapters(args[0].shape[0])}) if args else (args, kwargs)
+
+        heads = [module for module in self.model.modules() if isinstance(module, AuxiliaryTrainingWrapper)]
+        self._head_hooks = [head.register_forward_pre_hook(head_names, with_kwargs=True) for head in heads]
 
     def _wrap_generate(self, model: nn.Module) -> None:
         """Route every sequence once, on its prompt, at prefill, and keep the ``smear_*`` inputs for every step
@@ -184,12 +225,15 @@ class SmearModel(BaseTuner):
 
         @functools.wraps(original)
         def generate(*args: Any, **kwargs: Any) -> Any:
-            self._set_call_inputs(take_call_inputs(kwargs))
+            tokens = next((kwargs[n] for n in ("input_ids", "inputs_embeds") if kwargs.get(n) is not None), None)
+            self._set_call_inputs(take_call_inputs(kwargs), args[0] if args else tokens)
             self._generating, self.routing_context.routing_cache = True, {}
             try:
                 return original(*args, **kwargs)
             finally:
                 self._generating, self.routing_context.routing_cache = False, None
+                if self.routing_context.call.adapters is not None:
+                    self._set_adapter_names(None, None)
 
         model.generate = generate
 

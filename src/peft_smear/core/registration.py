@@ -47,6 +47,7 @@ from peft.utils import (  # noqa: E402
     TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING,
     TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING,
 )
+from peft.utils.other import AuxiliaryTrainingWrapper  # noqa: E402  (modules_to_save, which take adapter_names)
 
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "DEFAULT_IA3_TARGET_MODULES",
     "DEFAULT_TARGET_MODULES",
     "SUPPORTED_PEFT_RANGE",
+    "AuxiliaryTrainingWrapper",
     "BaseTuner",
     "BaseTunerLayer",
     "PeftConfig",
@@ -63,6 +65,7 @@ __all__ = [
     "check_peft_version",
     "install",
     "register",
+    "route_adapter_names",
     "route_peft_loading",
     "route_peft_model_method",
     "select_adapter_entries",
@@ -136,6 +139,22 @@ def route_peft_model_method(name: str, smear_method: Callable) -> None:
     setattr(PeftModel, name, method)
 
 
+def route_adapter_names() -> None:
+    """Let ``adapter_names=`` (PEFT's mixed batches) reach the wrapped model of a SMEAR ``PeftModel``, whose tuner
+    takes it off the call as it takes the ``smear_*`` inputs. PEFT removes the keyword before it calls the model, and
+    hands it to a tuner only through ``_enable_peft_forward_hooks``, a call on every forward. Idempotent."""
+    init = _unrouted(PeftModel.__init__)
+
+    @functools.wraps(init)
+    def routed_init(self, model, peft_config, *args, **kwargs):
+        init(self, model, peft_config, *args, **kwargs)
+        if peft_config.peft_type == SmearPeftType.SMEAR:
+            self.special_peft_forward_args = self.special_peft_forward_args - {"adapter_names"}
+
+    routed_init.__smear_peft_method__ = init
+    PeftModel.__init__ = routed_init
+
+
 def route_peft_loading(load: Callable, read_json: Callable) -> None:
     """Make ``PeftModel.from_pretrained`` and ``load_adapter`` go through ``load(peft, model_id, subfolder, loaded)``:
     ``peft(path)`` is PEFT's method with the caller's arguments, the adapter read from ``path`` instead (``None``: as
@@ -204,3 +223,4 @@ def install(
     route_peft_model_method("push_to_hub", push_to_hub)
     route_peft_model_method("save_pretrained", save_pretrained)
     route_peft_loading(load, read_json)
+    route_adapter_names()
