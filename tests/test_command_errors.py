@@ -430,12 +430,12 @@ def test_build_bank_offers_only_the_routings_it_can_build(inputs, tmp_path, caps
 
 def test_the_commands_routing_lists_are_what_the_routers_say():
     """The command line names them without importing a router; they must not drift from the routers' traits."""
-    from peft_smear.bank.routers import GateRouter
+    from peft_smear.bank.routers import GateRouter, needs_task_descriptions
     from peft_smear.multitask import commands
     from peft_smear.multitask.routings import trainable_routings
 
     def builds_over_a_bank(name: str) -> bool:
-        embeddings = [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]] if ROUTERS[name].needs_task_descriptions else None
+        embeddings = [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]] if needs_task_descriptions(ROUTERS[name]) else None
         try:
             SmearConfig(routing=name, num_experts=3, expert_embeddings=embeddings)
         except ValueError:

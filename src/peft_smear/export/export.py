@@ -38,14 +38,11 @@ from ..core.routers import ROUTERS, Router
 from ..saving import atomic
 from ..saving.cards import write_export_card
 from ..training.recording import get_routing_weights
+from .forms import DEFAULT_FORM, FORMS, energy_summary
 from .kinds import kind_export
 
 
 Routing = Mapping[str, torch.Tensor] | Iterable[Mapping[str, Any]]
-FORMS = ("mean_routing", "mean_update")
-"""How a task's routing is exported (``form`` of :func:`export_merged_adapter`)."""
-DEFAULT_FORM = "mean_routing"
-"""The form a task is exported in unless told otherwise (Python, ``peft-smear export`` and ``export-tasks``)."""
 
 
 def export_merged_adapter(
@@ -317,12 +314,6 @@ class ExportedRouting:
         if self.kind == "example":
             return "the routing of one example, fixed: that example's merged expert, exactly"
         return "a fixed distribution over the experts per layer: the merged expert of that routing"
-
-
-def energy_summary(energy_kept: Mapping[str, float]) -> tuple[tuple[str, float], float]:
-    """The module that keeps the least of its mean update's energy, with that share, and the mean share."""
-    low = min(energy_kept.items(), key=lambda item: item[1])
-    return low, sum(energy_kept.values()) / len(energy_kept)
 
 
 def _one_hot_index(p: torch.Tensor) -> int | None:
