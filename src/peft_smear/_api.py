@@ -1,6 +1,7 @@
 """The public names of :mod:`peft_smear`, and its registration with PEFT: what ``import peft_smear`` loads (see the
 package's description)."""
 
+import peft_smear.experts
 import peft_smear.routers  # noqa: F401  (the SMEAR paper's baselines register themselves)
 
 from .bank import build_expert_bank, describe_tasks, embed_texts, train_phatgoose_gates
