@@ -22,6 +22,7 @@ from .saving.atomic_save import save_pretrained as _save_pretrained
 from .saving.cards import create_or_update_model_card as _create_or_update_model_card
 from .saving.cards import write_model_card
 from .saving.hub import push_to_hub as _push_to_hub
+from .saving.loading import check_checkpoint as _check_checkpoint
 from .saving.loading import load as _load
 from .saving.loading import read_json as _read_json
 from .training.callbacks import SmearRoutingCallback
@@ -79,5 +80,6 @@ _install(
     _save_pretrained,
     _load,
     _read_json,
+    _check_checkpoint,
     _LoraConversion(),
 )

@@ -6,13 +6,12 @@ import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from .base_layers import check_base_layer
-from .checks import listing
 from .config import SmearConfig
 from .context import ROUTING_MASK, RoutingContext
 from .experts import EXPERT_KINDS
@@ -23,7 +22,6 @@ from .registration import (
     DEFAULT_TARGET_MODULES,
     AuxiliaryTrainingWrapper,
     BaseTuner,
-    adapter_state_dict_keys,
     adapter_state_dict_prefixes,
     select_adapter_entries,
 )
@@ -67,6 +65,9 @@ class SmearModel(BaseTuner):
     prefix: str = "smear_"
     tuner_layer_cls = SmearLinear
     target_module_mapping = DEFAULT_TARGET_MODULES
+    checkpoint_check: ClassVar[Callable[[nn.Module, str, dict[str, torch.Tensor]], list[str]]]
+    """Whether a checkpoint fits the adapter, before PEFT loads it (:func:`peft_smear.saving.loading.check_checkpoint`,
+    installed by ``import peft_smear``): raises where it does not, and returns the training clocks it lacks."""
 
     def _pre_injection_hook(self, model: nn.Module, config: SmearConfig, adapter_name: str) -> None:
         self.routing_context = RoutingContext()
@@ -345,10 +346,10 @@ class SmearModel(BaseTuner):
     def _remap_adapter_state_dict_for_load(
         cls, model: nn.Module, config: SmearConfig, adapter_name: str, state_dict: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        """PEFT's key remapping, then a strict check: PEFT only warns about missing keys and ignores unexpected
-        ones, which would leave a silently half-initialised adapter."""
+        """PEFT's key remapping, then a strict check (:attr:`checkpoint_check`): PEFT only warns about missing keys
+        and ignores unexpected ones, which would leave a silently half-initialised adapter."""
         remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
-        missing_clocks = _check_adapter_state_dict(model, adapter_name, remapped)
+        missing_clocks = cls.checkpoint_check(model, adapter_name, remapped)
         # Adapters saved before routers kept their training clock lack it: it starts at 0, as it did for them, and is
         # put in so that PEFT does not warn that weights are missing from a checkpoint that lacks nothing it needs.
         return {**remapped, **{key: torch.zeros((), dtype=torch.long) for key in missing_clocks}}
@@ -414,44 +415,3 @@ def _padding_mask(mask: torch.Tensor | None, name: str) -> torch.Tensor | None:
             "Pass the 2-D padding mask to the model."
         )
     return mask
-
-
-CLOCK_SUFFIX = ".training_calls"  # Router.keeps_training_clock's buffer
-
-
-def _check_adapter_state_dict(model: nn.Module, adapter_name: str, state_dict: dict[str, torch.Tensor]) -> list[str]:
-    """Raise if ``state_dict`` does not fit the adapter; return the training clocks it lacks (model keys)."""
-    model_state = model.state_dict()
-    expected = adapter_state_dict_keys(model, adapter_name)
-    prefix = "base_model.model."
-    unexpected, provided, mismatched = [], set(), []
-    for key, tensor in state_dict.items():
-        model_key = key if key in model_state else prefix + key if prefix + key in model_state else None
-        if model_key is None:
-            unexpected.append(key)
-            continue
-        provided.add(model_key)
-        # Every key, not only the expert banks and routers: a modules_to_save head of another size must fail here too.
-        if tuple(tensor.shape) != tuple(model_state[model_key].shape):
-            mismatched.append(f"{key}: checkpoint {tuple(tensor.shape)}, model {tuple(model_state[model_key].shape)}")
-    absent = expected - provided
-    missing = sorted(key for key in absent if not key.endswith(CLOCK_SUFFIX))
-    problems = []
-    if mismatched:
-        problems.append(
-            "shapes differ (was it trained on another base model, or with another num_experts / r / head size?):"
-            + _listing(mismatched)
-        )
-    if missing:
-        problems.append("missing from the checkpoint:" + _listing(missing))
-    if unexpected:
-        problems.append("in the checkpoint but not in the model:" + _listing(sorted(unexpected)))
-    if problems:
-        raise ValueError(
-            f"Cannot load SMEAR adapter {adapter_name!r}; its weights do not fit the model. " + "; ".join(problems)
-        )
-    return sorted(absent - set(missing))
-
-
-def _listing(lines: list[str]) -> str:
-    return "\n  " + listing(lines, limit=8, separator="\n  ")

@@ -156,11 +156,9 @@ def route_adapter_names() -> None:
 
 
 def route_peft_loading(load: Callable, read_json: Callable) -> None:
-    """Make ``PeftModel.from_pretrained`` and ``load_adapter`` go through ``load(peft, model_id, subfolder, loaded)``:
+    """Make ``PeftModel.from_pretrained`` and ``load_adapter`` go through ``load(peft, model_id, subfolder)``:
     ``peft(path)`` is PEFT's method with the caller's arguments, the adapter read from ``path`` instead (``None``: as
-    given); ``loaded``, the ``(PeftModel, adapter name)`` that ``load_adapter`` fills (``None`` for
-    ``from_pretrained``, which loads through ``load_adapter``). And make PEFT read its config files after
-    ``read_json(path)``, whose errors name the file. Idempotent."""
+    given). And make PEFT read its config files after ``read_json(path)``, whose errors name the file. Idempotent."""
     from_pretrained = _unrouted(PeftModel.__dict__["from_pretrained"].__func__)
     load_adapter = _unrouted(PeftModel.load_adapter)
     from_json_file = _unrouted(PeftConfigMixin.__dict__["from_json_file"].__func__)
@@ -173,14 +171,14 @@ def route_peft_loading(load: Callable, read_json: Callable) -> None:
             read_from, rest = source(path, model_id, kwargs)
             return from_pretrained(cls, model, read_from, *args, **rest)
 
-        return load(peft, model_id, kwargs.get("subfolder"), None)
+        return load(peft, model_id, kwargs.get("subfolder"))
 
     def routed_load_adapter(self, model_id, adapter_name, *args, **kwargs):
         def peft(path: str | None):
             read_from, rest = source(path, model_id, kwargs)
             return load_adapter(self, read_from, adapter_name, *args, **rest)
 
-        return load(peft, model_id, kwargs.get("subfolder"), (self, adapter_name))
+        return load(peft, model_id, kwargs.get("subfolder"))
 
     def routed_from_json_file(cls, path_json_file, **kwargs):
         read_json(path_json_file)  # an error that names the file, where PEFT's would be a bare JSONDecodeError
@@ -211,13 +209,16 @@ def install(
     save_pretrained: Callable,
     load: Callable,
     read_json: Callable,
+    checkpoint_check: Callable,
     lora_conversion: object,
 ) -> None:
     """Everything ``import peft_smear`` changes in PEFT, in one place: the ``"SMEAR"`` type in PEFT's registries,
     SMEAR's model card, ``push_to_hub`` and atomic ``save_pretrained`` for models whose active adapter is SMEAR
-    (others keep PEFT's), loading a SMEAR adapter as one save, checked (others load as PEFT loads them), and how the
-    SMEAR layers answer PEFT's ``convert_to_lora`` (``lora_conversion``)."""
+    (others keep PEFT's), loading a SMEAR adapter as one save, checked (others load as PEFT loads them), and what
+    the SMEAR tuner and layers ask the layers above them: whether a checkpoint fits (``checkpoint_check``) and how to
+    answer PEFT's ``convert_to_lora`` (``lora_conversion``)."""
     register(config_cls, tuner_cls, tuner_cls.prefix)
+    tuner_cls.checkpoint_check = staticmethod(checkpoint_check)
     tuner_cls.tuner_layer_cls.lora_conversion = lora_conversion
     route_peft_model_method("create_or_update_model_card", model_card)
     route_peft_model_method("push_to_hub", push_to_hub)

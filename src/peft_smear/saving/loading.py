@@ -8,9 +8,12 @@ until the load is done.
 
 Before PEFT reads them, the files are checked, each error naming the file: the config must be JSON, the weights file's
 header must be whole and its tensors' expert counts and ranks those of the config (an ``adapter_config.json`` edited
-to ``num_experts: 10**9`` is refused here, not after allocating it). Once PEFT has loaded an adapter (from a local
-directory or the Hub), weights that hold NaN or infinities are refused, naming the tensors. PEFT calls these through
+to ``num_experts: 10**9`` is refused here, not after allocating it). PEFT calls this through
 :func:`~peft_smear.core.registration.route_peft_loading`, which ``import peft_smear`` installs.
+
+Then, whatever it was read from (a local directory or the Hub), the checkpoint PEFT is about to load is checked
+against the model (:func:`check_checkpoint`, which the tuner calls): finite weights, every key the adapter has and
+no other, each of the model's shape. PEFT on its own only warns about missing keys and ignores unexpected ones.
 """
 
 from __future__ import annotations
@@ -23,16 +26,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from peft import get_peft_model_state_dict
 from peft.utils import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
 
 from ..core.checks import listing
 from ..core.experts import EXPERT_KINDS
-from ..core.registration import SmearPeftType
+from ..core.registration import SmearPeftType, adapter_state_dict_keys
 from . import atomic
 
 
-__all__ = ["AdapterFileError", "damaged_file_error", "load", "read_json", "refuse_non_finite"]
+__all__ = ["AdapterFileError", "check_checkpoint", "damaged_file_error", "load", "read_json"]
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 _pinned_here = threading.local()  # the pinned paths this thread is loading from (a nested load_adapter reuses them)
@@ -57,20 +59,10 @@ def read_json(path: str | os.PathLike, shown: str | os.PathLike | None = None) -
         raise damaged_file_error(shown or path, f"not JSON: {error}") from None
 
 
-def load(
-    peft: Callable[[str | None], Any], model_id: Any, subfolder: Any, loaded: tuple[torch.nn.Module, str] | None
-) -> Any:
+def load(peft: Callable[[str | None], Any], model_id: Any, subfolder: Any) -> Any:
     """PEFT's load (``peft(path)``) of ``model_id`` (``/subfolder``): a local SMEAR adapter read as one save from a
     pinned path, its files checked first; anything else (a Hub id, another PEFT method) as PEFT reads it
-    (``peft(None)``). ``loaded``: the ``(PeftModel, adapter name)`` that ``load_adapter`` fills, whose weights are
-    checked once loaded."""
-    result = _load_pinned(peft, model_id, subfolder)
-    if loaded is not None:
-        refuse_non_finite(*loaded)
-    return result
-
-
-def _load_pinned(peft: Callable[[str | None], Any], model_id: Any, subfolder: Any) -> Any:
+    (``peft(None)``)."""
     if not isinstance(model_id, (str, os.PathLike)):
         return peft(None)
     directory = os.path.join(model_id, subfolder) if subfolder else os.fspath(model_id)
@@ -87,25 +79,6 @@ def _load_pinned(peft: Callable[[str | None], Any], model_id: Any, subfolder: An
             return peft(path)
         finally:
             _pinned_here.paths = pinned_paths
-
-
-def refuse_non_finite(peft_model: torch.nn.Module, adapter_name: str) -> None:
-    """Refuse a loaded SMEAR adapter whose weights hold NaN or infinite values (every output would be NaN): it is
-    deleted again, and the error names the tensors."""
-    config = peft_model.peft_config.get(adapter_name)
-    if getattr(config, "peft_type", None) != SmearPeftType.SMEAR:
-        return
-    weights = get_peft_model_state_dict(peft_model, adapter_name=adapter_name)
-    non_finite = sorted(key for key, t in weights.items() if t.is_floating_point() and not t.isfinite().all())
-    if not non_finite:
-        return
-    if len(peft_model.peft_config) > 1:
-        peft_model.delete_adapter(adapter_name)
-    raise AdapterFileError(
-        f"Cannot load SMEAR adapter {adapter_name!r}: its weights hold NaN or infinite values, in\n  "
-        + listing(non_finite, limit=8, separator="\n  ")
-        + "\nThe weights file is damaged, or it was saved from a training run that diverged."
-    )
 
 
 def check_weights_header(path: str, directory: str, settings: dict[str, Any]) -> None:
@@ -162,3 +135,53 @@ def _safetensors_header(path: str, shown: str) -> dict[str, Any]:
         if info["dtype"] in _DTYPE_BYTES and end - start != count:
             raise damaged_file_error(shown, f"{key} holds {end - start} bytes for a {info['shape']} {info['dtype']}")
     return header
+
+
+CLOCK_SUFFIX = ".training_calls"  # Router.keeps_training_clock's buffer
+
+
+def check_checkpoint(model: torch.nn.Module, adapter_name: str, state_dict: dict[str, torch.Tensor]) -> list[str]:
+    """Raise unless ``state_dict``, a checkpoint of SMEAR adapter ``adapter_name`` as PEFT is about to load it into
+    ``model``, holds finite weights that fit the adapter key for key and shape for shape; return the training clocks
+    it lacks (model keys). The tuner calls it (:attr:`~peft_smear.core.model.SmearModel.checkpoint_check`)."""
+    non_finite = sorted(key for key, t in state_dict.items() if t.is_floating_point() and not t.isfinite().all())
+    if non_finite:
+        raise AdapterFileError(
+            f"Cannot load SMEAR adapter {adapter_name!r}: its weights hold NaN or infinite values, in"
+            + _listing(non_finite)
+            + "\nThe weights file is damaged, or it was saved from a training run that diverged."
+        )
+    model_state = model.state_dict()
+    expected = adapter_state_dict_keys(model, adapter_name)
+    prefix = "base_model.model."
+    unexpected, provided, mismatched = [], set(), []
+    for key, tensor in state_dict.items():
+        model_key = key if key in model_state else prefix + key if prefix + key in model_state else None
+        if model_key is None:
+            unexpected.append(key)
+            continue
+        provided.add(model_key)
+        # Every key, not only the expert banks and routers: a modules_to_save head of another size must fail here too.
+        if tuple(tensor.shape) != tuple(model_state[model_key].shape):
+            mismatched.append(f"{key}: checkpoint {tuple(tensor.shape)}, model {tuple(model_state[model_key].shape)}")
+    absent = expected - provided
+    missing = sorted(key for key in absent if not key.endswith(CLOCK_SUFFIX))
+    problems = []
+    if mismatched:
+        problems.append(
+            "shapes differ (was it trained on another base model, or with another num_experts / r / head size?):"
+            + _listing(mismatched)
+        )
+    if missing:
+        problems.append("missing from the checkpoint:" + _listing(missing))
+    if unexpected:
+        problems.append("in the checkpoint but not in the model:" + _listing(sorted(unexpected)))
+    if problems:
+        raise ValueError(
+            f"Cannot load SMEAR adapter {adapter_name!r}; its weights do not fit the model. " + "; ".join(problems)
+        )
+    return sorted(absent - set(missing))
+
+
+def _listing(lines: list[str]) -> str:
+    return "\n  " + listing(lines, limit=8, separator="\n  ")
