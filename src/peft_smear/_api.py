@@ -22,11 +22,11 @@ from .saving.atomic_save import save_pretrained as _save_pretrained
 from .saving.cards import create_or_update_model_card as _create_or_update_model_card
 from .saving.cards import write_model_card
 from .saving.hub import push_to_hub as _push_to_hub
+from .saving.loading import ROUTED as _LOADING
 from .saving.loading import check_checkpoint as _check_checkpoint
-from .saving.loading import load as _load
-from .saving.loading import read_json as _read_json
 from .training.callbacks import SmearRoutingCallback
 from .training.collator import SmearDataCollator
+from .training.memory import require_fits as _require_fits
 from .training.optimizer import create_router_optimizer
 from .training.recording import get_routing_weights
 from .training.report import RoutingReport
@@ -78,8 +78,8 @@ _install(
     _create_or_update_model_card,
     _push_to_hub,
     _save_pretrained,
-    _load,
-    _read_json,
+    _LOADING,
     _check_checkpoint,
+    _require_fits,
     _LoraConversion(),
 )

@@ -16,7 +16,6 @@ from .config import SmearConfig
 from .context import ROUTING_MASK, RoutingContext
 from .experts import EXPERT_KINDS
 from .layer import MERGE_UNSUPPORTED, SmearLinear
-from .memory import require_fits
 from .packing import PACKING_ARGUMENTS, packed_layout
 from .registration import (
     DEFAULT_TARGET_MODULES,
@@ -68,6 +67,9 @@ class SmearModel(BaseTuner):
     checkpoint_check: ClassVar[Callable[[nn.Module, str, dict[str, torch.Tensor]], list[str]]]
     """Whether a checkpoint fits the adapter, before PEFT loads it (:func:`peft_smear.saving.loading.check_checkpoint`,
     installed by ``import peft_smear``): raises where it does not, and returns the training clocks it lacks."""
+    size_check: ClassVar[Callable[[nn.Module, SmearConfig, nn.Module], None]]
+    """Before anything is allocated, whether an adapter's experts and routers fit in memory
+    (:func:`peft_smear.training.memory.require_fits`, installed by ``import peft_smear``): raises where they do not."""
 
     def _pre_injection_hook(self, model: nn.Module, config: SmearConfig, adapter_name: str) -> None:
         self.routing_context = RoutingContext()
@@ -247,7 +249,7 @@ class SmearModel(BaseTuner):
     def _prepare_model(self, peft_config: SmearConfig, model: nn.Module) -> None:
         """Before anything is allocated: refuse an adapter whose experts and routers would not fit in memory."""
         super()._prepare_model(peft_config, model)
-        require_fits(self, peft_config, model)
+        self.size_check(self, peft_config, model)
 
     def _router_input(self, config: SmearConfig, key: str) -> str:
         """What the layer ``key`` routes on, from ``config.router_input`` and the architecture (see

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
 
 import peft
 from packaging.version import Version
@@ -64,9 +65,9 @@ __all__ = [
     "adapter_state_dict_prefixes",
     "check_peft_version",
     "install",
+    "keep_adapter_names",
     "register",
-    "route_adapter_names",
-    "route_peft_loading",
+    "route_peft_method",
     "route_peft_model_method",
     "select_adapter_entries",
 ]
@@ -121,84 +122,45 @@ def register(config_cls: type, tuner_cls: type, prefix: str) -> None:
     _peft_mapping.PEFT_TYPE_TO_PREFIX_MAPPING[key] = prefix
 
 
-def route_peft_model_method(name: str, smear_method: Callable) -> None:
-    """Make ``PeftModel.<name>(...)`` call ``smear_method(peft_method, model, ...)`` when the model's active adapter
-    is SMEAR; every other PEFT model keeps PEFT's method. Used for the model card, ``push_to_hub`` and the atomic
-    ``save_pretrained``, which PEFT offers no hook for. Idempotent: a second call replaces the routing, never stacks
+def route_peft_method(owner: type, name: str, routed: Callable) -> None:
+    """Make PEFT's ``owner.<name>`` (a method, or a classmethod) call ``routed(peft_method, ...)`` with its arguments,
+    ``peft_method`` being PEFT's own (taking the instance, or the class, first). PEFT offers no hook where SMEAR needs
+    one; this is the one place that replaces its methods. Idempotent: a second call replaces the routing, never stacks
     it."""
-    current = getattr(PeftModel, name)
+    attribute = inspect.getattr_static(owner, name)
+    is_classmethod = isinstance(attribute, classmethod)
+    current = attribute.__func__ if is_classmethod else attribute
     peft_method = getattr(current, "__smear_peft_method__", current)
 
     @functools.wraps(peft_method)
-    def method(self, *args, **kwargs):
-        if getattr(self.active_peft_config, "peft_type", None) == SmearPeftType.SMEAR:
-            return smear_method(peft_method, self, *args, **kwargs)
-        return peft_method(self, *args, **kwargs)
+    def method(*args, **kwargs):
+        return routed(peft_method, *args, **kwargs)
 
     method.__smear_peft_method__ = peft_method
-    setattr(PeftModel, name, method)
+    setattr(owner, name, classmethod(method) if is_classmethod else method)
 
 
-def route_adapter_names() -> None:
-    """Let ``adapter_names=`` (PEFT's mixed batches) reach the wrapped model of a SMEAR ``PeftModel``, whose tuner
-    takes it off the call as it takes the ``smear_*`` inputs. PEFT removes the keyword before it calls the model, and
-    hands it to a tuner only through ``_enable_peft_forward_hooks``, a call on every forward. Idempotent."""
-    init = _unrouted(PeftModel.__init__)
+def route_peft_model_method(name: str, smear_method: Callable) -> None:
+    """Make ``PeftModel.<name>(...)`` call ``smear_method(peft_method, model, ...)`` when the model's active adapter
+    is SMEAR; every other PEFT model keeps PEFT's method. Used for the model card, ``push_to_hub`` and the atomic
+    ``save_pretrained``."""
 
-    @functools.wraps(init)
-    def routed_init(self, model, peft_config, *args, **kwargs):
-        init(self, model, peft_config, *args, **kwargs)
-        if peft_config.peft_type == SmearPeftType.SMEAR:
-            self.special_peft_forward_args = self.special_peft_forward_args - {"adapter_names"}
+    def routed(peft_method: Callable, model: PeftModel, *args, **kwargs):
+        if getattr(model.active_peft_config, "peft_type", None) == SmearPeftType.SMEAR:
+            return smear_method(peft_method, model, *args, **kwargs)
+        return peft_method(model, *args, **kwargs)
 
-    routed_init.__smear_peft_method__ = init
-    PeftModel.__init__ = routed_init
+    route_peft_method(PeftModel, name, routed)
 
 
-def route_peft_loading(load: Callable, read_json: Callable) -> None:
-    """Make ``PeftModel.from_pretrained`` and ``load_adapter`` go through ``load(peft, model_id, subfolder)``:
-    ``peft(path)`` is PEFT's method with the caller's arguments, the adapter read from ``path`` instead (``None``: as
-    given). And make PEFT read its config files after ``read_json(path)``, whose errors name the file. Idempotent."""
-    from_pretrained = _unrouted(PeftModel.__dict__["from_pretrained"].__func__)
-    load_adapter = _unrouted(PeftModel.load_adapter)
-    from_json_file = _unrouted(PeftConfigMixin.__dict__["from_json_file"].__func__)
-
-    def source(path: str | None, model_id: object, kwargs: dict) -> tuple[object, dict]:
-        return (model_id, kwargs) if path is None else (path, {k: v for k, v in kwargs.items() if k != "subfolder"})
-
-    def routed_from_pretrained(cls, model, model_id, *args, **kwargs):
-        def peft(path: str | None):
-            read_from, rest = source(path, model_id, kwargs)
-            return from_pretrained(cls, model, read_from, *args, **rest)
-
-        return load(peft, model_id, kwargs.get("subfolder"))
-
-    def routed_load_adapter(self, model_id, adapter_name, *args, **kwargs):
-        def peft(path: str | None):
-            read_from, rest = source(path, model_id, kwargs)
-            return load_adapter(self, read_from, adapter_name, *args, **rest)
-
-        return load(peft, model_id, kwargs.get("subfolder"))
-
-    def routed_from_json_file(cls, path_json_file, **kwargs):
-        read_json(path_json_file)  # an error that names the file, where PEFT's would be a bare JSONDecodeError
-        return from_json_file(cls, path_json_file, **kwargs)
-
-    for routed, original in (
-        (routed_from_pretrained, from_pretrained),
-        (routed_load_adapter, load_adapter),
-        (routed_from_json_file, from_json_file),
-    ):
-        functools.update_wrapper(routed, original)
-        routed.__smear_peft_method__ = original
-    PeftModel.from_pretrained = classmethod(routed_from_pretrained)
-    PeftModel.load_adapter = routed_load_adapter
-    PeftConfigMixin.from_json_file = classmethod(routed_from_json_file)
-
-
-def _unrouted(method: Callable) -> Callable:
-    """PEFT's own ``method``, under any routing of ours."""
-    return getattr(method, "__smear_peft_method__", method)
+def keep_adapter_names(peft_init: Callable, peft_model: PeftModel, model, peft_config, *args, **kwargs) -> None:
+    """``PeftModel.__init__``, after which a SMEAR model's calls keep ``adapter_names=`` (PEFT's mixed batches) for the
+    tuner, which takes it off the wrapped model's call as it takes the ``smear_*`` inputs. PEFT removes the keyword
+    before it calls the model, and hands it to a tuner only through ``_enable_peft_forward_hooks``, a call on every
+    forward."""
+    peft_init(peft_model, model, peft_config, *args, **kwargs)
+    if peft_config.peft_type == SmearPeftType.SMEAR:
+        peft_model.special_peft_forward_args = peft_model.special_peft_forward_args - {"adapter_names"}
 
 
 def install(
@@ -207,21 +169,25 @@ def install(
     model_card: Callable,
     push_to_hub: Callable,
     save_pretrained: Callable,
-    load: Callable,
-    read_json: Callable,
+    loading: Mapping[str, Callable],
     checkpoint_check: Callable,
+    size_check: Callable,
     lora_conversion: object,
 ) -> None:
-    """Everything ``import peft_smear`` changes in PEFT, in one place: the ``"SMEAR"`` type in PEFT's registries,
+    """Everything ``import peft_smear`` changes in PEFT, in one place: the ``"SMEAR"`` type in PEFT's registries;
     SMEAR's model card, ``push_to_hub`` and atomic ``save_pretrained`` for models whose active adapter is SMEAR
-    (others keep PEFT's), loading a SMEAR adapter as one save, checked (others load as PEFT loads them), and what
-    the SMEAR tuner and layers ask the layers above them: whether a checkpoint fits (``checkpoint_check``) and how to
-    answer PEFT's ``convert_to_lora`` (``lora_conversion``)."""
+    (others keep PEFT's); ``PeftModel.from_pretrained``, ``load_adapter`` and ``PeftConfig.from_json_file`` routed
+    through ``loading`` (by name; ``routed(peft_method, ...)``, see :func:`route_peft_method`); ``adapter_names=``
+    kept for the tuner; and what the SMEAR tuner and layers ask the layers above them: whether a checkpoint fits
+    (``checkpoint_check``), whether an adapter fits in memory (``size_check``) and how to answer PEFT's
+    ``convert_to_lora`` (``lora_conversion``)."""
     register(config_cls, tuner_cls, tuner_cls.prefix)
     tuner_cls.checkpoint_check = staticmethod(checkpoint_check)
+    tuner_cls.size_check = staticmethod(size_check)
     tuner_cls.tuner_layer_cls.lora_conversion = lora_conversion
     route_peft_model_method("create_or_update_model_card", model_card)
     route_peft_model_method("push_to_hub", push_to_hub)
     route_peft_model_method("save_pretrained", save_pretrained)
-    route_peft_loading(load, read_json)
-    route_adapter_names()
+    for name, routed in loading.items():
+        route_peft_method(PeftConfigMixin if name == "from_json_file" else PeftModel, name, routed)
+    route_peft_method(PeftModel, "__init__", keep_adapter_names)

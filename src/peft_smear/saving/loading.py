@@ -8,8 +8,8 @@ until the load is done.
 
 Before PEFT reads them, the files are checked, each error naming the file: the config must be JSON, the weights file's
 header must be whole and its tensors' expert counts and ranks those of the config (an ``adapter_config.json`` edited
-to ``num_experts: 10**9`` is refused here, not after allocating it). PEFT calls this through
-:func:`~peft_smear.core.registration.route_peft_loading`, which ``import peft_smear`` installs.
+to ``num_experts: 10**9`` is refused here, not after allocating it). ``import peft_smear`` routes PEFT's methods
+through these (:data:`ROUTED`).
 
 Then, whatever it was read from (a local directory or the Hub), the checkpoint PEFT is about to load is checked
 against the model (:func:`check_checkpoint`, which the tuner calls): finite weights, every key the adapter has and
@@ -34,7 +34,16 @@ from ..core.registration import SmearPeftType, adapter_state_dict_keys
 from . import atomic
 
 
-__all__ = ["AdapterFileError", "check_checkpoint", "damaged_file_error", "load", "read_json"]
+__all__ = [
+    "ROUTED",
+    "AdapterFileError",
+    "check_checkpoint",
+    "damaged_file_error",
+    "from_json_file",
+    "from_pretrained",
+    "load_adapter",
+    "read_json",
+]
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 _pinned_here = threading.local()  # the pinned paths this thread is loading from (a nested load_adapter reuses them)
@@ -59,24 +68,45 @@ def read_json(path: str | os.PathLike, shown: str | os.PathLike | None = None) -
         raise damaged_file_error(shown or path, f"not JSON: {error}") from None
 
 
-def load(peft: Callable[[str | None], Any], model_id: Any, subfolder: Any) -> Any:
-    """PEFT's load (``peft(path)``) of ``model_id`` (``/subfolder``): a local SMEAR adapter read as one save from a
-    pinned path, its files checked first; anything else (a Hub id, another PEFT method) as PEFT reads it
-    (``peft(None)``)."""
+def from_pretrained(peft: Callable, cls: type, model: Any, model_id: Any, *args: Any, **kwargs: Any) -> Any:
+    """``PeftModel.from_pretrained`` (PEFT's own is ``peft``): a local SMEAR adapter read from one whole save."""
+    return _pinned(model_id, kwargs, lambda source, rest: peft(cls, model, source, *args, **rest))
+
+
+def load_adapter(peft: Callable, peft_model: Any, model_id: Any, adapter_name: str, *args: Any, **kwargs: Any) -> Any:
+    """``PeftModel.load_adapter`` (PEFT's own is ``peft``): a local SMEAR adapter read from one whole save."""
+    return _pinned(model_id, kwargs, lambda source, rest: peft(peft_model, source, adapter_name, *args, **rest))
+
+
+def from_json_file(peft: Callable, cls: type, path: str | os.PathLike, **kwargs: Any) -> Any:
+    """``PeftConfig.from_json_file`` (PEFT's own is ``peft``), naming a file that is not JSON, where PEFT's error
+    would be a bare ``JSONDecodeError``."""
+    read_json(path)
+    return peft(cls, path, **kwargs)
+
+
+ROUTED = {"from_pretrained": from_pretrained, "load_adapter": load_adapter, "from_json_file": from_json_file}
+"""What ``import peft_smear`` routes PEFT's loading through (see :func:`~peft_smear.core.registration.install`)."""
+
+
+def _pinned(model_id: Any, kwargs: dict[str, Any], load: Callable[[Any, dict[str, Any]], Any]) -> Any:
+    """``load(source, kwargs)``, PEFT's load of ``model_id`` (``kwargs["subfolder"]``): a local SMEAR adapter read as
+    one save from a pinned path, its files checked first; anything else (a Hub id, another PEFT method) as given."""
     if not isinstance(model_id, (str, os.PathLike)):
-        return peft(None)
+        return load(model_id, kwargs)
+    subfolder = kwargs.get("subfolder")
     directory = os.path.join(model_id, subfolder) if subfolder else os.fspath(model_id)
     pinned_paths = getattr(_pinned_here, "paths", set())
     if directory in pinned_paths or not os.path.isfile(os.path.join(directory, CONFIG_NAME)):
-        return peft(None)
+        return load(model_id, kwargs)
     with atomic.pinned(directory) as path:
         settings = read_json(os.path.join(path, CONFIG_NAME), os.path.join(directory, CONFIG_NAME))
         if not isinstance(settings, dict) or settings.get("peft_type") != SmearPeftType.SMEAR:
-            return peft(None)
+            return load(model_id, kwargs)
         check_weights_header(path, directory, settings)
         _pinned_here.paths = pinned_paths | {path}
         try:
-            return peft(path)
+            return load(path, {key: value for key, value in kwargs.items() if key != "subfolder"})
         finally:
             _pinned_here.paths = pinned_paths
 

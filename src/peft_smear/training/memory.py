@@ -3,7 +3,7 @@
 ``SmearConfig(num_experts=10**9)`` or ``r=10**12`` is a valid config; injecting it would allocate terabytes (and end,
 after minutes, in ``std::bad_alloc``). The tuner counts the adapter's parameters first, one expert and one router per
 wrapped module built on the meta device (no memory), and refuses an adapter larger than the memory free where the
-model lives, naming the size.
+model lives, naming the size. ``import peft_smear`` installs :func:`require_fits` as the tuner's ``size_check``.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .experts import EXPERT_KINDS
-from .layer import SmearLinear, in_out_features
-from .routers import ROUTERS
+from ..core.experts import EXPERT_KINDS
+from ..core.layer import SmearLinear, in_out_features
+from ..core.routers import ROUTERS
 
 
 if TYPE_CHECKING:
-    from .config import SmearConfig
+    from .core.config import SmearConfig
 
 BYTES_PER_PARAMETER = 4  # experts and routers are created in float32
 
