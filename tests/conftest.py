@@ -335,12 +335,15 @@ def normalized(v: torch.Tensor) -> torch.Tensor:
 ACTIVATIONS = {"swish": lambda z: z / (1 + torch.exp(-z)), "gelu": lambda z: 0.5 * z * (1 + torch.erf(z / 2**0.5))}
 
 
-def reference_smear_forward(layer, config, x, token_mask, encoder_summary=None, input_scaled=False, adapter="default"):
+def reference_smear_forward(
+    layer, config, x, token_mask, encoder_summary=None, input_scaled=False, adapter="default", expert_x=None
+):
     """SMEAR's forward of one wrapped layer written plainly, one example at a time, in float64, sharing no code with
     the package, in the four steps of ``peft_smear/core/smear.py``: pool what the router reads over the example's
     routing tokens (``token_mask``) or take the encoder's summary; route: LayerNorm it, softmax against the
     LayerNorm'd router rows; merge every expert parameter by that distribution; apply the merged expert of the
-    configured kind (``input_scaled``: an IA3 feed-forward module)."""
+    configured kind (``input_scaled``: an IA3 feed-forward module).
+    ``expert_x``: what LoRA experts read instead of ``x`` (``x`` after ``lora_dropout``)."""
     router, params = (
         layer.smear_router[adapter],
         {k: v.detach().double() for k, v in layer.expert_params(adapter).items()},
@@ -366,7 +369,8 @@ def reference_smear_forward(layer, config, x, token_mask, encoder_summary=None, 
         m = {key: sum(p[n] * value[n] for n in range(n_experts)) for key, value in params.items()}
         # 4. apply: the merged expert, [tokens, out]
         if config.expert_type == "lora":
-            outputs.append(yb + xb @ m["smear_lora_A"].T @ m["smear_lora_B"].T * config.lora_alpha / config.r)
+            expert_xb = xb if expert_x is None else expert_x[b].double()
+            outputs.append(yb + expert_xb @ m["smear_lora_A"].T @ m["smear_lora_B"].T * config.lora_alpha / config.r)
         elif config.expert_type == "adapter":
             hidden = ACTIVATIONS[config.adapter_activation](
                 yb @ m["smear_adapter_down"] + m["smear_adapter_down_bias"]

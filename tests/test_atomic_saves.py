@@ -11,6 +11,7 @@ working directory.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -18,11 +19,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import PeftModel
+from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from atomic_worker import LLAMA_BATCH, SCENARIOS, TARGETS, TASK_BATCH, smear_llama
 from conftest import random_batch, tiny_bert, tiny_llama
+from peft_smear import SmearConfig
 from peft_smear.emoe import load_emoe
 from peft_smear.saving import atomic
 
@@ -255,7 +257,8 @@ def test_saves_inside_a_staged_directory_write_there_and_know_their_destination(
     model = smear_llama(0, lora_alpha=8)
     with atomic.staged_directory(tmp_path / "run") as staging:
         model.save_pretrained(staging / "adapter")
-        assert sorted(p.name for p in tmp_path.iterdir()) == [staging.name]  # no staging of its own
+        # no staging of its own (the lock is the enclosing save's)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".run.peft-smear-lock", staging.name]
         assert atomic.destination(staging / "adapter") == tmp_path / "run" / "adapter"
     card = (tmp_path / "run" / "adapter" / "README.md").read_text()
     assert f'PeftModel.from_pretrained(base, "{tmp_path / "run" / "adapter"}")' in card
@@ -290,3 +293,74 @@ def test_plain_peft_models_keep_peft_save_pretrained(tmp_path, monkeypatch):
     get_peft_model(tiny_llama(), LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(tmp_path / "lora")
     smear_llama(0, lora_alpha=8).save_pretrained(tmp_path / "smear")
     assert names.count("staged") == 1  # the SMEAR model's save only
+
+
+# --- concurrent saves and loads --------------------------------------------------------------------------------------
+
+
+def _save_repeatedly(target: Path, writer: int, rounds: int) -> None:
+    for i in range(rounds):
+        with atomic.staged_directory(target) as staging:
+            (staging / "writer.txt").write_text(f"{writer} {i}")
+            (staging / "data.bin").write_bytes(bytes([writer]) * 4096)
+
+
+def test_two_processes_saving_to_one_directory_both_finish_one_after_the_other(tmp_path):
+    """Each save's recovery (step 1) used to remove the other save's staging directory between its creation and its
+    lock (a FileNotFoundError in 1 of 60 concurrent save_pretrained calls); saves to one target now hold its lock."""
+    context = multiprocessing.get_context("fork")
+    target = tmp_path / "out"
+    writers = [context.Process(target=_save_repeatedly, args=(target, writer, 150)) for writer in (1, 2)]
+    for process in writers:
+        process.start()
+    for process in writers:
+        process.join(timeout=300)
+    assert [process.exitcode for process in writers] == [0, 0]
+    writer = int((target / "writer.txt").read_text().split()[0])
+    assert files(target) == {"writer.txt": f"{writer} 149".encode(), "data.bin": bytes([writer]) * 4096}
+    assert leftovers(tmp_path) == []
+
+
+def _save_pretrained_repeatedly(models: list, target: Path, rounds: int) -> None:
+    for i in range(rounds):
+        models[i % len(models)].save_pretrained(target)
+
+
+def test_a_load_overlapping_saves_reads_one_whole_save(tmp_path):
+    """A reader against a writer that loops save_pretrained over two adapters (another router_temperature in the
+    config, other weights): every load gets one save's config with that same save's weights. Before, 49 of 53 loads
+    read one save's config and the other's weights."""
+    models = []
+    for temperature in (1.0, 2.0):
+        config = SmearConfig(num_experts=3, r=2, init_weights=False, router_temperature=temperature)
+        models.append(get_peft_model(tiny_llama(), config))
+        with torch.no_grad():
+            for name, parameter in models[-1].named_parameters():
+                if "smear_" in name and parameter.is_floating_point():
+                    parameter.mul_(temperature)  # other weights too
+    weights = {
+        model.peft_config["default"].routing_options["router_temperature"]: next(
+            p.detach().clone() for n, p in model.named_parameters() if "smear_lora_A" in n
+        )
+        for model in models
+    }
+    target = tmp_path / "adapter"
+    models[0].save_pretrained(target)
+    writer = multiprocessing.get_context("fork").Process(
+        target=_save_pretrained_repeatedly, args=(models, target, 400)
+    )
+    writer.start()
+    loads, seen = 0, set()
+    try:
+        while writer.is_alive() or loads < 5:
+            loaded = PeftModel.from_pretrained(tiny_llama(), target)
+            temperature = loaded.peft_config["default"].routing_options["router_temperature"]
+            lora_A = next(p for n, p in loaded.named_parameters() if "smear_lora_A" in n)
+            assert torch.equal(lora_A, weights[temperature]), (
+                f"load {loads}: the config of one save, another's weights"
+            )
+            loads, seen = loads + 1, seen | {temperature}
+    finally:
+        writer.join(timeout=300)
+    assert writer.exitcode == 0 and loads >= 10 and seen == {1.0, 2.0}
+    assert leftovers(tmp_path) == []

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from huggingface_hub import ModelCard
@@ -23,7 +24,17 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceCl
 
 import peft_smear
 from conftest import random_batch, save_bank_inputs, save_tiny_encoder, tiny_bert, tiny_llama, write_task_files
-from peft_smear import ROUTERS, SmearLinear, build_expert_bank, cli, embed_texts, train_phatgoose_gates
+from peft_smear import (
+    ROUTERS,
+    RoutingReport,
+    SmearConfig,
+    SmearLinear,
+    build_expert_bank,
+    cli,
+    embed_texts,
+    export_merged_adapter,
+    train_phatgoose_gates,
+)
 from peft_smear.bank import BankRouter
 from peft_smear.emoe import emoe_gates, load_emoe, moefy, save_emoe
 from peft_smear.multitask import training
@@ -278,6 +289,7 @@ def run(tmp_path_factory):
 def test_a_train_runs_card(run):
     run_dir, model, printed = run
     card, rows = read_card(run_dir)
+    assert "## Test metrics" in card.text and "frozen baseline" not in printed  # its own encoder: no baseline
     assert_no_local_base_model(card)  # the encoder is a local directory
     assert_counts_match(rows["trainable parameters"], model, printed)
     assert rows["trained in full"] == "`heads`"
@@ -434,3 +446,19 @@ def test_the_card_templates_ship_with_the_package():
     package = Path(peft_smear.__file__).parent
     templates = sorted(path.relative_to(package) for path in (package / "saving" / "templates").iterdir())
     assert templates and all(any(template.match(pattern) for pattern in globs) for template in templates)
+
+
+def test_card_text_says_where_peft_smear_comes_from_and_names_the_source_once(tmp_path):
+    """Every card said `pip install peft-smear`, which fails (the package is not on the index); an export without
+    ``source=`` read "from a SMEAR adapter, a SMEAR adapter"."""
+    model = get_peft_model(tiny_llama(), SmearConfig(num_experts=2, r=2))
+    model.save_pretrained(tmp_path / "adapter")
+    card = (tmp_path / "adapter" / "README.md").read_text()
+    assert "pip install peft-smear\n" not in card and "peft-smear is not on the Python package index" in card
+    assert "pypi.org/project/peft-smear" not in card
+    layers = [n for n, m in model.base_model.model.named_modules() if isinstance(m, SmearLinear)]
+    export_merged_adapter(model, tmp_path / "export", routing={name: torch.tensor([1.0, 0.0]) for name in layers})
+    exported = (tmp_path / "export" / "README.md").read_text()
+    assert "a SMEAR adapter, a" not in exported and "`export_merged_adapter` from a [SMEAR](" in exported
+    report = RoutingReport(["a"], layers, [3], np.full((1, len(layers), 2), 0.5), np.array([0.69]))
+    assert "held-out" not in report.table()  # EMoE's selection report routes the batches a user passes

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import save_bank_inputs, save_tiny_encoder, write_task_files
+from conftest import save_bank_inputs, save_tiny_encoder, tiny_llama, write_task_files
 from peft_smear import ROUTERS, SmearConfig, build_expert_bank, cli
 from peft_smear.bank import BankRouter
 from peft_smear.multitask import data
@@ -230,7 +230,7 @@ def test_export_names_truncated_weights(inputs, phatgoose_bank, tmp_path, capsys
     root, _, _ = inputs
     broken = truncated_copy(phatgoose_bank, tmp_path / "broken")
     argv = ["export", "--base-model", root / "base", "--adapter", broken, "--output", tmp_path / "out", "--expert", 0]
-    refused(argv, capsys, "export", f"--adapter {broken}: cannot read its weights", "adapter_model.safetensors")
+    refused(argv, capsys, "export", f"--adapter {broken}: {broken}/adapter_model.safetensors is damaged (")
     assert not (tmp_path / "out").exists()
 
 
@@ -291,7 +291,7 @@ def test_train_with_an_empty_cache_while_offline_is_one_line(inputs, tmp_path, c
 @pytest.mark.parametrize(
     ("extra", "fragments"),
     [
-        (["--tasks", "topic", "nope"], ["Unknown task(s) ['nope']"]),
+        (["--tasks", "topic", "nope"], ["--tasks names unknown task(s) ['nope']", "with --task-file NAME=PATH"]),
         (["--task-file", "bad"], ["--task-file takes NAME=PATH, got 'bad'."]),
         (["--steps", "0"], ["argument --steps: must be an integer >= 1, got '0'"]),
         (["--routing", "single", "--num-experts", "3"], ["num_experts"]),
@@ -331,6 +331,12 @@ def edited_run(run: Path, target: Path, **changes) -> Path:
 def test_export_tasks_bad_cases(run, inputs, tmp_path, capsys):
     root = inputs[0]
     refused(["export-tasks", "--run", root, "--output", tmp_path / "a"], capsys, "export-tasks", "no tasks.json")
+    refused(
+        ["export-tasks", "--run", tmp_path / "nowhere", "--output", tmp_path / "a"],
+        capsys,
+        "export-tasks",
+        f"--run {tmp_path / 'nowhere'} does not exist.",
+    )
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "mine.txt").write_text("keep")
     refused(["export-tasks", "--run", run, "--output", tmp_path / "full"], capsys, "export-tasks", "--overwrite")
@@ -373,3 +379,77 @@ def test_an_unexpected_error_is_one_line_too_and_its_traceback_is_one_variable_a
     monkeypatch.setenv("PEFT_SMEAR_TRACEBACK", "1")
     with pytest.raises(RuntimeError, match="unforeseen"):
         cli.main(["export-tasks", "--run", "x", "--output", "y"])
+
+
+# --- what a newcomer met -------------------------------------------------------------------------------------------
+
+
+def test_a_repeated_option_given_once_is_reported_by_its_command_with_the_name_dir_hint(inputs, tmp_path, capsys):
+    """``--adapter a=DIR b=DIR``: argparse reported ``b=DIR`` under ``peft-smear``, without saying what to do."""
+    root, adapters, _ = inputs
+    argv = ["build-bank", "--base-model", root / "base", "--output", tmp_path / "bank"]
+    argv += ["--adapter", f"one={adapters['one']}", f"two={adapters['two']}"]
+    refused(
+        argv,
+        capsys,
+        "build-bank",
+        f"unrecognized arguments: two={adapters['two']}",
+        "each --adapter takes one NAME=DIR: repeat the flag, --adapter NAME=DIR --adapter NAME=DIR",
+    )
+
+
+def test_a_space_after_name_equals_is_pointed_out(inputs, tmp_path, capsys):
+    root = inputs[0]
+    argv = ["build-bank", "--base-model", root / "base", "--output", tmp_path / "bank", "--adapter", "one=", "/x"]
+    refused(argv, capsys, "build-bank", "unrecognized arguments: /x (--adapter takes NAME=DIR as one word, one=/x")
+
+
+def test_an_arrow_bank_of_two_adapters_routes_both_by_default(inputs, tmp_path, capsys):
+    """Arrow's default top-3 refused a bank of two (no command-line flag sets arrow_top_k); it now takes both."""
+    root, adapters, _ = inputs
+    two = {name: adapters[name] for name in ("one", "two")}
+    assert cli.main([str(a) for a in bank_argv(root, two, tmp_path / "bank", "--routing", "arrow")]) == 0
+    config = json.loads((tmp_path / "bank" / "adapter_config.json").read_text())
+    assert config["routing_options"]["arrow_top_k"] == 2
+    with pytest.raises(ValueError, match=r"arrow_top_k must be an integer in \[1, num_experts=2\], got 3"):
+        build_expert_bank(tiny_llama(), two, {"routing": "arrow", "arrow_top_k": 3})
+
+
+def test_a_missing_adapter_directory_is_named_as_the_command_line_gave_it(inputs, tmp_path, capsys):
+    root, adapters, _ = inputs
+    argv = bank_argv(root, {**adapters, "copy": tmp_path / "nonexistent"}, tmp_path / "bank")
+    refused(argv, capsys, "build-bank", f"--adapter copy={tmp_path / 'nonexistent'}: ", "does not exist")
+
+
+@pytest.mark.parametrize("routing", ["single", "latent_skills"])
+def test_build_bank_offers_only_the_routings_it_can_build(inputs, tmp_path, capsys, routing):
+    root, adapters, _ = inputs
+    refused(bank_argv(root, adapters, tmp_path / "bank", "--routing", routing), capsys, "build-bank", "invalid choice")
+    assert routing not in cli.BANK_ROUTINGS
+
+
+def test_the_commands_routing_lists_are_what_the_routers_say():
+    """The command line names them without importing a router; they must not drift from the routers' traits."""
+    from peft_smear.bank.routers import GateRouter, needs_task_descriptions
+    from peft_smear.multitask import commands
+    from peft_smear.multitask.routings import trainable_routings
+
+    def builds_over_a_bank(name: str) -> bool:
+        embeddings = [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]] if needs_task_descriptions(ROUTERS[name]) else None
+        try:
+            SmearConfig(routing=name, num_experts=3, expert_embeddings=embeddings)
+        except ValueError:
+            return False
+        return True
+
+    assert list(cli.BANK_ROUTINGS) == [name for name in ROUTERS if builds_over_a_bank(name)]
+    assert list(cli.GATED_ROUTINGS) == [name for name, router in ROUTERS.items() if issubclass(router, GateRouter)]
+    assert list(commands.TRAIN_ROUTINGS) == trainable_routings()
+    assert list(commands.EXISTING_ADAPTER_ROUTINGS) == BANK_ROUTERS
+
+
+def test_export_refuses_an_empty_adapter_name(inputs, tmp_path, capsys):
+    """It was "unexpected KeyError, please report it"."""
+    root, adapters, _ = inputs
+    argv = ["export", "--base-model", root / "base", "--adapter", adapters["one"], "--output", tmp_path / "out"]
+    refused([*argv, "--expert", "0", "--adapter-name", ""], capsys, "export", "--adapter-name: must be a non-empty")

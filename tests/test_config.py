@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -19,14 +20,25 @@ from peft_smear import SmearConfig, SmearPeftType
         ("r", 2.5, "r must be an integer >= 1, got 2.5"),
         ("num_experts", 0, "num_experts must be an integer >= 1, got 0"),
         ("num_experts", True, "num_experts must be an integer >= 1, got True"),
-        ("lora_alpha", 0, "lora_alpha must be a finite number > 0, got 0"),
-        ("lora_alpha", "16", "lora_alpha must be a finite number > 0, got '16'"),
+        ("lora_alpha", 0, "lora_alpha must be a finite number in [1e-06, 10000], got 0"),
+        ("lora_alpha", "16", "lora_alpha must be a finite number in [1e-06, 10000], got '16'"),
         ("expert_dropout", 1.0, "expert_dropout must be a probability in [0, 1), got 1.0"),
         ("expert_dropout", -0.1, "expert_dropout must be a probability in [0, 1), got -0.1"),
-        ("router_init_std", 0.0, "router_init_std must be a finite number > 0, got 0.0"),
+        ("router_init_std", 0.0, "router_init_std must be a finite number in [1e-06, 10000], got 0.0"),
         ("init_weights", "kaiming", "init_weights must be one of True, False, 'gaussian', 'smear'; got 'kaiming'"),
         ("init_weights", 1, "init_weights must be one of True, False, 'gaussian', 'smear'; got 1"),
-        ("layers_to_transform", [0, -1], "layers_to_transform must be layer indices >= 0, got [0, -1]"),
+        (
+            "layers_to_transform",
+            [0, -1],
+            "layers_to_transform must be a layer index >= 0 or a list of them, got [0, -1]",
+        ),
+        ("layers_to_transform", 1.5, "layers_to_transform must be a layer index >= 0 or a list of them, got 1.5"),
+        (
+            "routing_options",
+            [1, 2],
+            "routing_options must be a dict of the routing method's options, {name: value}, got [1, 2]",
+        ),
+        ("lora_dropout", 1.0, "lora_dropout must be a probability in [0, 1), got 1.0"),
         ("modules_to_save", "classifier", "modules_to_save must be a list of module names, got 'classifier'"),
     ],
 )
@@ -131,10 +143,13 @@ def test_init_weights_schemes(scheme):
         ),
         ({"routing": "tag", "tag_experts": [0, 1], "num_tasks": 3}, "tag_experts maps 2 task ids but num_tasks=3"),
         ({"routing": "dselect_k", "num_experts": 1}, "routing='dselect_k' needs num_experts >= 2, got 1"),
-        ({"routing": "dselect_k", "dselect_k_gamma": 0}, "dselect_k_gamma must be a finite number > 0, got 0"),
+        (
+            {"routing": "dselect_k", "dselect_k_gamma": 0},
+            "dselect_k_gamma must be a finite number in [1e-06, 10000], got 0",
+        ),
         (
             {"routing": "reinforce", "reinforce_policy_weight": -1},
-            "reinforce_policy_weight must be a finite number >= 0",
+            "reinforce_policy_weight must be a finite number in [0, 10000]",
         ),
     ],
 )
@@ -163,3 +178,81 @@ def test_a_saved_routing_config_loads_back_unchanged(tmp_path):
     options = loaded.routing_options
     assert (loaded.routing, loaded.num_experts) == ("tag", 4)
     assert (options["tag_experts"], options["num_tasks"]) == ([2, 2, 0], 3)
+
+
+@pytest.mark.parametrize(
+    ("settings", "near_miss"),
+    [({"num_expert": 4}, "num_experts"), ({"router_temprature": 2.0}, "router_temperature"), ({"top_kk": 2}, "top_k")],
+)
+def test_an_unknown_keyword_is_a_type_error_that_suggests_the_near_miss(settings, near_miss):
+    """As any dataclass (every PEFT config) does: PEFT's own tests rely on a TypeError for a keyword not taken."""
+    with pytest.raises(TypeError, match=f"Did you mean '{near_miss}'") as error:
+        SmearConfig(**settings)
+    assert len(str(error.value)) < 240  # about two lines, not every setting
+
+
+def test_a_keyword_with_no_near_miss_says_where_the_settings_are():
+    with pytest.raises(TypeError, match=r"neither a setting nor a routing method's option \(the settings: help"):
+        SmearConfig(xyzzy=1)
+
+
+def test_lora_keywords_with_a_meaning_work_and_the_rest_name_smears_equivalent():
+    config = SmearConfig(lora_dropout=0.05, bias="none", use_dora=False, lora_bias=False, r=4, lora_alpha=8)
+    assert config.lora_dropout == 0.05 and not hasattr(config, "bias")
+    refused = {
+        "bias": ("all", "SMEAR trains no biases"),
+        "use_dora": (True, "without DoRA"),
+        "init_lora_weights": ("gaussian", "SMEAR's is init_weights"),
+        "fan_in_fan_out": (True, "Conv1D"),
+        "rank_pattern": ({"q_proj": 4}, "rank r"),
+        "loftq_config": ({}, "no equivalent"),
+        "layer_replication": ([[0, 1]], "no equivalent"),
+    }
+    for name, (value, instead) in refused.items():
+        with pytest.raises(TypeError, match=rf"SmearConfig takes no {name}=.* \(a LoraConfig setting\): .*{instead}"):
+            SmearConfig(**{name: value})
+    with pytest.raises(ValueError, match=re.escape("lora_dropout=0.1 only applies to expert_type='lora'")):
+        SmearConfig(expert_type="ia3", lora_dropout=0.1)
+
+
+@pytest.mark.parametrize(
+    ("settings", "name", "message"),
+    [
+        ({}, "router_warmup_steps", "router_warmup_steps must be an integer >= 0, got None"),
+        ({}, "router_temperature", "router_temperature must be a finite number in [1e-06, 10000], got None"),
+        ({"routing": "dselect_k"}, "dselect_k_inference", "dselect_k_inference must be one of"),
+        (
+            {"routing": "glider", "num_experts": 2, "expert_embeddings": [[1.0, 0.0], [0.0, 1.0]]},
+            "glider_local_score",
+            "glider_local_score must be one of",
+        ),
+        ({"routing": "top_k"}, "top_k", "top_k must be an integer >= 1, got None"),
+    ],
+)
+def test_an_explicit_none_for_a_routing_option_is_refused(settings, name, message, tmp_path):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SmearConfig(**settings, **{name: None})
+    # The same null in a saved config.
+    SmearConfig(**settings).save_pretrained(tmp_path)
+    path = tmp_path / "adapter_config.json"
+    stored = json.loads(path.read_text())
+    stored["routing_options"][name] = None
+    path.write_text(json.dumps(stored))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SmearConfig.from_pretrained(tmp_path)
+
+
+def test_none_still_means_unset_for_options_whose_default_is_unset():
+    assert SmearConfig(routing="tag", num_tasks=None, tag_experts=None).routing_options["num_tasks"] is None
+    assert SmearConfig(routing="smear", num_tasks=None).routing == "smear"  # another method's option, unset
+
+
+def test_tag_routing_checks_task_ids_against_num_tasks_and_num_tasks_against_the_experts():
+    with pytest.raises(ValueError, match="num_tasks=5 needs num_experts >= 5, got 4"):
+        SmearConfig(routing="tag", num_tasks=5, num_experts=4)
+    SmearConfig(routing="tag", num_tasks=5, num_experts=2, tag_experts=[0, 1, 1, 0, 1])  # shared experts: fine
+    model = get_peft_model(tiny_llama(), SmearConfig(routing="tag", num_tasks=2, num_experts=4, r=2))
+    inputs = {"input_ids": torch.tensor([[5, 6, 7], [8, 9, 10]])}
+    model(**inputs, smear_task_ids=torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=re.escape("smear_task_ids must be in [0, 2) for routing='tag', got [0, 3]")):
+        model(**inputs, smear_task_ids=torch.tensor([0, 3]))

@@ -72,7 +72,7 @@ def test_an_expert_kind_defined_outside_the_package_trains_saves_and_reloads_exa
 
 
 def test_its_options_are_checked_and_belong_to_it_alone(registered):
-    with pytest.raises(ValueError, match=re.escape("bias_init_std must be a finite number >= 0, got -1.0")):
+    with pytest.raises(ValueError, match=re.escape("bias_init_std must be a finite number in [0, 10000], got -1.0")):
         SmearConfig(expert_type="bias", bias_init_std=-1.0)
     with pytest.raises(ValueError, match=re.escape("bias_init_std=0.5 only applies to expert_type='bias', but")):
         SmearConfig(bias_init_std=0.5)

@@ -37,10 +37,9 @@ from conftest import (
     training_args,
 )
 from peft_smear import ROUTERS, SmearConfig, SmearLinear, cli, export_merged_adapter
-from peft_smear.core.adapter import BottleneckAdapterExperts
-from peft_smear.core.ia3 import IA3Experts
 from peft_smear.core.routers import merged, mixed, one_expert
 from peft_smear.core.smear import add_per_example_experts
+from peft_smear.experts import BottleneckAdapterExperts, IA3Experts
 
 
 KINDS = {

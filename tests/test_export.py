@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from peft import PeftModel, get_peft_model
+from peft.tuners.lora.conversion import convert_to_lora, save_as_lora
 from transformers import AutoModelForCausalLM
 
 import peft_smear
@@ -174,3 +175,92 @@ def test_non_empty_directory_needs_overwrite(llama_smear, tmp_path):
         "adapter_model.safetensors",
     ]
     assert [p.name for p in tmp_path.iterdir()] == ["out"], "no staging directory may be left behind"
+
+
+# --- PEFT's own conversion (convert_to_lora / save_as_lora) and merge entry points -----------------------------------
+
+
+def one_hot_everywhere(model, expert: int, experts: int) -> dict[str, torch.Tensor]:
+    return {
+        name: torch.eye(experts)[expert]
+        for name, module in model.base_model.model.named_modules()
+        if isinstance(module, SmearLinear)
+    }
+
+
+def assert_same_lora(converted_dir, exported_dir, arch, batch):
+    """PEFT's converted LoRA and the export: the same update in every layer, and the same logits."""
+    converted, exported = load_lora(arch, converted_dir), load_lora(arch, exported_dir)
+    deltas = {}
+    for model in (converted, exported):
+        for name, module in model.base_model.model.named_modules():
+            if hasattr(module, "lora_A") and "default" in module.lora_A:
+                delta = module.get_delta_weight("default")
+                deltas.setdefault(name, []).append(delta)
+    assert deltas and all(len(pair) == 2 for pair in deltas.values())
+    for name, (first, second) in deltas.items():
+        torch.testing.assert_close(first, second, atol=1e-5, rtol=1e-4, msg=name)
+    torch.testing.assert_close(logits(converted, batch), logits(exported, batch), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_peft_converts_a_single_expert_adapter_to_the_lora_export_merged_adapter_writes(arch, tmp_path):
+    build, task_type = BUILDERS[arch]
+    config = SmearConfig(routing="single", r=4, init_weights=False, target_modules="all-linear", task_type=task_type)
+    model = get_peft_model(build(), config).eval()
+    save_as_lora(tmp_path / "converted", model, rank=4)
+    export_merged_adapter(model, tmp_path / "exported", routing=one_hot_everywhere(model, 0, 1))
+    assert_same_lora(tmp_path / "converted", tmp_path / "exported", arch, random_batch(2, 6, seed=1))
+
+
+def test_peft_converts_tag_routing_with_its_task(tmp_path):
+    config = SmearConfig(routing="tag", num_experts=3, r=4, init_weights=False, target_modules="all-linear")
+    model = get_peft_model(tiny_llama(), config).eval()
+    batch = random_batch(2, 6, seed=1)
+    with pytest.raises(
+        TypeError, match=r"routing='tag', so no single LoRA reproduces it\. Export .*export_merged_adapter"
+    ):
+        convert_to_lora(model, 4)
+    with peft_smear.fixed_routing(model, task=2):
+        save_as_lora(tmp_path / "converted", model, rank=4)
+        fixed = logits(model, batch)  # every example routed as task 2
+    torch.testing.assert_close(fixed, logits(model, {**batch, "smear_task_ids": torch.tensor([2, 2])}))
+    export_merged_adapter(model, tmp_path / "exported", routing=one_hot_everywhere(model, 2, 3))
+    assert_same_lora(tmp_path / "converted", tmp_path / "exported", "llama", batch)
+    with pytest.raises(ValueError, match=r"task must be a task id in \[0, 3\) for routing='tag', got 3"):
+        peft_smear.fixed_routing(model, task=3).__enter__()
+    assert all(not m.fixed_routing for m in model.modules() if isinstance(m, SmearLinear))
+
+
+def test_peft_converts_a_routing_given_by_the_user_and_refuses_without_one(tmp_path):
+    model = trained_like_smear("llama")
+    batch = random_batch(2, 6, seed=1)
+    with pytest.raises(TypeError, match=r"routing='smear', so no single LoRA reproduces it\. .*export_merged_adapter"):
+        save_as_lora(tmp_path / "refused", model, rank=4)
+    generator = torch.Generator().manual_seed(0)
+    layers = [n for n, m in model.base_model.model.named_modules() if isinstance(m, SmearLinear)]
+    routings = {
+        "distribution": {name: torch.rand(3, generator=generator).softmax(0) for name in layers},
+        "task": [random_batch(3, 5, seed=2), random_batch(2, 7, seed=3)],
+    }
+    for label, routing in routings.items():
+        with peft_smear.fixed_routing(model, routing) as distributions:
+            save_as_lora(tmp_path / f"{label}-converted", model, rank=4)
+            if label == "distribution":
+                torch.testing.assert_close(logits(model, batch), forced_logits(model, batch, distributions))
+        export_merged_adapter(model, tmp_path / f"{label}-exported", routing=routing)
+        assert_same_lora(tmp_path / f"{label}-converted", tmp_path / f"{label}-exported", "llama", batch)
+
+
+def test_peft_conversion_of_experts_that_are_no_lora_names_export_merged_adapter():
+    model = get_peft_model(tiny_llama(), SmearConfig(routing="single", expert_type="ia3")).eval()
+    with pytest.raises(
+        TypeError, match=r"PEFT's LoRA conversion needs LoRA experts; .*peft_smear\.export_merged_adapter"
+    ):
+        convert_to_lora(model, 4)
+
+
+def test_add_weighted_adapter_points_to_merge_experts():
+    model = trained_like_smear("llama")
+    with pytest.raises(TypeError, match=r"peft_smear.merge_experts\(model, directory"):
+        model.add_weighted_adapter(["default"], [1.0], "merged")

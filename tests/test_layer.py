@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import get_peft_model
+from peft import PeftConfig, get_peft_model
 
 import peft_smear
 from conftest import VOCAB, random_batch, reference_smear_forward, tiny_bert, tiny_gpt2, tiny_llama, tiny_t5
@@ -147,6 +147,34 @@ def test_expert_dropout_only_in_training():
     assert 0.35 < zero_fraction < 0.65
     layer.eval()
     assert (layer.route("default", x).weights > 0).all()
+
+
+def test_lora_dropout_drops_the_experts_input_in_training_only(tmp_path):
+    """LoRA's ``lora_dropout``: in training the LoRA experts read the input through dropout, while the router and the
+    wrapped module read it whole (against the reference forward, given the same dropout mask); never in eval mode;
+    saved and reloaded with the adapter."""
+    model = smear(tiny_llama(), lora_dropout=0.5, expert_dropout=0.0, router_input="self")
+    layer = next(m for m in model.modules() if isinstance(m, SmearLinear))
+    config = model.peft_config["default"]
+    x = torch.randn(3, 5, layer.in_features)
+    model.base_model.routing_context.call.start(attention_mask=None, labels=None)
+    layer.train()
+    torch.manual_seed(7)
+    with torch.no_grad():
+        trained = layer(x)
+    torch.manual_seed(7)
+    kept = torch.nn.functional.dropout(torch.ones_like(x), 0.5, training=True)  # the same draw: the same mask
+    assert 0.3 < (kept == 0).float().mean().item() < 0.7
+    expected = reference_smear_forward(layer, config, x, None, expert_x=x * kept)
+    torch.testing.assert_close(trained.double(), expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(trained.double(), reference_smear_forward(layer, config, x, None), atol=1e-3)
+    layer.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            layer(x).double(), reference_smear_forward(layer, config, x, None), atol=1e-5, rtol=1e-5
+        )
+    model.save_pretrained(tmp_path)
+    assert PeftConfig.from_pretrained(tmp_path).lora_dropout == 0.5
 
 
 def test_drop_experts_keeps_an_example_that_lost_every_expert():

@@ -55,7 +55,7 @@ def test_a_new_card_describes_the_adapter_and_its_load_snippet_runs(tmp_path):
     assert not any(tag.startswith("base_model:") for tag in card.data.tags)
     assert card.text.startswith("# SMEAR adapter for a `llama` model")
     text = card.text
-    assert "https://arxiv.org/abs/2306.03745" in text and "pip install peft-smear" in text
+    assert "https://arxiv.org/abs/2306.03745" in text and "peft-smear is not on the Python package index" in text
     rows = table(text)
     assert rows["experts per layer (N)"] == "3"
     assert rows["expert"] == "`lora`: LoRA, rank r=2, alpha 8"
@@ -97,7 +97,7 @@ def test_a_users_card_is_kept_and_amended_once_however_often_it_is_saved(tmp_pat
     card = ModelCard(second)
     assert card.data.license == "mit" and {"my-tag", *SMEAR_TAGS} <= set(card.data.tags)
     assert card.text.index("# My adapter") < card.text.index("My own words about it.") < card.text.index(SECTION_BEGIN)
-    assert card.text.count(SECTION_BEGIN) == 1 and card.text.count("pip install peft-smear") == 1
+    assert card.text.count(SECTION_BEGIN) == 1 and card.text.count("pip install ./peft-smear") == 1
     versions = f"### Framework versions\n\n- peft-smear {peft_smear.__version__}\n- PEFT {peft.__version__}\n"
     assert card.text.count(versions) == 1 and card.text.count("### Framework versions") == 1
 

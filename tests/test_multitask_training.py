@@ -20,7 +20,7 @@ from peft_smear.cli import main
 from peft_smear.core.routers import merged
 from peft_smear.multitask import training
 from peft_smear.multitask.model import UNUSED_CLASS_LOGIT, MultiTaskModel
-from peft_smear.multitask.tasks import TaskInfo
+from peft_smear.multitask.tasks import BENCHMARK_TASKS, TaskInfo
 from peft_smear.multitask.training import load_run
 
 
@@ -149,6 +149,23 @@ def test_the_run_card_shows_the_routing_report_and_how_to_load_the_run(run):
     assert isinstance(namespace["model"], PeftModel)
 
 
+def test_the_run_card_holds_its_test_metrics_and_compares_like_with_like_only(run):
+    """The card had no test metrics; the printed table set the full benchmark's frozen MiniLM numbers beside any run
+    (any --model, 8 test examples). A run on a model of its own gets no baseline column."""
+    run_dir, _ = run
+    text = (run_dir / "README.md").read_text()
+    summary = json.loads((run_dir / "metrics.json").read_text())
+    assert "## Test metrics" in text and "frozen" not in text.lower()
+    for task, metric in (("topic", "accuracy"), ("count", "pearson")):
+        value = summary["metrics"][f"{task}_{metric}"]
+        assert f"| {task} | {metric} | {summary['examples'][task]} | {value:.3f} |" in text
+    tasks = [BENCHMARK_TASKS["trec6"], BENCHMARK_TASKS["nyt_reg"]]
+    metrics = {"trec6_accuracy": 0.9, "nyt_reg_pearson": 0.7, "average": 0.8}
+    assert "frozen baseline" not in training._metrics_table(metrics, tasks, {})
+    table = training._metrics_table(metrics, tasks, training.FROZEN_BASELINES)
+    assert "frozen baseline" in table and "0.81" in table and "0.63" in table
+
+
 def test_export_tasks_writes_a_lora_adapter_per_task(exported):
     for task in ("topic", "count"):
         config = PeftConfig.from_pretrained(str(exported / task))
@@ -249,7 +266,7 @@ def test_bad_input_is_a_clear_error(run, workspace, tmp_path, capsys):
     assert run_cli(*train_args(root / "encoder", task_files, run_dir)) == 2
     assert "--overwrite" in capsys.readouterr().err
     assert run_cli(*train_args(root / "encoder", task_files, tmp_path / "a", "--tasks", "topic", "nope")) == 2
-    assert "Unknown task(s) ['nope']" in capsys.readouterr().err
+    assert "--tasks names unknown task(s) ['nope']" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         run_cli(*train_args(root / "encoder", task_files, tmp_path / "b", "--routing", "magic"))
     assert exit_info.value.code != 0 and "invalid choice: 'magic'" in capsys.readouterr().err

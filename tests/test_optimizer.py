@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from peft import get_peft_model
@@ -46,7 +48,7 @@ def test_a_step_moves_routers_by_their_rate():
 
 @pytest.mark.parametrize("ratio", [0, -1.0, "2", True])
 def test_a_bad_ratio_is_refused_by_name(ratio):
-    with pytest.raises(ValueError, match="router_lr_ratio must be a finite number > 0"):
+    with pytest.raises(ValueError, match=re.escape("router_lr_ratio must be a finite number in [1e-06, 10000]")):
         peft_smear.create_router_optimizer(bert_with("smear"), lr=1e-3, router_lr_ratio=ratio)
 
 

@@ -63,7 +63,7 @@ def test_a_router_defined_outside_the_package_trains_saves_and_reloads_exactly(r
 
 
 def test_its_options_are_checked_and_belong_to_it_alone(registered):
-    with pytest.raises(ValueError, match=re.escape("sharpness must be a finite number > 0, got -1.0")):
+    with pytest.raises(ValueError, match=re.escape("sharpness must be a finite number in [1e-06, 10000], got -1.0")):
         SmearConfig(routing="sharp_linear", sharpness=-1.0)
     with pytest.raises(ValueError, match=re.escape("sharpness=2.0 only applies to routing='sharp_linear', but")):
         SmearConfig(routing="smear", sharpness=2.0)

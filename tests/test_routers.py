@@ -602,10 +602,10 @@ def test_router_balance_loss_is_the_mean_routing_penalty_summed_over_routers():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"router_temperature": 0}, "router_temperature must be a finite number > 0, got 0"),
+        ({"router_temperature": 0}, "router_temperature must be a finite number in [1e-06, 10000], got 0"),
         ({"router_warmup_steps": -1}, "router_warmup_steps must be an integer >= 0, got -1"),
         ({"router_warmup_steps": 1.5}, "router_warmup_steps must be an integer >= 0, got 1.5"),
-        ({"router_balance_weight": -0.1}, "router_balance_weight must be a finite number >= 0, got -0.1"),
+        ({"router_balance_weight": -0.1}, "router_balance_weight must be a finite number in [0, 10000], got -0.1"),
         ({"routing": "tag", "router_temperature": 2.0}, "router_temperature=2.0 only applies to routing="),
     ],
 )

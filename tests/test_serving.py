@@ -17,7 +17,7 @@ from torch._dynamo.backends.registry import lookup_backend
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import peft_smear
-from conftest import tiny_bert, tiny_llama
+from conftest import tiny_bert, tiny_llama, tiny_t5
 from peft_smear import NotServerReadyError, SmearLinear, check_server_ready
 
 
@@ -263,3 +263,104 @@ def test_an_ia3_export_is_refused(exports, tmp_path):
     peft_smear.export_merged_adapter(smear, tmp_path / "ia3", routing={n: torch.eye(2)[0] for n in layer_names(smear)})
     with pytest.raises(NotServerReadyError, match="peft_type is 'IA3', not 'LORA'"):
         check_server_ready(tmp_path / "ia3", load_base(root))
+
+
+# --- SMEAR adapters in a mixed batch (adapter_names=) ----------------------------------------------------------------
+
+
+def mixed_model(base, **options):
+    torch.manual_seed(0)
+    config = dict(num_experts=3, r=4, init_weights=False, target_modules="all-linear", **options)
+    model = get_peft_model(base, peft_smear.SmearConfig(**config), adapter_name="sports")
+    model.add_adapter("law", peft_smear.SmearConfig(**config))
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "smear_router" in name:
+                param.add_(torch.randn(param.shape, generator=generator) * 0.5)
+    return model.eval()
+
+
+def alone(model, adapter: str, call):
+    """``call()`` with ``adapter`` active, or with no adapter for ``"__base__"``."""
+    if adapter == "__base__":
+        with model.disable_adapter():
+            return call()
+    model.set_adapter(adapter)
+    return call()
+
+
+ROWS = ["sports", "__base__", "law", "sports"]
+
+
+def test_each_row_of_a_mixed_smear_batch_equals_that_row_through_its_adapter_alone():
+    """Before, adapter_names was ignored: every row used the active adapter, "__base__" included."""
+    model = mixed_model(tiny_llama())
+    batch = {
+        "input_ids": torch.tensor([[5, 6, 7, 8, 9], [0, 0, 11, 12, 13], [0, 14, 15, 16, 17], [0, 0, 0, 18, 19]]),
+        "attention_mask": torch.tensor([[1] * 5, [0, 0, 1, 1, 1], [0, 1, 1, 1, 1], [0, 0, 0, 1, 1]]),
+    }
+    with torch.no_grad():
+        mixed = model(**batch, adapter_names=ROWS).logits
+        tokens = model.generate(**batch, adapter_names=ROWS, max_new_tokens=4, do_sample=False)
+        beams = model.generate(**batch, adapter_names=ROWS, max_new_tokens=3, num_beams=2, do_sample=False)
+        for row, adapter in enumerate(ROWS):
+            one = {key: value[row : row + 1] for key, value in batch.items()}
+            torch.testing.assert_close(
+                mixed[row : row + 1], alone(model, adapter, lambda one=one: model(**one).logits)
+            )
+            assert torch.equal(
+                tokens[row : row + 1],
+                alone(model, adapter, lambda one=one: model.generate(**one, max_new_tokens=4, do_sample=False)),
+            )
+            beam = alone(
+                model, adapter, lambda one=one: model.generate(**one, max_new_tokens=3, num_beams=2, do_sample=False)
+            )
+            assert torch.equal(beams[row : row + 1], beam)
+    assert not torch.allclose(mixed[0], mixed[2]) or not torch.allclose(mixed[0], mixed[1])
+
+
+def test_a_mixed_batch_of_encoder_decoder_adapters_and_classifier_heads():
+    """T5: the encoder runs once for the batch, the decoder routes on it per row; BERT: each row's own head."""
+    t5 = mixed_model(tiny_t5())
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 1], [8, 9, 1, 0], [10, 11, 12, 1]])}
+    batch["attention_mask"] = (batch["input_ids"] != 0).long()
+    rows = ["law", "sports", "__base__"]
+    with torch.no_grad():
+        tokens = t5.generate(**batch, adapter_names=rows, max_new_tokens=3, do_sample=False)
+        for row, adapter in enumerate(rows):
+            one = {key: value[row : row + 1] for key, value in batch.items()}
+            expected = alone(t5, adapter, lambda one=one: t5.generate(**one, max_new_tokens=3, do_sample=False))
+            assert torch.equal(tokens[row : row + 1, : expected.shape[1]], expected)
+    bert = mixed_model(tiny_bert(), task_type="SEQ_CLS")
+    batch = {
+        "input_ids": torch.tensor([[5, 6, 7, 8], [9, 10, 11, 0]]),
+        "attention_mask": torch.tensor([[1] * 4, [1, 1, 1, 0]]),
+    }
+    with torch.no_grad():
+        bert.base_model.model.classifier.modules_to_save["law"].weight.mul_(3)  # the heads differ
+        mixed = bert(**batch, adapter_names=["law", "sports"]).logits
+        for row, adapter in enumerate(["law", "sports"]):
+            one = {key: value[row : row + 1] for key, value in batch.items()}
+            torch.testing.assert_close(mixed[row : row + 1], alone(bert, adapter, lambda one=one: bert(**one).logits))
+
+
+@pytest.mark.parametrize(
+    ("names", "message"),
+    [
+        (
+            ["sports", "c", "law", "sports"],
+            r"adapter_names names no adapter \['c'\]; the adapters are \['law', 'sports'\]",
+        ),
+        (["sports", "law"], "adapter_names has 2 names, but the batch has 4 examples"),
+        ("sports", "adapter_names must be a list of adapter names, one per example"),
+    ],
+)
+def test_adapter_names_that_cannot_be_served_right_are_refused(names, message):
+    model = mixed_model(tiny_llama())
+    batch = {"input_ids": torch.randint(2, 50, (4, 5))}
+    with pytest.raises(ValueError, match=message):
+        model(**batch, adapter_names=names)
+    model.train()
+    with pytest.raises(ValueError, match="adapter_names= serves a mixed batch in eval mode"):
+        model(**batch, adapter_names=["sports"] * 4)

@@ -10,70 +10,23 @@ The package is layered: :mod:`peft_smear.core` is the PEFT method; :mod:`peft_sm
 :mod:`peft_smear.training`, :mod:`peft_smear.saving` and :mod:`peft_smear.export` build on it;
 :mod:`peft_smear.bank` and :mod:`peft_smear.emoe` on those; :mod:`peft_smear.multitask` (the ``peft-smear train``
 application) and :mod:`peft_smear.cli` sit on top. This module only gathers the public names: what a user needs,
-and what an author of a routing method or an expert kind builds on.
+and what an author of a routing method or an expert kind builds on (from :mod:`peft_smear._api`): loaded at once,
+except when the ``peft-smear`` command imports the package to parse its arguments first (:mod:`peft_smear_launcher`),
+which then loads them with :func:`_load_method`.
 """
 
-from . import routers  # noqa: F401  (the SMEAR paper's baselines register themselves)
-from .bank import build_expert_bank, describe_tasks, embed_texts, train_phatgoose_gates
-from .core.config import SmearConfig
-from .core.experts import EXPERT_KINDS, ExpertKind, register_expert_kind
-from .core.layer import SmearLinear
-from .core.model import SmearModel
-from .core.registration import SUPPORTED_PEFT_RANGE, SmearPeftType
-from .core.registration import install as _install
-from .core.routers import ROUTERS, Router, merged, mixed, one_expert, register_router
-from .core.types import CallInput, Option, RouterInputs, RoutingDecision
-from .export.export import export_merged_adapter
-from .export.merging import merge_experts
-from .export.serving import NotServerReadyError, check_server_ready
-from .saving.atomic_save import save_pretrained as _save_pretrained
-from .saving.cards import create_or_update_model_card as _create_or_update_model_card
-from .saving.cards import write_model_card
-from .saving.hub import push_to_hub as _push_to_hub
-from .training.callbacks import SmearRoutingCallback
-from .training.collator import SmearDataCollator
-from .training.optimizer import create_router_optimizer
-from .training.recording import get_routing_weights
-from .training.report import RoutingReport
-from .training.statistics import RoutingStatistics
-from .version import __version__
+import sys as _sys
+
+from .version import __version__ as __version__
 
 
-__all__ = [
-    "EXPERT_KINDS",
-    "ROUTERS",
-    "SUPPORTED_PEFT_RANGE",
-    "CallInput",
-    "ExpertKind",
-    "NotServerReadyError",
-    "Option",
-    "Router",
-    "RouterInputs",
-    "RoutingDecision",
-    "RoutingReport",
-    "RoutingStatistics",
-    "SmearConfig",
-    "SmearDataCollator",
-    "SmearLinear",
-    "SmearModel",
-    "SmearPeftType",
-    "SmearRoutingCallback",
-    "__version__",
-    "build_expert_bank",
-    "check_server_ready",
-    "create_router_optimizer",
-    "describe_tasks",
-    "embed_texts",
-    "export_merged_adapter",
-    "get_routing_weights",
-    "merge_experts",
-    "merged",
-    "mixed",
-    "one_expert",
-    "register_expert_kind",
-    "register_router",
-    "train_phatgoose_gates",
-    "write_model_card",
-]
+def _load_method() -> None:
+    """Import the PEFT method's public names into this namespace and register SMEAR with PEFT (idempotent)."""
+    from . import _api
 
-_install(SmearConfig, SmearModel, _create_or_update_model_card, _push_to_hub, _save_pretrained)
+    globals().update({name: getattr(_api, name) for name in _api.__all__})
+    globals()["__all__"] = list(_api.__all__)
+
+
+if "peft_smear_launcher" not in _sys.modules:  # the command line loads it once its arguments are parsed
+    _load_method()

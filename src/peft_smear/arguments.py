@@ -1,4 +1,6 @@
-"""Argument types and message helpers shared by the ``peft-smear`` commands."""
+"""Argument types and message helpers shared by the ``peft-smear`` commands. Light on purpose (the standard library
+only): the commands parse their arguments before torch and PEFT are imported, so that ``--help`` and a wrong argument
+answer at once."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .export.export import DEFAULT_FORM, FORMS, energy_summary
+from .export.forms import DEFAULT_FORM, FORMS, energy_summary
 
 
 class CommandError(Exception):

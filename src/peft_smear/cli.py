@@ -2,32 +2,24 @@
 
 ``peft-smear export`` runs :func:`peft_smear.export_merged_adapter` on models saved in local directories, so that a
 SMEAR adapter can be turned into a plain LoRA (or IA3) adapter for a serving stack without writing Python.
+
+Every command parses its arguments before torch, transformers and PEFT are imported (this module, and the modules
+that define the other commands' arguments, import the standard library only at their top): ``--help`` and a wrong
+argument answer at once. The ``peft-smear`` executable enters through :mod:`peft_smear_launcher`, which keeps
+``import peft_smear`` from registering SMEAR with PEFT until the arguments are parsed.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-
-import torch
-from peft import PeftConfig, PeftModel, PeftType
-from safetensors import SafetensorError
-from tqdm import tqdm
-from transformers import (
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForQuestionAnswering,
-    AutoModelForSeq2SeqLM,
-    AutoModelForSequenceClassification,
-    AutoModelForTokenClassification,
-    AutoTokenizer,
-    PreTrainedTokenizerBase,
-)
+from typing import TYPE_CHECKING, Any
 
 from .arguments import (
     CommandError,
@@ -38,42 +30,93 @@ from .arguments import (
     positive_int,
     report_error,
 )
-from .bank.command import add_build_bank_command
-from .core.checks import listing
-from .core.config import SmearConfig
-from .core.layer import SmearLinear
-from .core.registration import SmearPeftType
-from .export.export import check_export_form, check_exportable, export_merged_adapter, refuse_occupied
-from .export.kinds import kind_export
-from .multitask.commands import add_export_tasks_command, add_train_command
+from .multitask.commands import (
+    EXISTING_ADAPTER_ROUTINGS,
+    TRAIN_ROUTINGS,
+    add_export_tasks_command,
+    add_train_command,
+)
 
 
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedTokenizerBase
+
+    from .core.config import SmearConfig
+
+# The routing methods build-bank builds (a bank has one expert per adapter and no task count: not `single`, not
+# `latent_skills`) and those whose routers hold gates, named here so that parsing imports no router;
+# tests/test_command_errors.py checks them against the routers' own traits.
+BANK_ROUTINGS = (
+    *(name for name in TRAIN_ROUTINGS if name not in ("latent_skills", "single")),
+    *EXISTING_ADAPTER_ROUTINGS,
+)
+GATED_ROUTINGS = ("phatgoose", "glider", "glider_merge")
 AUTO_MODEL_CLASSES = {
-    "SEQ_CLS": AutoModelForSequenceClassification,
-    "CAUSAL_LM": AutoModelForCausalLM,
-    "SEQ_2_SEQ_LM": AutoModelForSeq2SeqLM,
-    "TOKEN_CLS": AutoModelForTokenClassification,
-    "QUESTION_ANS": AutoModelForQuestionAnswering,
-    "FEATURE_EXTRACTION": AutoModel,
-    None: AutoModel,
+    "SEQ_CLS": "AutoModelForSequenceClassification",
+    "CAUSAL_LM": "AutoModelForCausalLM",
+    "SEQ_2_SEQ_LM": "AutoModelForSeq2SeqLM",
+    "TOKEN_CLS": "AutoModelForTokenClassification",
+    "QUESTION_ANS": "AutoModelForQuestionAnswering",
+    "FEATURE_EXTRACTION": "AutoModel",
+    None: "AutoModel",
 }
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
-
-
-# What bad input raises (paths, names, values, unreadable or corrupt files, existing outputs, missing optional
-# packages): reported as one `error:` line with exit code 2.
-USER_ERRORS = (CommandError, ValueError, OSError, ImportError, SafetensorError)
 TRACEBACK_VARIABLE = "PEFT_SMEAR_TRACEBACK"
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """What bad input raises (paths, names, values, unreadable or corrupt files, existing outputs, missing optional
+    packages): reported as one `error:` line with exit code 2."""
+    from safetensors import SafetensorError
+
+    return (CommandError, ValueError, OSError, ImportError, SafetensorError)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``peft-smear`` with ``argv`` (default: ``sys.argv[1:]``) and return the exit code. Every error is one
     ``peft-smear <command>: error: ...`` line on stderr: exit code 2 for bad input, 1 for anything else (a bug: set
     ``PEFT_SMEAR_TRACEBACK=1`` to see its traceback), 130 when interrupted."""
-    args = build_parser().parse_args(argv)
+    return run(parse(argv))
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command's arguments; ``--help`` and a wrong argument exit here, before torch or PEFT is imported. An
+    argument no option takes is reported by the command's own parser, with a hint where it is a NAME=VALUE that its
+    option, given once per value, left over."""
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        command = parser.commands.choices[args.command]
+        command.error(f"unrecognized arguments: {' '.join(extras)}{_repeat_hint(command, argv, extras[0])}")
+    return args
+
+
+def _repeat_hint(parser: argparse.ArgumentParser, argv: list[str], extra: str) -> str:
+    """For ``--adapter a=/x b=/y``: each ``--adapter`` takes one NAME=DIR, so the flag is repeated; for
+    ``--adapter a= /x``: no space after the ``=``."""
+    if extra.startswith("-") or extra not in argv:
+        return ""
+    before = argv[: argv.index(extra)]
+    flag = next((a for a in reversed(before) if a.startswith("-")), None)
+    action = parser._option_string_actions.get(flag.split("=")[0]) if flag else None
+    if action is None or not isinstance(action, argparse._AppendAction):
+        return ""
+    value = action.metavar or "VALUE"
+    if before[-1].endswith("=") and before[-1] != flag:
+        return f" ({flag} takes {value} as one word, {before[-1]}{extra}, with no space after the '=')"
+    if "=" in extra:
+        return f" (each {flag} takes one {value}: repeat the flag, {flag} {value} {flag} {value})"
+    return ""
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the parsed command; its errors as :func:`main` describes."""
+    errors = user_errors()
     try:
         return args.run(args) or 0
-    except USER_ERRORS as error:
+    except errors as error:
         return report_error(args.command, error)
     except KeyboardInterrupt:
         print(f"peft-smear {args.command}: interrupted", file=sys.stderr)
@@ -89,9 +132,18 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def command(module: str, function: str) -> Callable[[argparse.Namespace], Any]:
+    """A command's job, imported when it runs: parsing its arguments imports nothing it needs."""
+
+    def run_command(args: argparse.Namespace) -> Any:
+        return getattr(importlib.import_module(module, __package__), function)(args)
+
+    return run_command
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="peft-smear", description="Tools for SMEAR adapters.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = parser.commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     export = commands.add_parser(
         "export",
         help="write the merged expert of a fixed routing as a plain PEFT LoRA (or IA3) adapter",
@@ -135,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--adapter-name",
         default="default",
+        type=adapter_name,
         metavar="NAME",
         help="the name to load the adapter under (default: default)",
     )
@@ -146,8 +199,84 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_build_bank_command(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "build-bank",
+        help="build a bank of saved LoRA adapters, routed by Arrow, PHATGOOSE, GLIDER or SMEAR, as one adapter",
+        description=(
+            "Build one SMEAR adapter whose experts are saved PEFT LoRA adapters (peft_smear.build_expert_bank), "
+            "optionally describe and embed each expert's task (GLIDER), train PHATGOOSE gates on each expert's "
+            "own data, or train a SMEAR router over the frozen bank on mixed data, and save it as a loadable "
+            "adapter directory. Data files are CSV/JSON/JSONL: 'prompt' and 'response' columns for a causal LM, "
+            "'text' and 'label' for classifiers."
+        ),
+        epilog="Bad input is reported as one 'error:' line with exit code 2, and nothing is written.",
+    )
+    parser.add_argument("--base-model", required=True, type=Path, metavar="DIR", help="the base model's directory")
+    parser.add_argument(
+        "--adapter", required=True, action="append", metavar="NAME=DIR", help="an expert (repeat, in order)"
+    )
+    parser.add_argument("--output", required=True, type=Path, metavar="DIR", help="where to write the bank")
+    parser.add_argument(
+        "--routing",
+        default="smear",
+        choices=BANK_ROUTINGS,
+        help="routing method (default: smear); `single` and `latent_skills` are not built over a bank",
+    )
+    parser.add_argument("--task-type", default=None, help="the adapters' task type, if they do not record one")
+    parser.add_argument(
+        "--general-adapter", action="append", default=[], metavar="NAME=DIR", help="GenKnowSub's general adapters"
+    )
+    parser.add_argument("--trainable-experts", action="store_true", help="leave the experts trainable")
+    described = parser.add_argument_group("GLIDER's task descriptions")
+    described.add_argument("--description", action="append", default=[], metavar="NAME=TEXT", help="an expert's")
+    described.add_argument(
+        "--examples", action="append", default=[], metavar="NAME=FILE", help="generate from the file's first 3 rows"
+    )
+    described.add_argument("--description-model", type=Path, metavar="PATH", help="causal LM dir or .gguf file")
+    described.add_argument("--embedding-model", type=Path, metavar="DIR", help="sentence encoder (e.g. MiniLM)")
+    training = parser.add_argument_group("training over the bank")
+    training.add_argument(
+        "--gate-data",
+        action="append",
+        default=[],
+        metavar="NAME=FILE",
+        help="an expert's own data, to train its gates (routings with gates: " + ", ".join(GATED_ROUTINGS) + ")",
+    )
+    training.add_argument(
+        "--untrained-gates",
+        action="store_true",
+        help="allow experts without --gate-data: their gates stay untrained (zero), so they score every token alike",
+    )
+    training.add_argument("--gate-steps", type=positive_int, default=100, metavar="N", help="per expert (100)")
+    training.add_argument("--gate-lr", type=float, default=5e-3, help="gate learning rate (5e-3)")
+    training.add_argument("--router-data", type=Path, metavar="FILE", help="mixed data: train the SMEAR router")
+    training.add_argument("--router-steps", type=positive_int, default=200, metavar="N", help="router steps (200)")
+    training.add_argument("--router-lr", type=float, default=1e-3, help="router learning rate (1e-3)")
+    training.add_argument("--batch-size", type=positive_int, default=8, metavar="N", help="examples per batch (8)")
+    training.add_argument("--max-length", type=positive_int, default=256, metavar="N", help="truncate to N tokens")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    parser.set_defaults(run=command(".bank.command", "build_bank_command"))
+
+
+def adapter_name(text: str) -> str:
+    """An adapter name PEFT can hold: not empty, no ``.`` (a module name separator)."""
+    if not text or "." in text:
+        raise argparse.ArgumentTypeError(f"must be a non-empty name without '.', got {text!r}")
+    return text
+
+
 def export_command(args: argparse.Namespace) -> None:
     """Check every input before loading the model, so that bad input fails fast and writes nothing."""
+    import torch
+    from peft import PeftType
+    from tqdm import tqdm
+
+    from .core.layer import SmearLinear
+    from .core.registration import SmearPeftType
+    from .export.export import check_export_form, check_exportable, export_merged_adapter
+    from .export.kinds import kind_export
+
     _check_output(args.output, args.overwrite, [args.base_model, args.adapter, args.task_data])
     _require_file(args.base_model, "--base-model", "config.json")
     _require_file(args.adapter, "--adapter", "adapter_config.json")
@@ -169,7 +298,7 @@ def export_command(args: argparse.Namespace) -> None:
         texts = _task_texts(args.task_data, args.text_column, args.task)
         tokenizer = _load_tokenizer(args.base_model, args.adapter)
 
-    auto_class = AUTO_MODEL_CLASSES[config.task_type]
+    auto_class = getattr(importlib.import_module("transformers"), AUTO_MODEL_CLASSES[config.task_type])
     model = _load_model(auto_class, args.base_model, args.adapter, args.adapter_name)
     if args.task_data is None:
         routing = {
@@ -218,6 +347,8 @@ def export_command(args: argparse.Namespace) -> None:
 
 def _check_output(output: Path, overwrite: bool, inputs: list[Path | None]) -> None:
     """Refuse a non-empty output without ``--overwrite``, and any output that replacing would delete an input with."""
+    from .export.export import refuse_occupied
+
     for path in inputs:
         if path is not None and path.resolve().is_relative_to(output.resolve()):
             raise CommandError(f"--output {output} holds the input {path}; writing there would delete it.")
@@ -236,6 +367,10 @@ def _require_file(directory: Path, option: str, name: str) -> None:
 
 def _read_smear_config(adapter: Path) -> SmearConfig:
     """The adapter's config. Its type is checked by name first: PEFT raises a bare KeyError for a type it lacks."""
+    from peft import PeftConfig
+
+    from .core.registration import SmearPeftType
+
     try:
         peft_type = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8")).get("peft_type")
         if peft_type == SmearPeftType.SMEAR:
@@ -247,6 +382,7 @@ def _read_smear_config(adapter: Path) -> SmearConfig:
 
 def _task_texts(path: Path, text_column: str, task: str | None) -> list[str]:
     """The texts of the rows of ``path`` (those of ``task`` only, if given), refusing missing or empty text."""
+    from .core.checks import listing
     from .multitask.task_files import read_data_file  # datasets, only when --task-data is given
 
     try:
@@ -280,6 +416,8 @@ def _task_texts(path: Path, text_column: str, task: str | None) -> list[str]:
 
 def _load_tokenizer(*directories: Path) -> PreTrainedTokenizerBase:
     """The tokenizer of the first directory that has one: a trained adapter's directory often holds a copy."""
+    from transformers import AutoTokenizer
+
     directory = next((d for d in directories if any((d / name).is_file() for name in TOKENIZER_FILES)), None)
     if directory is None:
         raise CommandError(f"found no tokenizer in {' or '.join(map(str, directories))}; save one there.")
@@ -292,12 +430,19 @@ def _load_tokenizer(*directories: Path) -> PreTrainedTokenizerBase:
 
 
 def _load_model(auto_class: type, base_model: Path, adapter: Path, adapter_name: str) -> PeftModel:
+    from peft import PeftModel
+    from safetensors import SafetensorError
+
+    from .saving.loading import AdapterFileError
+
     try:
         base = auto_class.from_pretrained(base_model, local_files_only=True)
     except (OSError, ValueError, SafetensorError) as error:
         raise CommandError(f"--base-model {base_model}: cannot load it as a {auto_class.__name__}: {error}") from None
     try:
         model = PeftModel.from_pretrained(base, adapter, adapter_name=adapter_name, local_files_only=True)
+    except AdapterFileError as error:  # a damaged file, or a config and weights that do not fit each other
+        raise CommandError(f"--adapter {adapter}: {error}") from None
     except ValueError as error:  # strict loading: trained on another base model, or with another head size
         raise CommandError(f"--adapter {adapter} does not fit --base-model {base_model}: {error}") from None
     except (OSError, SafetensorError) as error:  # a missing, truncated or corrupt weights file
@@ -310,7 +455,9 @@ def _load_model(auto_class: type, base_model: Path, adapter: Path, adapter_name:
 
 def _batches(
     tokenizer: PreTrainedTokenizerBase, texts: list[str], batch_size: int, max_length: int, decoder_start: int | None
-) -> Iterator[dict[str, torch.Tensor]]:
+) -> Iterator[dict[str, Any]]:
+    import torch
+
     for start in range(0, len(texts), batch_size):
         batch = dict(
             tokenizer(

@@ -257,6 +257,14 @@ def _bank_config(
     if embeddings is not None:
         values["expert_embeddings"] = _per_expert("embeddings", embeddings, names)
     values.pop("peft_type", None)
+    # A bank smaller than a method's default top-k uses every expert (an Arrow bank of two adapters: top-2, not 3).
+    options = dict(values.get("routing_options") or {})
+    for option in ROUTERS[values["routing"]].options:
+        default, name = option.default, option.name
+        unset = name not in given and options.get(name, default) == default
+        if name.endswith("top_k") and isinstance(default, int) and default > len(adapters) and unset:
+            options[name] = len(adapters)
+    values["routing_options"] = options or values.get("routing_options")
     return SmearConfig(**values)
 
 

@@ -15,65 +15,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ..arguments import CommandError, positive_int
+from ..arguments import CommandError
 from ..core.routers import ROUTERS
 from ..export.export import refuse_occupied
 from .routers import BankRouter, GateRouter, needs_task_descriptions
-
-
-def add_build_bank_command(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "build-bank",
-        help="build a bank of saved LoRA adapters, routed by Arrow, PHATGOOSE, GLIDER or SMEAR, as one adapter",
-        description=(
-            "Build one SMEAR adapter whose experts are saved PEFT LoRA adapters (peft_smear.build_expert_bank), "
-            "optionally describe and embed each expert's task (GLIDER), train PHATGOOSE gates on each expert's "
-            "own data, or train a SMEAR router over the frozen bank on mixed data, and save it as a loadable "
-            "adapter directory. Data files are CSV/JSON/JSONL: 'prompt' and 'response' columns for a causal LM, "
-            "'text' and 'label' for classifiers."
-        ),
-        epilog="Bad input is reported as one 'error:' line with exit code 2, and nothing is written.",
-    )
-    parser.add_argument("--base-model", required=True, type=Path, metavar="DIR", help="the base model's directory")
-    parser.add_argument(
-        "--adapter", required=True, action="append", metavar="NAME=DIR", help="an expert (repeat, in order)"
-    )
-    parser.add_argument("--output", required=True, type=Path, metavar="DIR", help="where to write the bank")
-    parser.add_argument("--routing", default="smear", choices=tuple(ROUTERS), help="routing method (default: smear)")
-    parser.add_argument("--task-type", default=None, help="the adapters' task type, if they do not record one")
-    parser.add_argument(
-        "--general-adapter", action="append", default=[], metavar="NAME=DIR", help="GenKnowSub's general adapters"
-    )
-    parser.add_argument("--trainable-experts", action="store_true", help="leave the experts trainable")
-    described = parser.add_argument_group("GLIDER's task descriptions")
-    described.add_argument("--description", action="append", default=[], metavar="NAME=TEXT", help="an expert's")
-    described.add_argument(
-        "--examples", action="append", default=[], metavar="NAME=FILE", help="generate from the file's first 3 rows"
-    )
-    described.add_argument("--description-model", type=Path, metavar="PATH", help="causal LM dir or .gguf file")
-    described.add_argument("--embedding-model", type=Path, metavar="DIR", help="sentence encoder (e.g. MiniLM)")
-    training = parser.add_argument_group("training over the bank")
-    training.add_argument(
-        "--gate-data",
-        action="append",
-        default=[],
-        metavar="NAME=FILE",
-        help="an expert's own data, to train its gates (routings with gates: " + ", ".join(_gated_routings()) + ")",
-    )
-    training.add_argument(
-        "--untrained-gates",
-        action="store_true",
-        help="allow experts without --gate-data: their gates stay untrained (zero), so they score every token alike",
-    )
-    training.add_argument("--gate-steps", type=positive_int, default=100, metavar="N", help="per expert (100)")
-    training.add_argument("--gate-lr", type=float, default=5e-3, help="gate learning rate (5e-3)")
-    training.add_argument("--router-data", type=Path, metavar="FILE", help="mixed data: train the SMEAR router")
-    training.add_argument("--router-steps", type=positive_int, default=200, metavar="N", help="router steps (200)")
-    training.add_argument("--router-lr", type=float, default=1e-3, help="router learning rate (1e-3)")
-    training.add_argument("--batch-size", type=positive_int, default=8, metavar="N", help="examples per batch (8)")
-    training.add_argument("--max-length", type=positive_int, default=256, metavar="N", help="truncate to N tokens")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
-    parser.set_defaults(run=build_bank_command)
 
 
 def build_bank_command(args: argparse.Namespace) -> None:
@@ -91,9 +36,10 @@ def build_bank_command(args: argparse.Namespace) -> None:
         refuse_occupied(args.output, args.overwrite, "pass --overwrite to replace it")
     except FileExistsError as error:
         raise CommandError(f"--output {error}") from None
-    _require_file(args.base_model, "--base-model", "config.json")
-    for name, path in {**adapters, **general}.items():
-        _require_file(path, f"--adapter {name}=", "adapter_config.json")
+    _require_file(args.base_model, f"--base-model {args.base_model}", "config.json")
+    for option, named in (("--adapter", adapters), ("--general-adapter", general)):
+        for name, path in named.items():
+            _require_file(path, f"{option} {name}={path}", "adapter_config.json")
     descriptions = dict(_pairs(args.description, "--description", CommandError))
     examples = {name: _read_rows(Path(path)) for name, path in _pairs(args.examples, "--examples", CommandError)}
     for name in [*descriptions, *examples]:
@@ -107,7 +53,7 @@ def build_bank_command(args: argparse.Namespace) -> None:
     if needs_task_descriptions(ROUTERS[args.routing]) and (args.embedding_model is None or not described):
         raise CommandError(f"--routing {args.routing} needs descriptions (or --examples) and --embedding-model.")
     if args.embedding_model is not None:
-        _require_file(args.embedding_model, "--embedding-model", "config.json")
+        _require_file(args.embedding_model, f"--embedding-model {args.embedding_model}", "config.json")
     if args.description_model is not None and not args.description_model.exists():
         raise CommandError(f"--description-model {args.description_model} does not exist.")
     if args.router_data is not None and issubclass(ROUTERS[args.routing], BankRouter):
@@ -300,11 +246,14 @@ def _save_atomically(model, target: Path, overwrite: bool) -> None:
         model.save_pretrained(staging)
 
 
-def _require_file(directory: Path, option: str, name: str) -> None:
+def _require_file(directory: Path, shown: str, name: str) -> None:
+    """``shown``: the argument as the command line gave it (``--adapter NAME=DIR``)."""
+    if not directory.exists():
+        raise CommandError(f"{shown}: {directory} does not exist.")
     if not directory.is_dir():
-        raise CommandError(f"{option} {directory} is not a directory.")
+        raise CommandError(f"{shown}: {directory} is not a directory.")
     if not (directory / name).is_file():
-        raise CommandError(f"{option} {directory} has no {name}; save it with save_pretrained().")
+        raise CommandError(f"{shown}: {directory} has no {name}; save it with save_pretrained().")
 
 
 def _read_rows(path: Path) -> list[dict[str, Any]]:

@@ -16,11 +16,23 @@ def is_integer(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+SMALLEST, LARGEST = 1e-6, 1e4
+"""The range of every real-valued setting: a positive one is at least ``SMALLEST`` and any is at most ``LARGEST``.
+Beyond it SMEAR's arithmetic overflows while the value still looks like a number: a temperature of 1e-300 is zero in
+float32 and divides by it, ``router_init_std=1e30`` gives infinite router rows, a loss weight of 1e6 overflows a
+half-precision model's loss."""
+
+
 def require_number(name: str, value: object, *, minimum: float = 0.0, inclusive: bool = False) -> None:
-    """A finite real number above ``minimum`` (or equal to it, when ``inclusive``); never a bool."""
+    """A finite real number above ``minimum`` (or equal to it, when ``inclusive``) and at most :data:`LARGEST`; a
+    positive one (``minimum=0``, not inclusive) at least :data:`SMALLEST`. Never a bool."""
+    if minimum == 0 and not inclusive:
+        minimum, inclusive = SMALLEST, True
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not (is_number and math.isfinite(value) and (value >= minimum if inclusive else value > minimum)):
-        raise ValueError(f"{name} must be a finite number {'>=' if inclusive else '>'} {minimum:g}, got {value!r}.")
+    in_range = is_number and math.isfinite(value) and (value >= minimum if inclusive else value > minimum)
+    if not (in_range and value <= LARGEST):
+        low = "[" if inclusive else "("
+        raise ValueError(f"{name} must be a finite number in {low}{minimum:g}, {LARGEST:g}], got {value!r}.")
 
 
 def require_integer(

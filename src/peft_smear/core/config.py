@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal
 
-from .checks import is_integer, listing, require_bool, require_integer, require_number, require_probability
+from peft import LoraConfig
+
+from .checks import is_integer, require_bool, require_integer, require_number, require_probability
 from .experts import EXPERT_KINDS
 from .registration import PeftConfig, SmearPeftType
 from .routers import ROUTERS, Router
@@ -14,6 +17,20 @@ from .types import ROUTER_INPUTS, Option
 
 
 INIT_WEIGHTS_SCHEMES = ("gaussian", "smear")
+
+# LoraConfig's settings that SmearConfig does not take, and what to do instead: users start from LoRA recipes. A
+# setting listed in LORA_NO_OPS is taken at that one value, which is what SMEAR does anyway. Every other LoraConfig
+# setting that SmearConfig lacks is refused as one with no equivalent.
+LORA_INSTEAD = {
+    "init_lora_weights": "SMEAR's is init_weights (True, False, 'gaussian' or 'smear')",
+    "fan_in_fan_out": "SMEAR reads the weight layout of GPT-2's Conv1D itself; drop it",
+    "bias": "SMEAR trains no biases (only bias='none' is taken); train a module in full with modules_to_save",
+    "lora_bias": "SMEAR trains no biases (only lora_bias=False is taken); train a module in full with modules_to_save",
+    "use_dora": "SMEAR's experts are LoRAs without DoRA's magnitude (only use_dora=False is taken)",
+    "rank_pattern": "every expert of a SMEAR adapter has rank r",
+    "alpha_pattern": "every expert of a SMEAR adapter has lora_alpha",
+}
+LORA_NO_OPS = {"bias": "none", "lora_bias": False, "use_dora": False}
 
 
 @dataclass(init=False)
@@ -40,6 +57,8 @@ class SmearConfig(PeftConfig):
             embedding (``num_experts`` rows of one size) of each expert, kept with the adapter.
         r, lora_alpha, use_rslora: LoRA experts' rank and scaling, ``lora_alpha / r`` (``/ sqrt(r)`` with
             ``use_rslora``), exactly a PEFT LoRA's of the same rank.
+        lora_dropout: During training, dropout with this probability on the input of the LoRA experts (not of the
+            router, nor of the wrapped module), as PEFT LoRA's ``lora_dropout``. Never applied in eval mode.
         adapter_width, adapter_reduction_factor, adapter_activation, adapter_layer_norm: Bottleneck adapters' width
             (or ``out_features // adapter_reduction_factor``, 16 when neither is set; the paper's T5 used 32),
             activation (``"swish"``, the paper's) and a LayerNorm on each expert's output (the paper's T5 experts;
@@ -75,6 +94,9 @@ class SmearConfig(PeftConfig):
     )
     lora_alpha: float = field(default=8, metadata={"help": "LoRA scaling numerator (scaling = lora_alpha / r)."})
     use_rslora: bool = field(default=False, metadata={"help": "Use lora_alpha / sqrt(r) as scaling."})
+    lora_dropout: float = field(
+        default=0.0, metadata={"help": "lora: dropout on the experts' input during training, as in PEFT LoRA."}
+    )
     expert_dropout: float | None = field(
         default=None, metadata={"help": "Probability of dropping each expert per example during training."}
     )
@@ -138,6 +160,7 @@ class SmearConfig(PeftConfig):
         ``expert_options``, or of the routing method, kept in ``routing_options``. Adapters saved before the methods
         declared their options stored every method's options as top-level keys, which arrive here the same way."""
         own = {f.name: f for f in fields(self) if f.init}
+        _refuse_unknown_keywords(settings, own)
         # A saved config carries peft_type; without routing_options it was saved before methods declared options.
         self._saved_before_options = "peft_type" in settings and "routing_options" not in settings
         kind_options = {option.name for kind in EXPERT_KINDS.values() for option in kind.options} - set(own)
@@ -151,8 +174,12 @@ class SmearConfig(PeftConfig):
             else:
                 value = spec.default_factory()
             setattr(self, name, value)
-        self.routing_options = _merged_options(self.routing_options, method_options, "routing_options")
-        self.expert_options = _merged_options(self.expert_options, given_kind_options, "expert_options")
+        self.routing_options = _merged_options(
+            self.routing_options, method_options, "routing_options", "the routing method"
+        )
+        self.expert_options = _merged_options(
+            self.expert_options, given_kind_options, "expert_options", "the expert kind"
+        )
         self.__post_init__()
 
     def __post_init__(self) -> None:
@@ -213,9 +240,13 @@ class SmearConfig(PeftConfig):
                 "layers_to_transform cannot be combined with a regex target_modules: put the layer selection into "
                 f"the regex instead (got target_modules={self.target_modules!r})."
             )
-        layers = [self.layers_to_transform] if isinstance(self.layers_to_transform, int) else self.layers_to_transform
-        if layers is not None and not all(is_integer(i) and i >= 0 for i in layers):
-            raise ValueError(f"layers_to_transform must be layer indices >= 0, got {self.layers_to_transform!r}.")
+        layers = [self.layers_to_transform] if is_integer(self.layers_to_transform) else self.layers_to_transform
+        if layers is not None and not (
+            isinstance(layers, (list, tuple)) and all(is_integer(i) and i >= 0 for i in layers)
+        ):
+            raise ValueError(
+                f"layers_to_transform must be a layer index >= 0 or a list of them, got {self.layers_to_transform!r}."
+            )
         self._validate_bank_metadata()
         if self.modules_to_save is not None and (
             isinstance(self.modules_to_save, str) or not all(isinstance(m, str) for m in self.modules_to_save)
@@ -269,7 +300,8 @@ class SmearConfig(PeftConfig):
                 )
         for option in kind.options:
             value = self._kind_option(option)
-            if value is not None and option.check is not None:
+            # None is "unset" only for an option whose default is unset; for any other it is refused by its check.
+            if option.check is not None and (value is not None or option.default is not None):
                 option.check(option.name, value)
         own = {f.name for f in fields(self)}
         self.expert_options = {o.name: self._kind_option(o) for o in kind.options if o.name not in own}
@@ -292,11 +324,7 @@ class SmearConfig(PeftConfig):
                 continue
             owners = [other for other in ROUTERS.values() if any(option.name == name for option in other.options)]
             if not owners:
-                settings = sorted({f.name for f in fields(self) if f.init} | set(own))
-                raise ValueError(
-                    f"SmearConfig has no setting {name!r}, and no routing method has such an option. The settings of "
-                    f"routing={self.routing!r}: {listing(settings, limit=60)}."
-                )
+                raise ValueError(f"routing_options has {name!r}, {_no_such_setting(name)}")
             defaults = {option.default for other in owners for option in other.options if option.name == name}
             # Older adapters stored every method's options, the others at their defaults then (anything else was
             # refused when they were built).
@@ -311,7 +339,7 @@ class SmearConfig(PeftConfig):
             options = {**router.options_before_declared, **options}
         options = {name: options.get(name, option.default) for name, option in own.items()}  # declared order
         for name, option in own.items():
-            if options[name] is not None and option.check is not None:
+            if option.check is not None and (options[name] is not None or option.default is not None):
                 option.check(name, options[name])
         self.routing_options = options
         if self.expert_dropout and not router.accepts_expert_dropout:
@@ -333,11 +361,48 @@ class SmearConfig(PeftConfig):
         return self.expert_options.get(option.name, option.default)
 
 
-def _merged_options(stored: dict[str, Any] | None, given: dict[str, Any], where: str) -> dict[str, Any]:
+def _merged_options(stored: dict[str, Any] | None, given: dict[str, Any], where: str, owner: str) -> dict[str, Any]:
     """The options in ``stored`` (a dict field) with the ones passed as keywords, each given once."""
+    if stored is not None and not (isinstance(stored, dict) and all(isinstance(name, str) for name in stored)):
+        raise ValueError(f"{where} must be a dict of {owner}'s options, {{name: value}}, got {stored!r}.")
     merged = dict(stored or {})
     for name, value in given.items():
         if name in merged and merged[name] != value:
             raise ValueError(f"{name} is given twice: {value!r}, and {merged[name]!r} in {where}.")
         merged[name] = value
     return merged
+
+
+def _option_names() -> set[str]:
+    """Every routing method's and expert kind's option: keywords ``SmearConfig`` takes besides its fields."""
+    return {option.name for table in (ROUTERS, EXPERT_KINDS) for owner in table.values() for option in owner.options}
+
+
+def _refuse_unknown_keywords(settings: dict[str, Any], own: dict[str, Any]) -> None:
+    """A keyword that is neither a field nor an option is a ``TypeError``, as a dataclass (every PEFT config) raises;
+    a LoraConfig setting SMEAR takes at one value only is dropped at that value (it is what SMEAR does), and any other
+    is refused with what to do instead."""
+    options = _option_names()
+    for name, value in list(settings.items()):
+        if name in own or name in options:
+            continue
+        no_op = LORA_NO_OPS.get(name, MISSING)
+        if no_op is not MISSING and type(value) is type(no_op) and value == no_op:
+            del settings[name]
+        elif name in {f.name for f in fields(LoraConfig)}:
+            instead = LORA_INSTEAD.get(name, "SMEAR has no equivalent; drop it")
+            raise TypeError(f"SmearConfig takes no {name}={value!r} (a LoraConfig setting): {instead}.")
+        else:
+            raise TypeError(f"SmearConfig takes no keyword {name!r}: {_no_such_setting(name)}")
+
+
+def _no_such_setting(name: str) -> str:
+    """Why ``name`` is no setting, with the setting it is closest to."""
+    known = sorted({f.name for f in fields(SmearConfig) if f.init} | _option_names())
+    close = difflib.get_close_matches(name, known, n=1)
+    if close:
+        return f"it is neither a setting nor a routing method's option. Did you mean {close[0]!r}?"
+    return (
+        "it is neither a setting nor a routing method's option (the settings: help(peft_smear.SmearConfig); a "
+        "method's options: peft_smear.ROUTERS[routing].options)."
+    )

@@ -179,6 +179,8 @@ class CallState:
     memo: dict[Any, Any] = field(default_factory=dict)
     """The call's scratch, shared by every layer: what is computed once per call (prompt masks, routers' host reads)
     and what a routing method keeps for its ``finish_call``."""
+    adapters: list[str] | None = None
+    """A mixed batch's (PEFT's ``adapter_names=``): the adapter of each example, ``"__base__"`` for none."""
     _warned_unmarked_packing: bool = field(default=False, repr=False)
 
     def set_inputs(self, values: dict[str, torch.Tensor]) -> None:
@@ -211,6 +213,15 @@ class CallState:
             }
         self.attention_mask, self.labels, self.input_ids, self.packing = attention_mask, labels, input_ids, packing
         self.memo = {}
+
+    def row_adapters(self, batch_size: int) -> list[str]:
+        """The adapter of each of ``batch_size`` rows in a mixed batch: each example's, repeated per beam (or returned
+        sequence) inside ``generate``."""
+        if batch_size % len(self.adapters):
+            raise ValueError(
+                f"adapter_names has {len(self.adapters)} names but a module sees a batch of {batch_size}."
+            )
+        return [name for name in self.adapters for _ in range(batch_size // len(self.adapters))]
 
     def call_input(self, name: str, batch_size: int) -> torch.Tensor | None:
         """The ``smear_*`` input ``name`` for a layer that sees ``batch_size`` rows (repeated per beam / returned
@@ -350,6 +361,51 @@ class CallRouterInputs(RouterInputs):
 
     def padding_mask(self) -> torch.Tensor | None:
         return self.call.attention_mask
+
+
+@dataclass
+class RowRouterInputs(CallRouterInputs):
+    """In a mixed batch (PEFT's ``adapter_names=``), what a layer offers the router of one adapter: ``routed`` holds
+    only the examples ``rows`` of the ``call_batch`` the layer sees, and what the call says of its examples is read for
+    them alone, so that each is routed exactly as it would be alone."""
+
+    rows: tuple[int, ...] = ()
+    call_batch: int = 0
+
+    @property
+    def memo(self) -> dict[Any, Any]:  # what a router reads once per call, read once for these rows
+        return self.call.memo.setdefault(("rows", self.rows, self.call_batch), {})
+
+    def _of_rows(self, value: Any) -> Any:
+        return None if value is None else value[torch.tensor(self.rows, device=value.device)]
+
+    def summary(self) -> torch.Tensor:
+        if self.router_input != "encoder":
+            return super().summary()
+        summary = self.call.encoder_summary
+        if summary is not None and summary.shape[0] != self.call_batch:
+            raise ValueError(
+                f"Encoder states have batch {summary.shape[0]}, this decoder layer sees batch {self.call_batch}."
+            )
+        return super().summary() if summary is None else self._of_rows(summary)  # its message, without the states
+
+    def token_mask(self) -> torch.Tensor | None:
+        if self.routed.dim() != 3:
+            return None
+        seq_len = self.routed.shape[1]
+        if self.router_input == "prompt":
+            return self._of_rows(self.call.prompt_mask(self.call_batch, seq_len, self.prefix_length, self.training))
+        return self._of_rows(self.call.token_mask(self.call_batch, seq_len))
+
+    def call_input(self, name: str) -> torch.Tensor | None:
+        value = self._of_rows(self.call.call_input(name, self.call_batch))
+        return None if value is None else value.to(self.device)
+
+    def input_ids(self) -> torch.Tensor | None:
+        return self._of_rows(self.call.input_ids)
+
+    def padding_mask(self) -> torch.Tensor | None:
+        return self._of_rows(self.call.attention_mask)
 
 
 class AuxLossHook(torch.autograd.Function):

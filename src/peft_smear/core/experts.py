@@ -1,8 +1,8 @@
 """What an expert is: one :class:`ExpertKind` subclass, selectable by name once :func:`register_expert_kind` has
-seen it. LoRA experts, the default, are on SMEAR's page (:mod:`~peft_smear.core.smear`); bottleneck adapters
-(:mod:`~peft_smear.core.adapter`) and (IA)^3 vectors (:mod:`~peft_smear.core.ia3`) register the way an outside kind
-does. A kind owns a wrapped module's expert parameters (flat ``[num_experts, ...]`` tensors, one ``smear_``-prefixed
-``ParameterDict`` entry each) and says how to merge them, pick one, apply one expert per example, and mix outputs.
+seen it. LoRA experts, the default, are on SMEAR's page (:mod:`~peft_smear.core.smear`); bottleneck adapters and
+(IA)^3 vectors are plug-ins (:mod:`peft_smear.experts`), registered the way an outside kind is. A kind owns a wrapped
+module's expert parameters (flat ``[num_experts, ...]`` tensors, one ``smear_``-prefixed ``ParameterDict`` entry
+each) and says how to merge them, pick one, apply one expert per example, and mix outputs.
 """
 
 from __future__ import annotations
@@ -47,6 +47,10 @@ class ExpertKind:
     scales_input: bool = False
     """Whether the expert acts on the module's input before the module runs (:meth:`scale_input`) rather than on its
     output (:meth:`apply`, :meth:`mix`)."""
+
+    input_dropout: float = 0.0
+    """In training, the dropout probability on the module's input as the experts read it (LoRA's ``lora_dropout``);
+    the router and the wrapped module read it unchanged."""
 
     def __init__(self, in_features: int, out_features: int, config: PeftConfig, module_name: str) -> None:
         self.in_features, self.out_features = in_features, out_features

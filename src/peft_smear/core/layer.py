@@ -3,14 +3,15 @@ method)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from .base_layers import output_may_be_locked_view
-from .context import CallRouterInputs, RoutingContext
+from .context import CallRouterInputs, RoutingContext, RowRouterInputs
 from .experts import EXPERT_KINDS, ExpertKind
 from .registration import BaseTunerLayer
 from .routers import ROUTERS
@@ -70,6 +71,7 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         self.expert_kind: dict[str, ExpertKind] = {}
         self.router_input: dict[str, str] = {}
         self.routing_prefix_length: dict[str, int | None] = {}
+        self.fixed_routing: dict[str, torch.Tensor] = {}  # per adapter, set by peft_smear.fixed_routing
         self.smear_router = nn.ModuleDict()
         self._active_adapter = adapter_name
         self.train(base_layer.training)  # wrapping a module must not switch an eval-mode model into training
@@ -114,6 +116,8 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         adapters = [name for name in self.active_adapters if name in self.expert_kind]
         if self.disable_adapters or not adapters:
             return self.base_layer(x, *args, **kwargs)
+        if self.routing_context.call.adapters is not None:
+            return self._mixed_batch_forward(x, *args, **kwargs)
         # One example per row: a packed row holds several sequences, each an example of its own.
         packing = self.routing_context.call.packing
         x_each = packing.unpack(x) if packing is not None else x
@@ -139,11 +143,41 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             # 3. The router's decision for each example. 4. The experts' contribution, added to its output.
             params = self.expert_params(name)
             decisions.append(self.route(name, routed, params))
-            out = self.apply_experts(name, decisions[-1], tokens, out, params)
+            expert_input = F.dropout(tokens, kind.input_dropout, self.training) if kind.input_dropout else tokens
+            out = self.apply_experts(name, decisions[-1], expert_input, out, params)
         result = out.reshape(y_each.shape)
         result = packing.pack(result) if packing is not None else result
         losses = [(name, value) for decision in decisions for name, value in decision.aux_losses.items()]
         return self.routing_context.aux.carry(result, losses) if losses else result
+
+    def _mixed_batch_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """PEFT's ``adapter_names=``: each example through its own adapter (routed on its own rows, as alone), the
+        ``"__base__"`` ones (and those of an adapter this layer lacks) through the wrapped module alone."""
+        if self.routing_context.call.packing is not None:
+            raise ValueError(
+                "adapter_names= gives each example its adapter, but this batch packs several sequences per row; pass "
+                "unpacked rows (one example each) with adapter_names."
+            )
+        names = self.routing_context.call.row_adapters(x.shape[0])
+        groups = {name: tuple(i for i, row in enumerate(names) if row == name) for name in dict.fromkeys(names)}
+        groups = {name: rows for name, rows in groups.items() if name in self.expert_kind}
+        tokens, inputs = x.reshape(x.shape[0], -1, x.shape[-1]), x
+        for name, rows in groups.items():  # kinds that act on the module's input, before it runs
+            if self.expert_kind[name].scales_input:
+                index = torch.tensor(rows, device=x.device)
+                decision = self.route(name, x[index], rows=rows, call_batch=x.shape[0])
+                scaled = self.apply_experts(name, decision, tokens[index], tokens[index])
+                inputs = inputs.index_copy(0, index, scaled.reshape(x[index].shape))
+        y = self._base_output(inputs, *args, **kwargs)
+        out = y.reshape(y.shape[0], -1, y.shape[-1])
+        for name, rows in groups.items():
+            kind = self.expert_kind[name]
+            if not kind.scales_input:
+                index = torch.tensor(rows, device=x.device)
+                routed = y[index] if kind.routes_on_output else x[index]
+                decision = self.route(name, routed, rows=rows, call_batch=x.shape[0])
+                out = out.index_copy(0, index, self.apply_experts(name, decision, tokens[index], out[index]))
+        return out.reshape(y.shape)
 
     def _base_output(self, inputs: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         result = self.base_layer(inputs, *args, **kwargs)
@@ -151,13 +185,24 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             result = result.clone()  # experts add into the output in place, which autograd forbids on such a view
         return result
 
-    def route(self, adapter_name: str, routed: torch.Tensor, params: Params | None = None) -> RoutingDecision:
+    def route(
+        self,
+        adapter_name: str,
+        routed: torch.Tensor,
+        params: Params | None = None,
+        rows: tuple[int, ...] | None = None,
+        call_batch: int = 0,
+    ) -> RoutingDecision:
         """How ``adapter_name``'s experts (``params``, unless read here) apply to each example (or token) of
-        ``routed``: inside ``generate`` the decision made at prefill, else the router's decision on what it reads."""
+        ``routed``: inside ``generate`` the decision made at prefill, else the router's decision on what it reads
+        (``rows``: which examples of the ``call_batch`` the layer sees ``routed`` holds, in a mixed batch)."""
         key, router, context = (self, adapter_name), self.smear_router[adapter_name], self.routing_context
+        fixed = self.fixed_routing.get(adapter_name)
         # A per-token router routes every new token on itself, so nothing made at prefill is reused.
         decision = None if router.per_token else context.cached_decision(key, routed.shape[0])
-        if decision is None:
+        if fixed is not None:
+            decision = RoutingDecision(weights=fixed.to(routed.device).expand(routed.shape[0], -1))
+        elif decision is None:
             inputs = CallRouterInputs(
                 routed,
                 context.call,
@@ -166,6 +211,8 @@ class SmearLinear(nn.Module, BaseTunerLayer):
                 self.training,
                 self.expert_params(adapter_name) if params is None else params,
             )
+            if rows is not None:  # a mixed batch: the call's inputs of these rows alone
+                inputs = RowRouterInputs(**vars(inputs), rows=rows, call_batch=call_batch)
             decision = router(inputs)
         context.observe(key, decision)
         return decision
@@ -219,6 +266,16 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             if kind.frozen:
                 for param in self.expert_params(name).values():
                     param.requires_grad_(False)
+
+    lora_conversion: ClassVar[Any] = None
+    """PEFT's ``convert_to_lora`` / ``save_as_lora`` for a fixed routing (:mod:`peft_smear.export.conversion`,
+    installed by ``import peft_smear``): the two methods below answer through it."""
+
+    def supports_lora_conversion(self, adapter_name: str = "default") -> bool:
+        return self.lora_conversion.supports(self, adapter_name)
+
+    def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
+        return self.lora_conversion.delta_weight(self, adapter_name)
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         raise TypeError(MERGE_UNSUPPORTED)

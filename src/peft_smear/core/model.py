@@ -6,13 +6,12 @@ import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from .base_layers import check_base_layer
-from .checks import listing
 from .config import SmearConfig
 from .context import ROUTING_MASK, RoutingContext
 from .experts import EXPERT_KINDS
@@ -20,14 +19,17 @@ from .layer import MERGE_UNSUPPORTED, SmearLinear
 from .packing import PACKING_ARGUMENTS, packed_layout
 from .registration import (
     DEFAULT_TARGET_MODULES,
+    AuxiliaryTrainingWrapper,
     BaseTuner,
-    adapter_state_dict_keys,
     adapter_state_dict_prefixes,
     select_adapter_entries,
 )
 from .routers import ROUTERS, Router
 from .smear import masked_mean
 from .types import CallInput
+
+
+ADAPTER_NAMES = "adapter_names"  # PEFT's mixed batches: each example's adapter
 
 
 def known_call_inputs() -> dict[str, CallInput]:
@@ -39,10 +41,10 @@ def known_call_inputs() -> dict[str, CallInput]:
 
 
 def take_call_inputs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Take every ``smear_*`` keyword off ``kwargs`` (the wrapped model must not see them). The prefix is this
-    library's: an unknown one is a typo that would otherwise be dropped without a word."""
-    taken = {name: kwargs.pop(name) for name in [name for name in kwargs if name.startswith("smear_")]}
-    unknown = sorted(set(taken) - set(known_call_inputs()))
+    """Take every ``smear_*`` keyword, and PEFT's ``adapter_names``, off ``kwargs`` (the wrapped model must not see
+    them). The prefix is this library's: an unknown one is a typo that would otherwise be dropped without a word."""
+    taken = {name: kwargs.pop(name) for name in [n for n in kwargs if n.startswith("smear_") or n == ADAPTER_NAMES]}
+    unknown = sorted(set(taken) - set(known_call_inputs()) - {ADAPTER_NAMES})
     if unknown:
         raise TypeError(f"Unknown SMEAR input(s) {unknown}; the smear_ inputs are {sorted(known_call_inputs())}.")
     return taken
@@ -62,6 +64,12 @@ class SmearModel(BaseTuner):
     prefix: str = "smear_"
     tuner_layer_cls = SmearLinear
     target_module_mapping = DEFAULT_TARGET_MODULES
+    checkpoint_check: ClassVar[Callable[[nn.Module, str, dict[str, torch.Tensor]], list[str]]]
+    """Whether a checkpoint fits the adapter, before PEFT loads it (:func:`peft_smear.saving.loading.check_checkpoint`,
+    installed by ``import peft_smear``): raises where it does not, and returns the training clocks it lacks."""
+    size_check: ClassVar[Callable[[nn.Module, SmearConfig, nn.Module], None]]
+    """Before anything is allocated, whether an adapter's experts and routers fit in memory
+    (:func:`peft_smear.training.memory.require_fits`, installed by ``import peft_smear``): raises where they do not."""
 
     def _pre_injection_hook(self, model: nn.Module, config: SmearConfig, adapter_name: str) -> None:
         self.routing_context = RoutingContext()
@@ -70,6 +78,7 @@ class SmearModel(BaseTuner):
         self._call_labels: torch.Tensor | None = None
         self._decoder_prefix: str | None = None
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._head_hooks: list[torch.utils.hooks.RemovableHandle] = []  # a mixed batch's, on modules_to_save
         self._is_encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
         self._generates_text = bool(getattr(model, "can_generate", lambda: False)())
         self._hook(model, self._start_call)
@@ -104,8 +113,10 @@ class SmearModel(BaseTuner):
         if tokens is not None and tokens.shape[0] == 0:
             raise ValueError("The batch is empty (0 examples): a SMEAR model routes each example, so give it one.")
         if call_inputs or not self._generating:
-            self._set_call_inputs(call_inputs)
+            self._set_call_inputs(call_inputs, tokens)
         self._call_labels = arguments.get("labels")
+        if tokens is not None and not self._is_encoder_decoder:
+            _check_labels(self._call_labels, tokens.shape[:2], per_token=self._generates_text)
         self.routing_context.aux.begin()
         if self.model.training:
             self._count_training_call()
@@ -141,6 +152,8 @@ class SmearModel(BaseTuner):
         ``output.smear_aux_losses``."""
         if self._second_pass:
             return output
+        if self.routing_context.call.adapters is not None and not self._generating:
+            self._set_adapter_names(None, None)  # the mixed batch is over
         aux = self.routing_context.aux
         finished, call = {}, ModelCall(self, model, args, kwargs, output, self._call_labels)
         for router in dict.fromkeys(ROUTERS[config.routing] for config in self._active_configs()):
@@ -169,9 +182,43 @@ class SmearModel(BaseTuner):
         mask = _padding_mask(arguments.get("encoder_attention_mask"), "encoder_attention_mask")
         self.routing_context.call.encoder_summary = None if states is None else masked_mean(states, mask)
 
-    def _set_call_inputs(self, call_inputs: dict[str, Any]) -> None:
-        known = known_call_inputs()
+    def _set_call_inputs(self, call_inputs: dict[str, Any], tokens: torch.Tensor | None) -> None:
+        known, adapter_names = known_call_inputs(), call_inputs.pop(ADAPTER_NAMES, None)
         self.routing_context.call.set_inputs({name: known[name].prepare(value) for name, value in call_inputs.items()})
+        if adapter_names is not None or self.routing_context.call.adapters is not None:
+            self._set_adapter_names(adapter_names, tokens)
+
+    def _set_adapter_names(self, names: Any, tokens: torch.Tensor | None) -> None:
+        """PEFT's mixed batches (``adapter_names=``, ``None`` once over): each example through its own SMEAR adapter,
+        routed on its own rows as if alone (:meth:`SmearLinear._mixed_batch_forward`); ``"__base__"`` examples through
+        the base model; the modules kept in full (``modules_to_save``) through the example's adapter's copy."""
+        for handle in self._head_hooks:
+            handle.remove()
+        self._head_hooks, call = [], self.routing_context.call
+        call.adapters = None
+        if names is None:
+            return
+        if self.model.training:
+            raise ValueError(
+                "adapter_names= serves a mixed batch in eval mode; call model.eval() first (as for LoRA)."
+            )
+        if not isinstance(names, (list, tuple)) or not all(isinstance(name, str) for name in names):
+            raise ValueError(f"adapter_names must be a list of adapter names, one per example, got {names!r}.")
+        unknown = sorted(set(names) - set(self.peft_config) - {"__base__"})
+        if unknown:
+            raise ValueError(
+                f"adapter_names names no adapter {unknown}; the adapters are {sorted(self.peft_config)}, and "
+                "'__base__' for the base model."
+            )
+        if tokens is not None and tokens.shape[0] != len(names):
+            raise ValueError(f"adapter_names has {len(names)} names, but the batch has {tokens.shape[0]} examples.")
+        call.adapters = list(names)
+
+        def head_names(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            return (args, {**kwargs, ADAPTER_NAMES: call.row_adapters(args[0].shape[0])}) if args else (args, kwargs)
+
+        heads = [module for module in self.model.modules() if isinstance(module, AuxiliaryTrainingWrapper)]
+        self._head_hooks = [head.register_forward_pre_hook(head_names, with_kwargs=True) for head in heads]
 
     def _wrap_generate(self, model: nn.Module) -> None:
         """Route every sequence once, on its prompt, at prefill, and keep the ``smear_*`` inputs for every step
@@ -181,12 +228,15 @@ class SmearModel(BaseTuner):
 
         @functools.wraps(original)
         def generate(*args: Any, **kwargs: Any) -> Any:
-            self._set_call_inputs(take_call_inputs(kwargs))
+            tokens = next((kwargs[n] for n in ("input_ids", "inputs_embeds") if kwargs.get(n) is not None), None)
+            self._set_call_inputs(take_call_inputs(kwargs), args[0] if args else tokens)
             self._generating, self.routing_context.routing_cache = True, {}
             try:
                 return original(*args, **kwargs)
             finally:
                 self._generating, self.routing_context.routing_cache = False, None
+                if self.routing_context.call.adapters is not None:
+                    self._set_adapter_names(None, None)
 
         model.generate = generate
 
@@ -195,6 +245,11 @@ class SmearModel(BaseTuner):
         from PEFT LoRA's per-architecture defaults."""
         EXPERT_KINDS[peft_config.expert_type].fill_default_targets(peft_config, model_config.get("model_type"))
         return super()._prepare_adapter_config(peft_config, model_config)
+
+    def _prepare_model(self, peft_config: SmearConfig, model: nn.Module) -> None:
+        """Before anything is allocated: refuse an adapter whose experts and routers would not fit in memory."""
+        super()._prepare_model(peft_config, model)
+        self.size_check(self, peft_config, model)
 
     def _router_input(self, config: SmearConfig, key: str) -> str:
         """What the layer ``key`` routes on, from ``config.router_input`` and the architecture (see
@@ -258,6 +313,13 @@ class SmearModel(BaseTuner):
     def merge_and_unload(self, *args: Any, **kwargs: Any) -> nn.Module:
         raise TypeError(MERGE_UNSUPPORTED)
 
+    def add_weighted_adapter(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(
+            "add_weighted_adapter combines LoRA adapters, and a SMEAR model holds none. peft_smear.merge_experts("
+            "model, directory, weights=... or routing=..., combination_type=...) combines a SMEAR adapter's LoRA "
+            "experts with the same PEFT merges (linear, TIES, DARE, SVD, ...) into one plain LoRA."
+        )
+
     def merge_adapter(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError(MERGE_UNSUPPORTED)
 
@@ -286,10 +348,10 @@ class SmearModel(BaseTuner):
     def _remap_adapter_state_dict_for_load(
         cls, model: nn.Module, config: SmearConfig, adapter_name: str, state_dict: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        """PEFT's key remapping, then a strict check: PEFT only warns about missing keys and ignores unexpected
-        ones, which would leave a silently half-initialised adapter."""
+        """PEFT's key remapping, then a strict check (:attr:`checkpoint_check`): PEFT only warns about missing keys
+        and ignores unexpected ones, which would leave a silently half-initialised adapter."""
         remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
-        missing_clocks = _check_adapter_state_dict(model, adapter_name, remapped)
+        missing_clocks = cls.checkpoint_check(model, adapter_name, remapped)
         # Adapters saved before routers kept their training clock lack it: it starts at 0, as it did for them, and is
         # put in so that PEFT does not warn that weights are missing from a checkpoint that lacks nothing it needs.
         return {**remapped, **{key: torch.zeros((), dtype=torch.long) for key in missing_clocks}}
@@ -333,6 +395,21 @@ class ModelCall:
             self.tuner._second_pass = False
 
 
+def _check_labels(labels: Any, tokens: tuple[int, ...], per_token: bool) -> None:
+    """Token labels (``[batch, tokens]``, what a model that generates text takes, and what prompt routing reads) must
+    cover the input token for token; per-example labels one per row."""
+    if not isinstance(labels, torch.Tensor):
+        return
+    if labels.dim() >= 2 or per_token:
+        if tuple(labels.shape) != tuple(tokens):
+            raise ValueError(
+                f"labels have shape {tuple(labels.shape)}, but the input is [batch, tokens] = {list(tokens)}: token "
+                "labels must be one per input token (-100 where there is no target), [batch, tokens] like the input."
+            )
+    elif labels.shape[0] != tokens[0]:
+        raise ValueError(f"labels have {labels.shape[0]} rows, but the batch has {tokens[0]} examples.")
+
+
 def _padding_mask(mask: torch.Tensor | None, name: str) -> torch.Tensor | None:
     if mask is not None and mask.dim() != 2:
         raise ValueError(
@@ -340,44 +417,3 @@ def _padding_mask(mask: torch.Tensor | None, name: str) -> torch.Tensor | None:
             "Pass the 2-D padding mask to the model."
         )
     return mask
-
-
-CLOCK_SUFFIX = ".training_calls"  # Router.keeps_training_clock's buffer
-
-
-def _check_adapter_state_dict(model: nn.Module, adapter_name: str, state_dict: dict[str, torch.Tensor]) -> list[str]:
-    """Raise if ``state_dict`` does not fit the adapter; return the training clocks it lacks (model keys)."""
-    model_state = model.state_dict()
-    expected = adapter_state_dict_keys(model, adapter_name)
-    prefix = "base_model.model."
-    unexpected, provided, mismatched = [], set(), []
-    for key, tensor in state_dict.items():
-        model_key = key if key in model_state else prefix + key if prefix + key in model_state else None
-        if model_key is None:
-            unexpected.append(key)
-            continue
-        provided.add(model_key)
-        # Every key, not only the expert banks and routers: a modules_to_save head of another size must fail here too.
-        if tuple(tensor.shape) != tuple(model_state[model_key].shape):
-            mismatched.append(f"{key}: checkpoint {tuple(tensor.shape)}, model {tuple(model_state[model_key].shape)}")
-    absent = expected - provided
-    missing = sorted(key for key in absent if not key.endswith(CLOCK_SUFFIX))
-    problems = []
-    if mismatched:
-        problems.append(
-            "shapes differ (was it trained on another base model, or with another num_experts / r / head size?):"
-            + _listing(mismatched)
-        )
-    if missing:
-        problems.append("missing from the checkpoint:" + _listing(missing))
-    if unexpected:
-        problems.append("in the checkpoint but not in the model:" + _listing(sorted(unexpected)))
-    if problems:
-        raise ValueError(
-            f"Cannot load SMEAR adapter {adapter_name!r}; its weights do not fit the model. " + "; ".join(problems)
-        )
-    return sorted(absent - set(missing))
-
-
-def _listing(lines: list[str]) -> str:
-    return "\n  " + listing(lines, limit=8, separator="\n  ")

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
 
 import peft
 from packaging.version import Version
@@ -34,7 +35,7 @@ check_peft_version(peft.__version__)
 
 # These imports are below the version check on purpose: on an unsupported PEFT they may not exist.
 from peft import mapping as _peft_mapping  # noqa: E402
-from peft.config import PeftConfig  # noqa: E402
+from peft.config import PeftConfig, PeftConfigMixin  # noqa: E402
 from peft.peft_model import PeftModel  # noqa: E402
 from peft.tuners.tuners_utils import (  # noqa: E402
     BaseTuner,
@@ -47,6 +48,7 @@ from peft.utils import (  # noqa: E402
     TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING,
     TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING,
 )
+from peft.utils.other import AuxiliaryTrainingWrapper  # noqa: E402  (modules_to_save, which take adapter_names)
 
 
 __all__ = [
@@ -54,6 +56,7 @@ __all__ = [
     "DEFAULT_IA3_TARGET_MODULES",
     "DEFAULT_TARGET_MODULES",
     "SUPPORTED_PEFT_RANGE",
+    "AuxiliaryTrainingWrapper",
     "BaseTuner",
     "BaseTunerLayer",
     "PeftConfig",
@@ -62,7 +65,9 @@ __all__ = [
     "adapter_state_dict_prefixes",
     "check_peft_version",
     "install",
+    "keep_adapter_names",
     "register",
+    "route_peft_method",
     "route_peft_model_method",
     "select_adapter_entries",
 ]
@@ -117,31 +122,72 @@ def register(config_cls: type, tuner_cls: type, prefix: str) -> None:
     _peft_mapping.PEFT_TYPE_TO_PREFIX_MAPPING[key] = prefix
 
 
-def route_peft_model_method(name: str, smear_method: Callable) -> None:
-    """Make ``PeftModel.<name>(...)`` call ``smear_method(peft_method, model, ...)`` when the model's active adapter
-    is SMEAR; every other PEFT model keeps PEFT's method. Used for the model card, ``push_to_hub`` and the atomic
-    ``save_pretrained``, which PEFT offers no hook for. Idempotent: a second call replaces the routing, never stacks
+def route_peft_method(owner: type, name: str, routed: Callable) -> None:
+    """Make PEFT's ``owner.<name>`` (a method, or a classmethod) call ``routed(peft_method, ...)`` with its arguments,
+    ``peft_method`` being PEFT's own (taking the instance, or the class, first). PEFT offers no hook where SMEAR needs
+    one; this is the one place that replaces its methods. Idempotent: a second call replaces the routing, never stacks
     it."""
-    current = getattr(PeftModel, name)
+    attribute = inspect.getattr_static(owner, name)
+    is_classmethod = isinstance(attribute, classmethod)
+    current = attribute.__func__ if is_classmethod else attribute
     peft_method = getattr(current, "__smear_peft_method__", current)
 
     @functools.wraps(peft_method)
-    def method(self, *args, **kwargs):
-        if getattr(self.active_peft_config, "peft_type", None) == SmearPeftType.SMEAR:
-            return smear_method(peft_method, self, *args, **kwargs)
-        return peft_method(self, *args, **kwargs)
+    def method(*args, **kwargs):
+        return routed(peft_method, *args, **kwargs)
 
     method.__smear_peft_method__ = peft_method
-    setattr(PeftModel, name, method)
+    setattr(owner, name, classmethod(method) if is_classmethod else method)
+
+
+def route_peft_model_method(name: str, smear_method: Callable) -> None:
+    """Make ``PeftModel.<name>(...)`` call ``smear_method(peft_method, model, ...)`` when the model's active adapter
+    is SMEAR; every other PEFT model keeps PEFT's method. Used for the model card, ``push_to_hub`` and the atomic
+    ``save_pretrained``."""
+
+    def routed(peft_method: Callable, model: PeftModel, *args, **kwargs):
+        if getattr(model.active_peft_config, "peft_type", None) == SmearPeftType.SMEAR:
+            return smear_method(peft_method, model, *args, **kwargs)
+        return peft_method(model, *args, **kwargs)
+
+    route_peft_method(PeftModel, name, routed)
+
+
+def keep_adapter_names(peft_init: Callable, peft_model: PeftModel, model, peft_config, *args, **kwargs) -> None:
+    """``PeftModel.__init__``, after which a SMEAR model's calls keep ``adapter_names=`` (PEFT's mixed batches) for the
+    tuner, which takes it off the wrapped model's call as it takes the ``smear_*`` inputs. PEFT removes the keyword
+    before it calls the model, and hands it to a tuner only through ``_enable_peft_forward_hooks``, a call on every
+    forward."""
+    peft_init(peft_model, model, peft_config, *args, **kwargs)
+    if peft_config.peft_type == SmearPeftType.SMEAR:
+        peft_model.special_peft_forward_args = peft_model.special_peft_forward_args - {"adapter_names"}
 
 
 def install(
-    config_cls: type, tuner_cls: type, model_card: Callable, push_to_hub: Callable, save_pretrained: Callable
+    config_cls: type,
+    tuner_cls: type,
+    model_card: Callable,
+    push_to_hub: Callable,
+    save_pretrained: Callable,
+    loading: Mapping[str, Callable],
+    checkpoint_check: Callable,
+    size_check: Callable,
+    lora_conversion: object,
 ) -> None:
-    """Everything ``import peft_smear`` changes in PEFT, in one place: the ``"SMEAR"`` type in PEFT's registries,
-    and SMEAR's model card, ``push_to_hub`` and atomic ``save_pretrained`` for models whose active adapter is SMEAR
-    (others keep PEFT's)."""
+    """Everything ``import peft_smear`` changes in PEFT, in one place: the ``"SMEAR"`` type in PEFT's registries;
+    SMEAR's model card, ``push_to_hub`` and atomic ``save_pretrained`` for models whose active adapter is SMEAR
+    (others keep PEFT's); ``PeftModel.from_pretrained``, ``load_adapter`` and ``PeftConfig.from_json_file`` routed
+    through ``loading`` (by name; ``routed(peft_method, ...)``, see :func:`route_peft_method`); ``adapter_names=``
+    kept for the tuner; and what the SMEAR tuner and layers ask the layers above them: whether a checkpoint fits
+    (``checkpoint_check``), whether an adapter fits in memory (``size_check``) and how to answer PEFT's
+    ``convert_to_lora`` (``lora_conversion``)."""
     register(config_cls, tuner_cls, tuner_cls.prefix)
+    tuner_cls.checkpoint_check = staticmethod(checkpoint_check)
+    tuner_cls.size_check = staticmethod(size_check)
+    tuner_cls.tuner_layer_cls.lora_conversion = lora_conversion
     route_peft_model_method("create_or_update_model_card", model_card)
     route_peft_model_method("push_to_hub", push_to_hub)
     route_peft_model_method("save_pretrained", save_pretrained)
+    for name, routed in loading.items():
+        route_peft_method(PeftConfigMixin if name == "from_json_file" else PeftModel, name, routed)
+    route_peft_method(PeftModel, "__init__", keep_adapter_names)

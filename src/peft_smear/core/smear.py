@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checks import integer, number, require_bool
+from .checks import integer, number, require_bool, require_probability
 from .experts import ExpertKind, register_expert_kind
 from .routers import Router, register_router
 from .types import Expert, Option, Params, RouterInputs, RoutingDecision
@@ -251,12 +251,14 @@ class LoraExperts(ExpertKind):
         Option("r", 8, "rank of each LoRA expert", integer(1)),
         Option("lora_alpha", 8, "LoRA scaling numerator (scaling = lora_alpha / r)", number()),
         Option("use_rslora", False, "use lora_alpha / sqrt(r) as scaling", require_bool),
+        Option("lora_dropout", 0.0, "dropout on the experts' input in training, as in PEFT LoRA", require_probability),
     )
     init_schemes = (True, False, "gaussian", "smear")
 
     def __init__(self, in_features: int, out_features: int, config: PeftConfig, module_name: str) -> None:
         super().__init__(in_features, out_features, config, module_name)
         self.r = config.r
+        self.input_dropout = config.lora_dropout
         self.scaling = config.lora_alpha / (math.sqrt(config.r) if config.use_rslora else config.r)
 
     @classmethod

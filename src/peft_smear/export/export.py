@@ -38,14 +38,11 @@ from ..core.routers import ROUTERS, Router
 from ..saving import atomic
 from ..saving.cards import write_export_card
 from ..training.recording import get_routing_weights
+from .forms import DEFAULT_FORM, FORMS, energy_summary
 from .kinds import kind_export
 
 
 Routing = Mapping[str, torch.Tensor] | Iterable[Mapping[str, Any]]
-FORMS = ("mean_routing", "mean_update")
-"""How a task's routing is exported (``form`` of :func:`export_merged_adapter`)."""
-DEFAULT_FORM = "mean_routing"
-"""The form a task is exported in unless told otherwise (Python, ``peft-smear export`` and ``export-tasks``)."""
 
 
 def export_merged_adapter(
@@ -123,7 +120,7 @@ def export_merged_adapter(
         for name, module in tuner.model.named_modules()
         if isinstance(module, SmearLinear) and adapter_name in module.expert_kind
     }
-    distributions, second_moments, examples = _routing_distributions(
+    distributions, second_moments, examples = routing_distributions(
         peft_model, layers, routing, adapter_name, method, what
     )
     export = kind_export(smear_config.expert_type)
@@ -320,12 +317,6 @@ class ExportedRouting:
         return "a fixed distribution over the experts per layer: the merged expert of that routing"
 
 
-def energy_summary(energy_kept: Mapping[str, float]) -> tuple[tuple[str, float], float]:
-    """The module that keeps the least of its mean update's energy, with that share, and the mean share."""
-    low = min(energy_kept.items(), key=lambda item: item[1])
-    return low, sum(energy_kept.values()) / len(energy_kept)
-
-
 def _one_hot_index(p: torch.Tensor) -> int | None:
     """The expert a one-hot distribution selects, else ``None``."""
     index = int(p.argmax())
@@ -338,7 +329,7 @@ def refuse_occupied(directory: Path, overwrite: bool, hint: str) -> None:
         raise FileExistsError(f"{directory} exists and is not empty; {hint}.")
 
 
-def _routing_distributions(
+def routing_distributions(
     peft_model: torch.nn.Module,
     layers: dict[str, SmearLinear],
     routing: Routing,

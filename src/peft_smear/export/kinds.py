@@ -60,6 +60,11 @@ class KindExport:
         """How far the mean routing's merged expert is from the task's mean update (0 where they coincide)."""
         return 0.0
 
+    def delta_weight(self, kind: ExpertKind, params: Params, distribution: torch.Tensor) -> torch.Tensor | None:
+        """The merged expert of one fixed ``distribution [N]`` as an update of the wrapped module's weight,
+        ``[out, in]`` (what PEFT's ``convert_to_lora`` factorises), or ``None`` for a kind that is no weight update."""
+        return None
+
 
 def exported_config_fields(config: Any, modules: Mapping[str, Any]) -> dict[str, Any]:
     """What every exported adapter's config shares: exactly the wrapped modules, the head, the task and base model."""
@@ -110,6 +115,10 @@ class LoraExport(KindExport):
 
     def mean_routing_gap(self, params: Params, mean: torch.Tensor, second_moment: torch.Tensor) -> float:
         return mean_routing_gap(params["smear_lora_A"], params["smear_lora_B"], mean, second_moment)
+
+    def delta_weight(self, kind: ExpertKind, params: Params, distribution: torch.Tensor) -> torch.Tensor:
+        merged = self.weights(kind, params, distribution)
+        return merged["lora_B.weight"] @ merged["lora_A.weight"] * kind.scaling
 
 
 class IA3Export(KindExport):

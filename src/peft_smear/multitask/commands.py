@@ -1,22 +1,45 @@
 """The ``peft-smear train`` and ``peft-smear export-tasks`` commands: their arguments, and the jobs they run, imported
-only when a command runs (so ``peft-smear export`` and ``--help`` never import the training stack)."""
+only when a command runs. This module imports the standard library only, so that the commands parse their arguments
+(``--help``, a wrong argument) before torch and PEFT are imported."""
 
 from __future__ import annotations
 
 import argparse
 
 from ..arguments import CommandError, add_form_arguments, positive_float, positive_int
-from ..core.routers import ROUTERS
-from .routings import trainable_routings, why_not_trainable
-from .tasks import BENCHMARK_TASKS
+from .routings import over_existing_adapters
+from .tasks import BENCHMARK_TASKS, FULL_BENCHMARK_EXAMPLES
+
+
+TRAIN_ROUTINGS = (
+    "smear",
+    "ensemble",
+    "top_k",
+    "st_gumbel",
+    "reinforce",
+    "dselect_k",
+    "tag",
+    "hash",
+    "adamix",
+    "latent_skills",
+    "single",
+)
+"""The routing methods ``train`` trains: :func:`~peft_smear.multitask.routings.trainable_routings`, named here so that
+parsing imports no router (tests/test_command_errors.py checks that the two agree)."""
+
+
+EXISTING_ADAPTER_ROUTINGS = ("arrow", "phatgoose", "glider", "glider_merge")
+"""The routing methods made for a bank of existing adapters (:class:`~peft_smear.bank.BankRouter`), named here too."""
 
 
 def _routing_for_train(name: str) -> str:
-    if name not in ROUTERS:
-        raise argparse.ArgumentTypeError(f"invalid choice: {name!r} (choose from {', '.join(trainable_routings())})")
-    why = why_not_trainable(name)
-    if why is not None:
-        raise argparse.ArgumentTypeError(why)
+    if name in EXISTING_ADAPTER_ROUTINGS:
+        raise argparse.ArgumentTypeError(over_existing_adapters(name))
+    if name not in TRAIN_ROUTINGS:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {name!r} (choose from {', '.join(TRAIN_ROUTINGS)}; the routers over a bank of existing "
+            "adapters are build-bank's)"
+        )
     return name
 
 
@@ -48,7 +71,7 @@ def add_train_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
         "--routing",
         type=_routing_for_train,
         default="smear",
-        metavar="{" + ",".join(trainable_routings()) + "}",
+        metavar="{" + ",".join(TRAIN_ROUTINGS) + "}",
         help="routing method (default: smear); the routers over a bank of existing adapters are `build-bank`'s",
     )
     parser.add_argument("--num-experts", type=positive_int, help="experts per layer (default: 8; 1 for single)")
@@ -75,8 +98,9 @@ def add_train_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
     parser.add_argument(
         "--max-examples-per-task",
         type=positive_int,
-        default=2000,
-        help="cap on each task's training examples; validation and test keep an eighth of it (default: 2000)",
+        default=FULL_BENCHMARK_EXAMPLES,
+        help=f"cap on each task's training examples; validation and test keep an eighth of it (default: "
+        f"{FULL_BENCHMARK_EXAMPLES})",
     )
     parser.add_argument("--seed", type=int, default=0, help="training seed; the data splits never change (default: 0)")
     parser.add_argument("--output-dir", default="smear-run", help="where the run is saved (default: smear-run)")
@@ -128,9 +152,16 @@ def train_command(args: argparse.Namespace) -> None:
 
 def export_tasks_command(args: argparse.Namespace) -> None:
     """``peft-smear export-tasks``; bad input raises what :func:`peft_smear.cli.main` reports in one line."""
-    from .data import BenchmarkUnavailableError
-    from .training import export_tasks
+    from pathlib import Path
 
+    from .data import BenchmarkUnavailableError
+    from .training import RUN_FILE, export_tasks
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.exists():
+        raise CommandError(f"--run {run_dir} does not exist.")
+    if not (run_dir / RUN_FILE).is_file():
+        raise CommandError(f"--run {run_dir} is not a `peft-smear train` run: it has no {RUN_FILE}.")
     try:
         export_tasks(
             args.run_dir, args.output, args.split, args.batch_size, args.overwrite, form=args.form, rank=args.rank

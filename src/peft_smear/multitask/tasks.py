@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 
 TASK_KINDS = ("classification", "regression")
+FULL_BENCHMARK_EXAMPLES = 2000
+"""The default cap on each task's training examples (``train --max-examples-per-task``): the full benchmark, the data
+the frozen baselines were measured on."""
 
 
 @dataclass(frozen=True)

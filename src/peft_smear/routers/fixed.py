@@ -39,6 +39,13 @@ def task_id_tensor(value: Any) -> torch.Tensor:
     return value.long()
 
 
+def check_task(task: object, limit: int | None, method: str) -> None:
+    """One task id, for a routing fixed to a task: an integer in ``[0, limit)``."""
+    if not is_integer(task) or task < 0 or (limit is not None and task >= limit):
+        bound = f"[0, {limit})" if limit is not None else ">= 0"
+        raise ValueError(f"task must be a task id in {bound} for routing={method!r}, got {task!r}.")
+
+
 def _task_ids_example(config: SmearConfig) -> str:
     tasks = ROUTERS[config.routing].routed_tasks(config)
     return "\n".join(
@@ -97,6 +104,17 @@ class TaskRouter(Router):
             inputs.memo[key] = True
         return task_ids
 
+    def fixed_distribution(self, task: int | None = None) -> torch.Tensor | None:
+        """``[num_experts]`` fp32: how every example of task ``task`` is routed at inference (``None`` without a task):
+        export's trait of a router (:func:`peft_smear.export.conversion.fixed_distribution`)."""
+        if task is None:
+            return None
+        check_task(task, self.task_limit, self.name)
+        return self.task_distribution(task)
+
+    def task_distribution(self, task: int) -> torch.Tensor:
+        raise NotImplementedError
+
 
 class SingleRouter(Router):
     """One expert for every example: the monolithic baseline (``r = N * r`` gives the parameter-matched one)."""
@@ -147,6 +165,11 @@ class TagRouter(TaskRouter):
         options = config.routing_options
         experts, num_tasks = options["tag_experts"], options["num_tasks"]
         if experts is None:
+            if num_tasks is not None and num_tasks > config.num_experts:
+                raise ValueError(
+                    f"routing='tag' routes task id t to expert t, so num_tasks={num_tasks} needs num_experts >= "
+                    f"{num_tasks}, got {config.num_experts}; or map the task ids onto the experts with tag_experts."
+                )
             return
         experts = options["tag_experts"] = list(experts) if isinstance(experts, (list, tuple)) else experts
         if (
@@ -163,8 +186,13 @@ class TagRouter(TaskRouter):
 
     @classmethod
     def routed_tasks(cls, config: SmearConfig) -> int:
-        experts = config.routing_options["tag_experts"]
-        return len(experts) if experts is not None else config.num_experts
+        options = config.routing_options
+        if options["tag_experts"] is not None:
+            return len(options["tag_experts"])
+        return options["num_tasks"] if options["num_tasks"] is not None else config.num_experts
+
+    def task_distribution(self, task: int) -> torch.Tensor:
+        return torch.eye(self.num_experts)[task if self.tag_experts is None else self.tag_experts[task]]
 
     def forward(self, inputs: RouterInputs) -> RoutingDecision:
         task_ids = self.task_ids(inputs)
@@ -234,6 +262,9 @@ class AdamixRouter(Router):
             number(inclusive=True),
         ),
     )
+
+    def fixed_distribution(self, task: int | None = None) -> torch.Tensor:
+        return torch.full((self.num_experts,), 1 / self.num_experts)  # at inference, the plain average
 
     def forward(self, inputs: RouterInputs) -> RoutingDecision:
         batch_size, n = inputs.batch_size, self.num_experts
@@ -314,6 +345,10 @@ class LatentSkillsRouter(TaskRouter):
     @classmethod
     def routed_tasks(cls, config: SmearConfig) -> int:
         return config.routing_options["num_tasks"]
+
+    def task_distribution(self, task: int) -> torch.Tensor:
+        active = self.skill_logits[task].detach().float().sigmoid().cpu()
+        return active / (active.sum() + 1e-12)
 
     def forward(self, inputs: RouterInputs) -> RoutingDecision:
         logits = self.skill_logits[self.task_ids(inputs)].float()

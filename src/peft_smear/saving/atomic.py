@@ -5,7 +5,9 @@ goes through :func:`staged_directory`, so that a process killed at any moment of
 either the complete old directory (nothing, if there was none) or the complete new one: never a mix of the two, and
 never a moment without a directory at the path where ``RENAME_EXCHANGE`` works (for the fallback, see step 4). How:
 
-1. **Recover and clean.** Siblings left by killed saves to the same target (see the names below) are removed; in the
+1. **Lock, recover and clean.** Saves to one target run one after the other: each holds an exclusive ``flock`` on
+   ``.<name>.peft-smear-lock`` beside it from here to the end (the last one removes the file; a kill leaves it, and
+   the next save takes it). Siblings left by killed saves to the same target (see the names below) are removed; in the
    one state where the target itself is missing (a kill inside the fallback's two renames, step 4) the old copy is
    renamed back first. A sibling whose save is still running holds a ``flock`` on it and is left alone.
 2. **Stage.** A sibling directory ``.<name>.peft-smear-staging-<random>`` is created (same filesystem, so the swap is a
@@ -22,8 +24,10 @@ never a moment without a directory at the path where ``RENAME_EXCHANGE`` works (
    ``.<name>.peft-smear-old-<random>`` and the staging directory to the target: between those two renames the path is
    absent for an instant, but the complete old copy is under that recognisable name and step 1 of the next save to
    the path (or :func:`recover`) puts it back. No atomic directory replace exists without exchange.
-5. **Delete the old copy** (now at the staging or old-copy name); a kill before that ends leaves a sibling that step 1
-   of the next save removes. The parent directory is ``fsync``-ed after the swap.
+5. **Delete the old copy** (now at the staging or old-copy name), once no load reads it: a load through
+   :func:`pinned` holds a shared ``flock`` on the directory it reads, so that its config and its weights come from one
+   save. A kill before the deletion ends leaves a sibling that step 1 of the next save removes. The parent directory
+   is ``fsync``-ed after the swap.
 
 A symlinked target keeps its link: the directory it points to is replaced. If this process's working directory is
 inside the target, it is moved to the same place in the new directory. Files that another process creates in the target
@@ -59,7 +63,7 @@ except ImportError:  # Windows: no locks, so a stale sibling is any sibling
     fcntl = None
 
 
-__all__ = ["destination", "exchange_supported", "recover", "staged_directory", "step"]
+__all__ = ["destination", "exchange_supported", "pinned", "recover", "staged_directory", "step"]
 
 STAGING, OLD = "staging", "old"
 _SIBLING = re.compile(r"^\.(?P<tag>.+)\.peft-smear-(?P<kind>staging|old)-[0-9a-f]{16}$")
@@ -134,30 +138,112 @@ def staged_directory(
     if keep_others and real.exists() and not real.is_dir():
         raise NotADirectoryError(f"{target} is a file, not a directory.")
     real.parent.mkdir(parents=True, exist_ok=True)
-    recover(real)
-    staging, lock = _make_sibling(real, STAGING)
-    with _live_lock:
-        _live[staging] = target
-    try:
-        try:
-            if real.is_dir():
-                os.chmod(staging, stat.S_IMODE(os.stat(real).st_mode))
-                if keep_others:
-                    _carry_over(real, staging, "", set(rewrites), set(amends))
-            step("staged")
-            yield staging
-            step("written")
-            _sync_tree(staging)
-            step("synced")
-            _publish(staging, real)
-        except BaseException:
-            # Before the swap this is the unfinished new copy; after it, the old copy or nothing. Never the target.
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-    finally:
+    with _target_lock(real):  # saves to one target run one after the other
+        _recover(real)
+        staging, lock = _make_sibling(real, STAGING)
         with _live_lock:
-            _live.pop(staging, None)
-        _unlock(lock)
+            _live[staging] = target
+        try:
+            try:
+                if real.is_dir():
+                    os.chmod(staging, stat.S_IMODE(os.stat(real).st_mode))
+                    if keep_others:
+                        _carry_over(real, staging, "", set(rewrites), set(amends))
+                step("staged")
+                yield staging
+                step("written")
+                _sync_tree(staging)
+                step("synced")
+                _publish(staging, real)
+            except BaseException:
+                # Before the swap this is the unfinished new copy; after it, the old copy or nothing. Never the target.
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+        finally:
+            with _live_lock:
+                _live.pop(staging, None)
+            _unlock(lock)
+
+
+@contextlib.contextmanager
+def pinned(path: str | os.PathLike) -> Iterator[str]:
+    """Yield a path through which ``path`` (a directory) reads as one save, however many files are read from it and
+    whatever saves replace it meanwhile: on Linux, ``/proc/self/fd/<n>`` of the directory opened once, held with a
+    shared ``flock`` that a save waits for before it deletes an old copy (step 5), so its files stay. Elsewhere (no
+    ``/proc``, no ``flock``) ``path`` itself."""
+    real = os.path.realpath(path)
+    while True:
+        try:
+            fd = os.open(real, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except OSError:
+            yield str(path)  # let the reader report what is wrong with the path
+            return
+        if fcntl is None or not os.path.isdir(f"/proc/self/fd/{fd}"):
+            os.close(fd)
+            yield str(path)
+            return
+        with contextlib.suppress(OSError):  # a filesystem without flock: the directory is still read as one
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        opened, current = os.fstat(fd), _stat_or_none(real)
+        if current is not None and (current.st_dev, current.st_ino) == (opened.st_dev, opened.st_ino):
+            break
+        os.close(fd)  # a save replaced the directory before it was held: read the new one
+    try:
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
+
+
+def _stat_or_none(path: str) -> os.stat_result | None:
+    try:
+        return os.stat(path)
+    except OSError:
+        return None
+
+
+_held_targets: dict[Path, tuple[int, int]] = {}  # target -> (thread id, depth): this thread's saves nest freely
+_held_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _target_lock(real: Path) -> Iterator[None]:
+    """Hold the exclusive lock of saves to ``real``: a ``flock`` on ``.<name>.peft-smear-lock`` beside it, removed
+    by the save that releases it (a save waiting on a removed lock file takes the new one). Without it, one save's
+    recovery (step 1) deleted another's staging directory between its creation and its lock."""
+    thread = threading.get_ident()
+    with _held_lock:
+        owner, depth = _held_targets.get(real, (None, 0))
+        if owner == thread:
+            _held_targets[real] = (thread, depth + 1)
+    if owner == thread:
+        try:
+            yield
+        finally:
+            with _held_lock:
+                _held_targets[real] = (thread, _held_targets[real][1] - 1)
+        return
+    if fcntl is None:
+        yield
+        return
+    path = real.parent / f".{_tag(real.name)}.peft-smear-lock"
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        current = _stat_or_none(str(path))
+        opened = os.fstat(fd)
+        if current is not None and (current.st_dev, current.st_ino) == (opened.st_dev, opened.st_ino):
+            break
+        os.close(fd)  # the save that held it removed it: lock the file that is there now
+    with _held_lock:
+        _held_targets[real] = (thread, 1)
+    try:
+        yield
+    finally:
+        with _held_lock:
+            del _held_targets[real]
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        os.close(fd)
 
 
 def recover(target: str | os.PathLike) -> None:
@@ -167,6 +253,11 @@ def recover(target: str | os.PathLike) -> None:
     real = Path(os.path.realpath(target))
     if not real.parent.is_dir():
         return
+    with _target_lock(real):
+        _recover(real)
+
+
+def _recover(real: Path) -> None:
     tag = _tag(real.name)
     siblings = []
     for entry in os.scandir(real.parent):
@@ -323,10 +414,27 @@ def _publish(staging: Path, real: Path) -> None:
             os.chdir(cwd if os.path.isdir(cwd) else real)
     if old is not None:
         if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old, ignore_errors=True)
+            _remove_when_unread(old)
         else:
             old.unlink(missing_ok=True)
         step("old copy removed")
+
+
+def _remove_when_unread(old: Path) -> None:
+    """Delete the old copy once no load reads it: each of its directories is locked exclusively first, which waits
+    for the shared locks of :func:`pinned` readers."""
+    locks = []
+    try:
+        if fcntl is not None:
+            for directory, _, _ in os.walk(old):
+                with contextlib.suppress(OSError):
+                    fd = os.open(directory, os.O_RDONLY)
+                    locks.append(fd)
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        for fd in locks:
+            os.close(fd)
 
 
 def _fallback_swap(staging: Path, real: Path) -> Path:

@@ -12,7 +12,7 @@ template's whole.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,10 @@ from .atomic import destination
 
 
 PAPER_URL = "https://arxiv.org/abs/2306.03745"
-PACKAGE_URL = "https://pypi.org/project/peft-smear/"
+INSTALL_LINES = (
+    "# peft-smear is not on the Python package index: install it from a copy of its source",
+    "pip install ./peft-smear  # the directory that holds its setup.cfg",
+)
 CARD_TAGS = ("peft", "smear", "mixture-of-experts", "peft-smear")
 SECTION_BEGIN = "<!-- peft-smear: begin (generated; rewritten on every save) -->"
 SECTION_END = "<!-- peft-smear: end -->"
@@ -116,10 +119,12 @@ def write_model_card(
     adapter_id: str | None = None,
     usage: str | None = None,
     tags: Iterable[str] = (),
+    sections: Sequence[str] = (),
 ) -> Path:
     """Write or refresh the SMEAR card in ``directory`` (e.g. once a routing report has been written next to the
     adapter). ``adapter_id``: what the load snippet loads (default: ``directory``); ``usage``: Python code that
-    replaces the load snippet; ``tags``: extra tags."""
+    replaces the load snippet; ``tags``: extra tags; ``sections``: Markdown sections added to the generated part
+    (e.g. a run's test metrics)."""
     if getattr(getattr(peft_model, "active_peft_config", None), "peft_type", None) != "SMEAR":
         raise TypeError(
             f"write_model_card needs a PeftModel whose active adapter is SMEAR, got {type(peft_model).__name__}."
@@ -128,7 +133,7 @@ def write_model_card(
     path = directory / "README.md"
     if not path.is_file():
         peft_model.create_or_update_model_card(str(directory))
-    _amend(peft_model, directory, path.read_text(encoding="utf-8"), adapter_id, usage, tags)
+    _amend(peft_model, directory, path.read_text(encoding="utf-8"), adapter_id, usage, tags, sections)
     return path
 
 
@@ -139,9 +144,10 @@ def _amend(
     adapter_id: str | None,
     usage: str | None,
     tags: Iterable[str],
+    sections: Sequence[str] = (),
 ) -> None:
-    """PEFT's card in ``directory``, with the SMEAR template's metadata and section: the whole template for a new
-    card, its section in a card that existed before."""
+    """PEFT's card in ``directory``, with the SMEAR template's metadata and section (``sections`` added to it): the
+    whole template for a new card, its section in a card that existed before."""
     path = directory / "README.md"
     card = ModelCard.load(path)
     base_model = _base_model_id(peft_model)
@@ -149,9 +155,8 @@ def _amend(
     old_tags = (previous_data.tags or []) if previous_data is not None else []
     card.data.tags = sorted({*old_tags, *(card.data.tags or []), *CARD_TAGS, *tags})
     _set_base_model(card, base_model, previous_data.base_model if previous_data is not None else None)
-    rendered = render(
-        "smear_adapter.md", card.data, **_adapter_variables(peft_model, directory, adapter_id, usage, base_model)
-    )
+    variables = _adapter_variables(peft_model, directory, adapter_id, usage, base_model)
+    rendered = render("smear_adapter.md", card.data, sections=list(sections), **variables)
     if previous is None:
         rendered.save(path)
         return
@@ -231,7 +236,7 @@ def _adapter_variables(
     return {
         "base_model_words": _base_model_words(peft_model, base_model),
         "paper_url": PAPER_URL,
-        "package_url": PACKAGE_URL,
+        "install_lines": INSTALL_LINES,
         "hub_id": base_model if _looks_like_repo_id(base_model) else None,
         "routing": config.routing,
         "routing_words": routing_description(config),
@@ -465,8 +470,8 @@ def write_export_card(
     title = exported_as[0].upper() + exported_as[1:]
     plain = "loads with peft_smear imported" if needs_smear else "loads with plain PEFT, without peft_smear"
     intro = (
-        f"{title} written by [peft-smear]({PACKAGE_URL})'s `export_merged_adapter` from {source_words}, a "
-        f"[SMEAR]({PAPER_URL}) adapter"
+        f"{title} written by peft-smear's `export_merged_adapter` from "
+        + (f"{source_words}, a [SMEAR]({PAPER_URL}) adapter" if source else f"a [SMEAR]({PAPER_URL}) adapter")
         + (f" for [`{hub_id}`](https://huggingface.co/{hub_id})" if hub_id else "")
         + f", with one fixed routing: {routing.describe()}. It {plain}, at the cost of one {kind}, with no router."
     )
@@ -514,7 +519,7 @@ def write_merge_card(
         f" ({_listing_in_order(names)})" if names else ""
     )
     intro = (
-        f"A plain PEFT LoRA written by [peft-smear]({PACKAGE_URL})'s `merge_experts`: the LoRA experts of "
+        "A plain PEFT LoRA written by peft-smear's `merge_experts`: the LoRA experts of "
         f"{source_words} combined by PEFT's {combination} merge, weights {weights}. It loads with plain PEFT, without "
         "peft_smear, at the cost of one LoRA."
     )

@@ -128,7 +128,7 @@ class RoutingReport:
         separator = "" if self.num_experts <= 10 else " "
         width = max(len(task) for task in self.tasks)
         lines = [
-            f"Routing of {sum(self.examples)} held-out examples over {len(self.routers)} routers with "
+            f"Routing of {sum(self.examples)} examples over {len(self.routers)} routers with "
             f"{self.num_experts} experts each (uniform routing: entropy {math.log(self.num_experts):.2f} nats)",
             f"{'task':<{width}}  experts/router  top weight  entropy  top expert of each router",
         ]

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .experts import ExpertKind, register_expert_kind
-from .registration import DEFAULT_IA3_FEEDFORWARD_MODULES, DEFAULT_IA3_TARGET_MODULES
-from .smear import merge_parameter, per_token
-from .types import Expert, Option, Params
+from ..core.experts import ExpertKind, register_expert_kind
+from ..core.registration import DEFAULT_IA3_FEEDFORWARD_MODULES, DEFAULT_IA3_TARGET_MODULES
+from ..core.smear import merge_parameter, per_token
+from ..core.types import Expert, Option, Params
 
 
 if TYPE_CHECKING:

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from .checks import choice, integer, require_bool
-from .experts import ExpertKind, register_expert_kind
-from .smear import merge_parameter, per_token, scaled
-from .types import Expert, Option, Params
+from ..core.checks import choice, integer, require_bool
+from ..core.experts import ExpertKind, register_expert_kind
+from ..core.smear import merge_parameter, per_token, scaled
+from ..core.types import Expert, Option, Params
 
 
 if TYPE_CHECKING:
