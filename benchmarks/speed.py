@@ -25,6 +25,7 @@ import contextlib
 import copy
 import csv
 import ctypes
+import gc
 import itertools
 import json
 import math
@@ -381,11 +382,15 @@ def peak_memory(device: str) -> Iterator[list[float]]:
 def training_memory(
     method: str, base: LlamaForCausalLM, shape: Shape, preset: Preset, device: str, scratch: Path
 ) -> float:
-    """Memory that wrapping ``base`` and a training step (its optimizer state allocated) add to the base model."""
+    """Memory that wrapping ``base`` and a training step (its optimizer state allocated) add to the base model: the
+    copy of the base model is made before the measurement starts, and what earlier models left is collected first."""
     if method == "exported":
         exported_adapter(base, shape, scratch)  # the SMEAR model it is exported from is not part of the measurement
+    fresh = copy.deepcopy(base)
+    gc.collect()  # a PEFT model is a reference cycle: an earlier method's would otherwise be freed mid-measurement
     with peak_memory(device) as peak:
-        model = wrap(method, copy.deepcopy(base), shape, scratch)
+        model = wrap(method, fresh, shape, scratch)
+        del fresh
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         inputs = make_inputs(method, shape, preset.model["vocab_size"], device)
         train_step(model, optimizer, inputs)
