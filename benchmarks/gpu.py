@@ -547,7 +547,18 @@ def run_record(outcomes: dict[str, dict], device: str, command: str, seconds: fl
     }
 
 
-def results_section(records: list[dict], combined_by: str | None = None) -> str:
+def latest_outcomes(records: list[dict]) -> dict[str, dict]:
+    """Each part as the latest run that measured it reported it, with that run's date (the latest report of a part no
+    run measured)."""
+    outcomes = {}
+    for record in records:
+        for part, outcome in record["outcomes"].items():
+            if outcome["status"] == "ran" or outcomes.get(part, {}).get("status") != "ran":
+                outcomes[part] = {**outcome, "date": record["date"]}
+    return outcomes
+
+
+def results_section(records: list[dict], combined_by: str | None = None, curve_figure: str | None = None) -> str:
     """One section from one or more runs on the same device: each part as the latest run that measured it reported it
     (a lease too short for every part at once is used by runs of some parts each)."""
     devices = {record["device_name"] for record in records}
@@ -561,11 +572,7 @@ def results_section(records: list[dict], combined_by: str | None = None) -> str:
     if combined_by is not None:
         header.append(f"- This section: `{combined_by}`")
     lines = [""]
-    outcomes = {}
-    for record in records:
-        for part, outcome in record["outcomes"].items():
-            if outcome["status"] == "ran" or outcomes.get(part, {}).get("status") != "ran":
-                outcomes[part] = {**outcome, "date": record["date"]}
+    outcomes = latest_outcomes(records)
     summary = []
     for part in (part for part in PARTS if part in outcomes):
         outcome = outcomes[part]
@@ -576,6 +583,8 @@ def results_section(records: list[dict], combined_by: str | None = None) -> str:
             continue
         body, checks = MARKDOWN[part](outcome["result"])
         lines += [*body, ""]
+        if part == "curve" and curve_figure is not None:
+            lines += [f"![SMEAR and the ensemble over LoRA against each dimension of the work]({curve_figure})", ""]
         for label, ok, detail in checks:
             lines.append(f"- {label}: {'yes' if ok else 'NO'}{f' ({detail})' if detail else ''}")
         failed = [label for label, ok, _ in checks if not ok]
@@ -597,6 +606,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         metavar="GPU_JSON",
         help="run nothing: one section from these runs' gpu.json, each part from the latest run that measured it",
+    )
+    parser.add_argument(
+        "--figure",
+        type=Path,
+        default=Path("benchmarks/figures/gpu_curve.png"),
+        help="where the cost curve's plot goes (when the curve part ran)",
     )
     add_results_option(parser)
     parser.add_argument("--part", choices=PARTS, default=None, help=argparse.SUPPRESS)
@@ -636,7 +651,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def publish(records: list[dict], args: argparse.Namespace, combined_by: str | None = None) -> int:
-    section = results_section(records, combined_by)
+    import speed
+
+    curve = latest_outcomes(records).get("curve", {})
+    shown = None
+    if curve.get("status") == "ran" and args.figure is not None:
+        args.figure.parent.mkdir(parents=True, exist_ok=True)
+        speed.plot_curve(curve["result"]["rows"], args.figure)
+        results = args.append_results.parent if args.append_results is not None else Path.cwd()
+        shown = os.path.relpath(args.figure, results)
+    section = results_section(records, combined_by, shown)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     (args.output_dir / "gpu.md").write_text(section)
     print(section)

@@ -21,6 +21,7 @@ def run(tmp_path_factory):
     directory = tmp_path_factory.mktemp("gpu")
     results = directory / "RESULTS.md"
     argv = ["--device", "cpu", "--budget", "1200", "--output-dir", str(directory), "--append-results", str(results)]
+    argv += ["--figure", str(directory / "figures" / "curve.png")]
     assert gpu.main(argv) == 0
     record = json.loads((directory / "gpu.json").read_text())
     return record["outcomes"], results.read_text(), record
@@ -83,6 +84,7 @@ def test_results_section_names_the_device_and_sums_up_the_checks(run):
         assert f"{part}: " in summary
     for part in ("dtypes", "qlora", "serving"):  # the checks that must hold on any machine
         assert f"{part}: all checks passed" in summary
+    assert "![SMEAR and the ensemble over LoRA against each dimension of the work](figures/curve.png)" in section
 
 
 def test_a_part_stopped_at_its_limit_is_reported_with_how_far_it_got():
