@@ -136,7 +136,11 @@ def measure_cold(
     log(
         f"{method}: {figures['graphs']} graphs, {figures['graph_breaks']} breaks, first step "
         f"{figures['first_step_s']:.1f} s, compiled step {figures['compiled_train_step_s']:.4f} s, "
-        f"{figures['mixed_batch_graphs']} graphs for the mixed batches (None: not run)"
+        + (
+            "mixed batches not run"
+            if figures["mixed_batch_graphs"] is None
+            else f"{figures['mixed_batch_graphs']} graphs for the mixed batches"
+        )
     )
     return figures
 

@@ -1520,6 +1520,11 @@ def results_section(
             f"- Load average (1, 5, 15 min) before / after the run: {load_description(load, 'slowed the run')}.",
             f"- Wall time: {seconds / 60:.1f} min; the runs and the frozen layers' cache took {cpu / 60:.0f} "
             f"CPU-minutes in all.{reused} {PRESETS[preset_name].note}",
+            *(
+                [f"- Pre-registered regimes not in this section (not yet run): {', '.join(left_out)}."]
+                if (left_out := [name for name in default if name not in chosen])
+                else []
+            ),
             "",
             body,
         ]
