@@ -283,7 +283,7 @@ def load_benchmark(
     task_files = dict(task_files or {})
     clashes = sorted(set(task_files) & set(BENCHMARK_TASKS))
     if clashes:
-        raise ValueError(f"task_files names {clashes} clash with built-in tasks; rename them.")
+        raise ValueError(f"Custom task names {clashes} clash with built-in tasks; rename them.")
     requested = list(BENCHMARK_TASKS) if tasks is None else [tasks] if isinstance(tasks, str) else list(tasks)
     names = requested + [name for name in task_files if name not in requested]
     known = [*BENCHMARK_TASKS, *task_files]

@@ -59,7 +59,8 @@ FROZEN_BASELINES = {
 RUN_FILE = "tasks.json"
 # Outputs that are not predictions: Trainer would otherwise gather them with the logits.
 NOT_PREDICTIONS = ["example_losses", "smear_aux_losses"]
-BENCHMARK_EXTRA = 'pip install "peft-smear[benchmark]"'
+# peft-smear is not on the package index: its extras install from a copy of its source.
+BENCHMARK_EXTRA = 'install it with pip install -e ".[benchmark]" in a copy of the peft-smear source'
 
 
 def default_model_dir() -> Path:
