@@ -534,13 +534,18 @@ def run_benchmark(
 
 
 def ratios_to_lora(rows: list[dict]) -> list[dict]:
-    """Each row's figures divided by LoRA rank r's at the same shape."""
+    """Each row's figures divided by LoRA rank r's at the same shape; NaN where LoRA's is 0 (a toy model's peak memory
+    can stay under what the RSS high-water mark resolves)."""
 
     def key(row: dict) -> tuple:
         return tuple(row[name] for name in ("seq_len", "num_experts", "r", "batch"))
 
+    def ratio(row: dict, name: str) -> float:
+        reference = lora[key(row)][name]
+        return row[name] / reference if reference else math.nan
+
     lora = {key(row): row for row in rows if row["method"] == "lora"}
-    return [{**row, **{name: row[name] / lora[key(row)][name] for name in FIGURES}} for row in rows]
+    return [{**row, **{name: ratio(row, name) for name in FIGURES}} for row in rows]
 
 
 def markdown_table(rows: list[dict]) -> str:
