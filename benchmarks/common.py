@@ -86,6 +86,28 @@ def add_results_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_study_options(parser: argparse.ArgumentParser, name: str) -> None:
+    """What the controlled studies share: runs side by side, their threads, where the journals and the figure go
+    (``outputs/<name>``, ``benchmarks/figures/<name>.png``), the RESULTS section, and resuming from the journals."""
+    parser.add_argument("--jobs", type=int, default=1, help="runs side by side, one process each (default: 1)")
+    parser.add_argument("--threads", type=int, help="torch threads per run; 1 on a shared CPU")
+    parser.add_argument("--output-dir", type=Path, default=Path("outputs") / name)
+    parser.add_argument("--figure", type=Path, default=Path("benchmarks/figures") / f"{name}.png")
+    add_results_option(parser)
+    parser.add_argument("--resume", action="store_true", help="reuse the runs the regimes' journals recorded")
+
+
+def chosen_regimes(regimes: list, names: list[str] | None, preset: str) -> list:
+    """The study's ``regimes`` named by ``--regimes`` (all when none is named), in the study's order; an unknown name
+    ends the command naming the ones the preset has."""
+    if not names:
+        return regimes
+    unknown = sorted(set(names) - {regime.name for regime in regimes})
+    if unknown:
+        raise SystemExit(f"unknown regimes {unknown}; preset {preset!r} has {[r.name for r in regimes]}")
+    return [regime for regime in regimes if regime.name in names]
+
+
 def methods_in_title(methods: list[str], default: list[str]) -> str:
     """What a section's title adds for a run of other methods than the default: a run of a few methods is a benchmark
     of its own, which must not replace the full comparison."""

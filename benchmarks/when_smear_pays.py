@@ -75,7 +75,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import RunPool, add_results_option, command_line, load_description, machine_description, write_results
+from common import (
+    RunPool,
+    add_study_options,
+    chosen_regimes,
+    command_line,
+    load_description,
+    machine_description,
+    write_results,
+)
 from datasets import DatasetDict
 from peft import LoraConfig
 from quality import (
@@ -723,12 +731,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", type=Path, help="local encoder directory (default: the MiniLM of the benchmark)")
     parser.add_argument("--task-file", action="append", type=_task_file, default=[], metavar="NAME=PATH")
     parser.add_argument("--cache-dir", help="data cache (default: $PEFT_SMEAR_CACHE or ~/.cache/peft_smear)")
-    parser.add_argument("--jobs", type=int, default=1, help="runs side by side, one process each (default: 1)")
-    parser.add_argument("--threads", type=int, help="torch threads per run; 1 on a shared CPU")
-    parser.add_argument("--output-dir", type=Path, default=Path("outputs/when_smear_pays"))
-    parser.add_argument("--figure", type=Path, default=Path("benchmarks/figures/when_smear_pays.png"))
-    add_results_option(parser)
-    parser.add_argument("--resume", action="store_true", help="reuse the runs the regimes' journals recorded")
+    add_study_options(parser, "when_smear_pays")
     return parser.parse_args(argv)
 
 
@@ -738,12 +741,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
         torch.set_num_threads(args.threads)
     preset = PRESETS[STUDY_PRESETS[args.preset]]
     seeds = args.seeds or preset.seeds
-    regimes = list(STUDY_REGIMES[args.preset])
-    if args.regimes:
-        unknown = sorted(set(args.regimes) - {regime.name for regime in regimes})
-        if unknown:
-            raise SystemExit(f"unknown regimes {unknown}; preset {args.preset!r} has {[r.name for r in regimes]}")
-        regimes = [regime for regime in regimes if regime.name in args.regimes]
+    regimes = chosen_regimes(list(STUDY_REGIMES[args.preset]), args.regimes, args.preset)
     rates = {regime.name: tuple(args.learning_rates or regime.learning_rates) for regime in regimes}
     load_before, started = os.getloadavg(), time.perf_counter()
     args.output_dir.mkdir(parents=True, exist_ok=True)

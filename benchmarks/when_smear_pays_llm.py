@@ -141,7 +141,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import RunPool, add_results_option, command_line, load_description, machine_description, write_results
+from common import (
+    RunPool,
+    add_study_options,
+    chosen_regimes,
+    command_line,
+    load_description,
+    machine_description,
+    write_results,
+)
 from peft import LoraConfig, get_peft_model
 from quality import Run, RunClock, RunJournal, Summary, choose_learning_rates, paired_difference, result_row, summarise
 from speed import peak_memory
@@ -1599,12 +1607,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the fp32 copy of SmolLM2 converted from its GGUF file (made there once)",
     )
     parser.add_argument("--state-cache", type=Path, help="the frozen layers' states (default: <output-dir>/states)")
-    parser.add_argument("--jobs", type=int, default=1, help="runs side by side, one process each (default: 1)")
-    parser.add_argument("--threads", type=int, help="torch threads per run; 1 on a shared CPU")
-    parser.add_argument("--output-dir", type=Path, default=Path("outputs/when_smear_pays_llm"))
-    parser.add_argument("--figure", type=Path, default=Path("benchmarks/figures/when_smear_pays_llm.png"))
-    add_results_option(parser)
-    parser.add_argument("--resume", action="store_true", help="reuse the runs the regimes' journals recorded")
+    add_study_options(parser, "when_smear_pays_llm")
     parser.add_argument("--estimate", action="store_true", help="time a few steps and project the study's CPU time")
     return parser.parse_args(argv)
 
@@ -1615,12 +1618,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
         torch.set_num_threads(args.threads)
     preset = PRESETS[args.preset]
     seeds = args.seeds or preset.seeds
-    regimes = list(STUDY_REGIMES[args.preset])
-    if args.regimes:
-        unknown = sorted(set(args.regimes) - {regime.name for regime in regimes})
-        if unknown:
-            raise SystemExit(f"unknown regimes {unknown}; preset {args.preset!r} has {[r.name for r in regimes]}")
-        regimes = [regime for regime in regimes if regime.name in args.regimes]
+    regimes = chosen_regimes(list(STUDY_REGIMES[args.preset]), args.regimes, args.preset)
     grid = tuple(args.learning_rates or preset.learning_rates)
     rates = {regime.name: grid for regime in regimes}
     load_before, started = os.getloadavg(), time.perf_counter()
