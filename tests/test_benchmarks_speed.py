@@ -32,12 +32,21 @@ def rows(speed):
         torch.set_num_threads(threads)
 
 
-def test_one_finite_positive_row_per_method(speed, rows):
+def test_one_finite_row_per_method_with_positive_timings(speed, rows):
     assert [row["method"] for row in rows] == METHODS
     for row in rows:
         assert set(row) == set(speed.CSV_COLUMNS)
         for name in speed.FIGURES:
-            assert math.isfinite(row[name]) and row[name] > 0, (row["method"], name, row[name])
+            assert math.isfinite(row[name]), (row["method"], name, row[name])
+            # A toy model's training can add less than the RSS high-water mark resolves in-process: 0 MiB is a reading.
+            assert row[name] > 0 or (name == "peak_memory_mb" and row[name] == 0), (row["method"], name, row[name])
+
+
+def test_cpu_peak_memory_sees_a_known_allocation(speed):
+    with speed.peak_memory("cpu") as peak:
+        block = torch.ones(64 * 2**20 // 4)  # 64 MiB, every page touched
+        del block
+    assert 60 <= peak[0] <= 200, peak
 
 
 def test_outputs_have_the_documented_columns(speed, rows, tmp_path):
