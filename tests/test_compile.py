@@ -204,3 +204,26 @@ def test_auxiliary_losses_train_when_compiled_under_reentrant_checkpointing(comp
     assert eager.keys() == compiled.keys()
     for name, grad in eager.items():
         torch.testing.assert_close(compiled[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_expert_dropout_leaves_its_random_draws_to_aten():
+    """Inductor turns ``rand``/``rand_like`` into generated code with the op's seed index written into it, a kernel
+    compiled anew for every layer; ``uniform_`` it leaves to ATen's kernel. The training graph of a model with expert
+    dropout must draw its noise that way (measured by ``benchmarks/compile_speed.py``)."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    targets = []
+
+    def forward_ops(graph_module, example_inputs):
+        def record(graph, _):
+            targets.extend(str(node.target) for node in graph.graph.nodes if node.op == "call_function")
+            return make_boxed_func(graph.forward)
+
+        return aot_module_simplified(graph_module, example_inputs, fw_compiler=record)
+
+    model = smear_model("prompt", expert_dropout=0.1).train()
+    torch.compile(model, backend=forward_ops)(**inputs_for("prompt"))
+    layers = len(model.base_model.targeted_module_names)
+    assert sum(target.startswith("aten.uniform") for target in targets) == layers
+    assert not [target for target in targets if target.startswith(("aten.rand", "inductor_random"))]

@@ -79,8 +79,12 @@ def drop_experts(logits: torch.Tensor, p: float) -> torch.Tensor:
     Dropping in logit space, not by rescaling probabilities, keeps a sharp router finite: when every kept expert's
     probability underflows, ``kept / kept.sum()`` has a gradient of ``1 / sum**2`` that overflows to NaN. An example
     that would lose every expert keeps them all, so its distribution stays defined.
+
+    The noise is drawn by ``uniform_``, which is what ``rand_like`` runs in eager mode; but inductor calls ATen's
+    kernel for it, where ``rand_like`` becomes generated code with the op's seed index written into it, so a kernel
+    compiled anew for every layer (on CPU, half of a cold compile's extra time over LoRA's: ``compile_speed.py``).
     """
-    keep = torch.rand_like(logits) >= p
+    keep = torch.empty_like(logits).uniform_() >= p
     keep |= ~keep.any(dim=-1, keepdim=True)
     return logits.masked_fill(~keep, float("-inf"))
 
