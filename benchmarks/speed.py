@@ -540,11 +540,12 @@ def ratios_to_lora(rows: list[dict]) -> list[dict]:
     def key(row: dict) -> tuple:
         return tuple(row[name] for name in ("seq_len", "num_experts", "r", "batch"))
 
+    lora = {key(row): row for row in rows if row["method"] == "lora"}
+
     def ratio(row: dict, name: str) -> float:
         reference = lora[key(row)][name]
         return row[name] / reference if reference else math.nan
 
-    lora = {key(row): row for row in rows if row["method"] == "lora"}
     return [{**row, **{name: ratio(row, name) for name in FIGURES}} for row in rows]
 
 
