@@ -177,13 +177,26 @@ def test_lora_dropout_drops_the_experts_input_in_training_only(tmp_path):
     assert PeftConfig.from_pretrained(tmp_path).lora_dropout == 0.5
 
 
-def test_drop_experts_keeps_an_example_that_lost_every_expert():
-    from peft_smear.core.smear import drop_experts
+def test_expert_dropout_keeps_an_example_that_lost_every_expert():
+    from peft_smear.core.smear import drop_experts, keep_experts
 
-    dropped = drop_experts(torch.zeros(2000, 2), 0.9).softmax(-1)
+    torch.manual_seed(0)
+    keep = keep_experts(2000, 2, 0.9, torch.device("cpu"))
+    assert keep.any(-1).all(), "every example keeps an expert"
+    assert not keep.all(), "some examples lost one of their two experts"
+    dropped = drop_experts(torch.zeros(2000, 2), keep).softmax(-1)
     assert torch.isfinite(dropped).all()
     torch.testing.assert_close(dropped.sum(-1), torch.ones(2000))
-    assert (dropped == 0).any(), "some examples lost one of their two experts"
+    assert torch.equal(dropped == 0, ~keep)
+
+
+def test_expert_dropout_drops_each_expert_with_its_probability():
+    from peft_smear.core.smear import keep_experts
+
+    torch.manual_seed(0)
+    kept = keep_experts(20000, 8, 0.25, torch.device("cpu")).float().mean().item()
+    # Rows that lost all 8 experts (0.25**8 of them) keep them all: negligible here.
+    assert abs(kept - 0.75) < 0.01, kept
 
 
 def test_expert_dropout_on_a_sharp_router_keeps_gradients_finite():
@@ -196,10 +209,13 @@ def test_expert_dropout_on_a_sharp_router_keeps_gradients_finite():
     weight = torch.zeros(3, 4)
     weight[0] = normed.mean(0).sign()  # expert 0 takes every example once the gain is large
     row_gain = torch.full((4,), 60.0, requires_grad=True)
-    probs = router_probabilities(normed, row_gain, weight, expert_dropout=0.5)
+    keep = torch.ones(64, 3, dtype=torch.bool)
+    keep[::2, 0] = False  # the dominant expert dropped for half the examples
+    probs = router_probabilities(normed, row_gain, weight, keep)
     (probs[:, 1:] * torch.arange(1.0, 3.0)).sum().backward()
     assert torch.isfinite(probs).all() and torch.isfinite(row_gain.grad).all()
     torch.testing.assert_close(probs.sum(-1), torch.ones(64))
+    assert (probs[::2, 0] == 0).all()
 
 
 def _alone_and_in_batch(model, arch, sequences, pad_left):

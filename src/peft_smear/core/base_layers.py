@@ -55,12 +55,6 @@ def bitsandbytes_layer_types() -> tuple[type, ...]:
     return (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
 
 
-def output_may_be_locked_view(base_layer: nn.Module) -> bool:
-    """Whether ``base_layer``'s output may be a view that autograd forbids changing in place: bitsandbytes' 8-bit
-    matmul (in inference, and in training on GPUs) returns a reshaped view of its autograd Function's result."""
-    return isinstance(base_layer, bitsandbytes_layer_types())
-
-
 def check_base_layer(target: nn.Module, module_name: str, expert_type: str) -> None:
     """Raise ``TypeError`` naming ``target``'s class, and its quantization backend if it has one, unless SMEAR
     can wrap it (see the module docstring)."""

@@ -167,13 +167,8 @@ class SmearConfig(PeftConfig):
         given_kind_options = {name: settings.pop(name) for name in list(settings) if name in kind_options}
         method_options = {name: settings.pop(name) for name in list(settings) if name not in own}
         for name, spec in own.items():
-            if name in settings:
-                value = settings[name]
-            elif spec.default is not MISSING:
-                value = spec.default
-            else:
-                value = spec.default_factory()
-            setattr(self, name, value)
+            default = spec.default_factory() if spec.default is MISSING else spec.default
+            setattr(self, name, settings.get(name, default))
         self.routing_options = _merged_options(
             self.routing_options, method_options, "routing_options", "the routing method"
         )
@@ -185,17 +180,10 @@ class SmearConfig(PeftConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.peft_type = SmearPeftType.SMEAR
-        self.target_modules = (
-            set(self.target_modules) if isinstance(self.target_modules, list) else self.target_modules
-        )
-        self.exclude_modules = (
-            set(self.exclude_modules) if isinstance(self.exclude_modules, list) else self.exclude_modules
-        )
-        self.ia3_feedforward_modules = (
-            set(self.ia3_feedforward_modules)
-            if isinstance(self.ia3_feedforward_modules, list)
-            else self.ia3_feedforward_modules
-        )
+        # PEFT keeps module names in sets
+        for name in ("target_modules", "exclude_modules", "ia3_feedforward_modules"):
+            value = getattr(self, name)
+            setattr(self, name, set(value) if isinstance(value, list) else value)
         if self.routing not in ROUTERS:
             raise ValueError(f"routing must be one of {tuple(ROUTERS)}, got {self.routing!r}.")
         router = ROUTERS[self.routing]

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from .base_layers import output_may_be_locked_view
+from .base_layers import bitsandbytes_layer_types
 from .context import CallRouterInputs, RoutingContext, RowRouterInputs
 from .experts import EXPERT_KINDS, ExpertKind
 from .registration import BaseTunerLayer
@@ -65,7 +65,8 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         self.base_layer = base_layer
         self.module_name = module_name  # routers that need a per-layer key (a seed, a salt) take it from here
         self.in_features, self.out_features = in_out_features(self.get_base_layer())
-        self.output_may_be_locked_view = output_may_be_locked_view(self.get_base_layer())
+        # bitsandbytes' 8-bit matmul may return a view that autograd forbids changing in place
+        self.output_may_be_locked_view = isinstance(self.get_base_layer(), bitsandbytes_layer_types())
         self.routing_context = routing_context
         self.merged_adapters: list[str] = []  # own list: BaseTunerLayer's is shared at class level
         self.expert_kind: dict[str, ExpertKind] = {}

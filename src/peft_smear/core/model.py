@@ -286,25 +286,13 @@ class SmearModel(BaseTuner):
     ) -> None:
         router_input = self._router_input(config, current_key)
         router_features = self.model.config.hidden_size if router_input == "encoder" else None
-
+        routing = {"router_input": router_input, "router_features": router_features}
         if isinstance(target, SmearLinear):
-            target.update_layer(
-                adapter_name,
-                config,
-                router_input=router_input,
-                router_features=router_features,
-                inference_mode=config.inference_mode,
-            )
+            target.update_layer(adapter_name, config, inference_mode=config.inference_mode, **routing)
             return
         check_base_layer(target, current_key, config.expert_type)
         new_module = SmearLinear(
-            target,
-            adapter_name,
-            config,
-            self.routing_context,
-            router_input=router_input,
-            router_features=router_features,
-            module_name=current_key,
+            target, adapter_name, config, self.routing_context, module_name=current_key, **routing
         )
         if adapter_name not in self.active_adapters:
             new_module.requires_grad_(False)  # an added, inactive adapter is not trainable until activated

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,13 +44,20 @@ def masked_mean(hidden: torch.Tensor, token_mask: torch.Tensor | None) -> torch.
     One batched matmul with per-token weights (``mask / count``): it reads the input once and, for fp32 inputs,
     allocates nothing of its size (half-precision inputs are upcast first, so the sum accumulates in fp32). Padded
     positions get weight 0, so their values must be finite; transformers' eager and SDPA attention keep them finite.
+    Compiled, it is one opaque operator (end of this page).
     """
+    if torch.compiler.is_compiling():
+        return torch.ops.peft_smear.masked_mean(hidden, token_mask)
     hidden = hidden.float()
     if token_mask is None:
         return hidden.mean(dim=1)
-    weights = (token_mask != 0).to(device=hidden.device, dtype=hidden.dtype)
-    weights = weights / weights.sum(dim=1, keepdim=True).clamp(min=1)
-    return torch.bmm(weights.unsqueeze(1), hidden).squeeze(1)
+    return torch.bmm(token_weights(token_mask, hidden.device).unsqueeze(1), hidden).squeeze(1)
+
+
+def token_weights(token_mask: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``[batch, tokens]`` fp32: ``1 / count`` at the ``count`` nonzero positions of each row of ``token_mask``."""
+    weights = (token_mask != 0).to(device=device, dtype=torch.float32)
+    return weights / weights.sum(dim=1, keepdim=True).clamp(min=1)
 
 
 # 2. Route --------------------------------------------------------------------------------------------------------
@@ -59,34 +67,43 @@ def masked_mean(hidden: torch.Tensor, token_mask: torch.Tensor | None) -> torch.
 ROW_NORM_INIT_GAIN = 1e-2
 
 
+def route(
+    summary: torch.Tensor, params: Sequence[torch.Tensor], keep: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``LN(summary)`` and the router's distribution over it (:func:`router_probabilities`), both fp32; ``params``
+    are the input LayerNorm's weight and bias, the rows' LayerNorm gain and the rows. Compiled, it is one opaque
+    operator (end of this page)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.peft_smear.route(summary, list(params), keep)
+    norm_weight, norm_bias, row_norm_weight, weight = params
+    normed = F.layer_norm(summary.float(), (summary.shape[-1],), norm_weight.float(), norm_bias.float())
+    return normed, router_probabilities(normed, row_norm_weight, weight, keep)
+
+
 def router_probabilities(
-    normed_input: torch.Tensor, row_norm_weight: torch.Tensor, weight: torch.Tensor, expert_dropout: float = 0.0
+    normed_input: torch.Tensor, row_norm_weight: torch.Tensor, weight: torch.Tensor, keep: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``softmax(normed_input @ LN_rows(weight).T)`` in fp32: ``[batch, features]`` -> ``[batch, num_experts]``,
-    with each expert of each example dropped with probability ``expert_dropout``. Normalising both sides keeps the
-    logits from saturating the softmax; the rows' gain is learned, so routing can still sharpen where that helps."""
+    with only the experts in ``keep`` (:func:`keep_experts`), if given. Normalising both sides keeps the logits from
+    saturating the softmax; the rows' gain is learned, so routing can still sharpen where that helps."""
     normed_rows = F.layer_norm(weight.float(), (weight.shape[-1],), row_norm_weight.float())
-    logits = normed_input @ normed_rows.T
-    if expert_dropout > 0:
-        logits = drop_experts(logits, expert_dropout)
-    return logits.softmax(dim=-1)
+    return drop_experts(normed_input @ normed_rows.T, keep).softmax(dim=-1)
 
 
-def drop_experts(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Expert dropout on router logits: each expert of each example is removed with probability ``p`` (its logit
-    becomes -inf), so the softmax renormalises over the rest.
+def keep_experts(batch_size: int, num_experts: int, p: float, device: torch.device) -> torch.Tensor:
+    """Expert dropout's ``[batch, num_experts]`` mask: each expert of each example dropped with probability ``p``,
+    but all kept for an example that would lose every one. Drawn by ``uniform_``, which inductor leaves to ATen, where
+    ``rand`` becomes generated code with its seed index written in: a kernel compiled anew for every layer."""
+    keep = torch.empty(batch_size, num_experts, device=device).uniform_() >= p
+    return keep | ~keep.any(dim=-1, keepdim=True)
+
+
+def drop_experts(logits: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """``logits`` with the experts not in ``keep`` at -inf, so the softmax renormalises over the rest.
 
     Dropping in logit space, not by rescaling probabilities, keeps a sharp router finite: when every kept expert's
-    probability underflows, ``kept / kept.sum()`` has a gradient of ``1 / sum**2`` that overflows to NaN. An example
-    that would lose every expert keeps them all, so its distribution stays defined.
-
-    The noise is drawn by ``uniform_``, which is what ``rand_like`` runs in eager mode; but inductor calls ATen's
-    kernel for it, where ``rand_like`` becomes generated code with the op's seed index written into it, so a kernel
-    compiled anew for every layer (on CPU, half of a cold compile's extra time over LoRA's: ``compile_speed.py``).
-    """
-    keep = torch.empty_like(logits).uniform_() >= p
-    keep |= ~keep.any(dim=-1, keepdim=True)
-    return logits.masked_fill(~keep, float("-inf"))
+    probability underflows, ``kept / kept.sum()`` has a gradient of ``1 / sum**2`` that overflows to NaN."""
+    return logits if keep is None else logits.masked_fill(~keep, float("-inf"))
 
 
 class NormalisedInputRouter(Router):
@@ -99,11 +116,6 @@ class NormalisedInputRouter(Router):
         self.weight = nn.Parameter(torch.randn(rows, features) * config.router_init_std)
         self.input_norm_weight = nn.Parameter(torch.ones(features))
         self.input_norm_bias = nn.Parameter(torch.zeros(features))
-
-    def normalised_input(self, summary: torch.Tensor) -> torch.Tensor:
-        """``LN(summary)`` in fp32: what the logits read."""
-        weight, bias = self.input_norm_weight.float(), self.input_norm_bias.float()
-        return F.layer_norm(summary.float(), (summary.shape[-1],), weight, bias)
 
 
 class ProbabilityRouter(NormalisedInputRouter):
@@ -152,15 +164,17 @@ class ProbabilityRouter(NormalisedInputRouter):
         self.balance_weight = options["router_balance_weight"]
 
     def forward(self, inputs: RouterInputs) -> RoutingDecision:
-        normed = self.normalised_input(inputs.summary())  # 1. pooled (masked_mean), then LN: [batch, features] fp32
+        summary = inputs.summary()  # 1. pooled (masked_mean): [batch, features] fp32
         dropout = self.expert_dropout if self.training else 0.0
+        keep = keep_experts(summary.shape[0], self.num_experts, dropout, summary.device) if dropout > 0 else None
         # Dividing the rows' LayerNorm gain divides the logits: the weight itself is normalised away.
         gain = self.row_norm_weight if self.temperature == 1 else self.row_norm_weight / self.temperature
-        probs = router_probabilities(normed, gain, self.weight, dropout)  # 2. [batch, N] fp32
+        # 2. LN(pooled) [batch, features] and the distribution [batch, N], fp32
+        normed, probs = route(summary, (self.input_norm_weight, self.input_norm_bias, gain, self.weight), keep)
         if self.warmup_steps and self.training:
-            # Uniform (with expert dropout) while warming up, by arithmetic rather than a branch on the counter, so
+            # Uniform (over the kept experts) while warming up, by arithmetic rather than a branch on the counter, so
             # that a compiled model neither breaks its graph nor recompiles; the router's gradient is zero meanwhile.
-            uniform = drop_experts(torch.zeros_like(probs), dropout).softmax(dim=-1)
+            uniform = drop_experts(torch.zeros_like(probs), keep).softmax(dim=-1)
             warming = (self.training_calls <= self.warmup_steps).to(probs.dtype)
             probs = probs * (1 - warming) + uniform * warming
         decision = self.decide(probs, normed, inputs)
@@ -342,3 +356,86 @@ def add_lora_mixture(
 def per_token(weights: torch.Tensor) -> torch.Tensor:
     """Mixture weights as ``[batch, tokens or 1, N]``: per-example ``[batch, N]`` weights broadcast over the tokens."""
     return weights if weights.dim() == 3 else weights.unsqueeze(1)
+
+
+# torch.compile ---------------------------------------------------------------------------------------------------
+# Traced, steps 1 and 2 are a dozen small reductions that inductor fuses into their neighbours differently in each
+# layer, and a cold compile builds every distinct kernel (SMEAR's first step took 1.9x LoRA's: compile_speed.py). As
+# two opaque operators they add none. Their forwards run the functions above; tests hold their backwards to autograd.
+
+aten = torch.ops.aten
+
+
+@torch.library.custom_op("peft_smear::masked_mean", mutates_args=())
+def masked_mean_op(hidden: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
+    return masked_mean(hidden, token_mask)
+
+
+@torch.library.custom_op("peft_smear::masked_mean_backward", mutates_args=())
+def masked_mean_backward(grad: torch.Tensor, token_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each token's gradient: its weight in the mean times the mean's gradient, ``[batch, tokens, features]``."""
+    return (token_weights(token_mask, grad.device).unsqueeze(-1) * grad.unsqueeze(1)).to(dtype)
+
+
+def masked_mean_setup(ctx, inputs: tuple[torch.Tensor, torch.Tensor | None], output: torch.Tensor) -> None:
+    """Keep the token mask (all ones for none) and the input's dtype, never the input: only its shape is needed."""
+    hidden, token_mask = inputs
+    ctx.save_for_backward(hidden.new_ones(hidden.shape[:2]) if token_mask is None else token_mask)
+    ctx.dtype = hidden.dtype
+
+
+@torch.library.custom_op("peft_smear::route", mutates_args=())
+def route_op(
+    summary: torch.Tensor, params: list[torch.Tensor], keep: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return route(summary, params, keep)
+
+
+@torch.library.custom_op("peft_smear::route_backward", mutates_args=())
+def route_backward(
+    summary: torch.Tensor,
+    params: list[torch.Tensor],
+    probs: torch.Tensor,
+    grad_normed: torch.Tensor | None,
+    grad_probs: torch.Tensor,
+) -> list[torch.Tensor]:
+    """The gradients of :func:`route`'s summary and ``params`` through the softmax, the logits' matmul and both
+    LayerNorms (recomputed: ``[batch + N, features]``, cheap), in fp32, returned in each tensor's dtype."""
+    summary32, norm_weight, norm_bias, gain, weight = (t.float() for t in (summary, *params))
+    features, eps = [summary.shape[-1]], 1e-5  # F.layer_norm's default eps, which route uses
+    normed, mean, rstd = aten.native_layer_norm(summary32, features, norm_weight, norm_bias, eps)
+    rows, row_mean, row_rstd = aten.native_layer_norm(weight, features, gain, None, eps)
+    grad_logits = aten._softmax_backward_data(grad_probs, probs, -1, torch.float32)
+    grad_normed = grad_logits @ rows + (0 if grad_normed is None else grad_normed)
+    grad_summary, grad_norm_weight, grad_norm_bias = aten.native_layer_norm_backward(
+        grad_normed, summary32, features, mean, rstd, norm_weight, norm_bias, [True, True, True]
+    )
+    grad_weight, grad_gain, _ = aten.native_layer_norm_backward(
+        grad_logits.T @ normed, weight, features, row_mean, row_rstd, gain, None, [True, True, False]
+    )
+    grads = (grad_summary, grad_norm_weight, grad_norm_bias, grad_gain, grad_weight)
+    return [grad.to(t.dtype) for grad, t in zip(grads, (summary, *params), strict=True)]
+
+
+def route_grads(ctx, grad_normed: torch.Tensor | None, grad_probs: torch.Tensor) -> tuple:
+    summary, *params, probs = ctx.saved_tensors
+    grad_summary, *grad_params = route_backward(summary, params, probs, grad_normed, grad_probs)
+    return grad_summary, grad_params, None
+
+
+masked_mean_op.register_fake(lambda hidden, mask: torch.empty_like(hidden[:, 0], dtype=torch.float32))
+masked_mean_backward.register_fake(lambda grad, mask, dtype: grad.new_empty(*mask.shape, grad.shape[1], dtype=dtype))
+route_op.register_fake(
+    lambda summary, params, keep: (
+        torch.empty_like(summary, dtype=torch.float32),
+        summary.new_empty(summary.shape[0], params[3].shape[0], dtype=torch.float32),
+    )
+)
+route_backward.register_fake(lambda summary, params, *grads: [torch.empty_like(t) for t in (summary, *params)])
+masked_mean_op.register_autograd(
+    lambda ctx, grad: (masked_mean_backward(grad, *ctx.saved_tensors, ctx.dtype), None),
+    setup_context=masked_mean_setup,
+)
+route_op.register_autograd(
+    route_grads, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(inputs[0], *inputs[1], output[1])
+)

@@ -290,7 +290,11 @@ class DSelectKRouter(NormalisedInputRouter):
             raise ValueError(f"routing='dselect_k' needs num_experts >= 2, got {config.num_experts}.")
 
     def forward(self, inputs: RouterInputs) -> RoutingDecision:
-        logits = self.normalised_input(inputs.summary()) @ self.weight.float().T
+        summary = inputs.summary()
+        normed = F.layer_norm(
+            summary, (summary.shape[-1],), self.input_norm_weight.float(), self.input_norm_bias.float()
+        )
+        logits = normed @ self.weight.float().T
         selector_logits = logits[:, : self.k * self.bits].reshape(-1, self.k, self.bits)
         selector_weights_logits = logits[:, self.k * self.bits :]
         weights, selector_outputs = dselect_k_gate(
