@@ -4,6 +4,7 @@ and sequence lengths."""
 
 from __future__ import annotations
 
+import collections
 import warnings
 from functools import partial
 
@@ -13,7 +14,7 @@ import torch._dynamo as dynamo
 from peft import LoraConfig, get_peft_model
 
 import peft_smear
-from conftest import VOCAB, random_batch, tiny_bert, tiny_llama, tiny_t5
+from conftest import VOCAB, normalized, random_batch, tiny_bert, tiny_llama, tiny_t5
 
 
 KINDS = {
@@ -227,3 +228,128 @@ def test_expert_dropout_leaves_its_random_draws_to_aten():
     layers = len(model.base_model.targeted_module_names)
     assert sum(target.startswith("aten.uniform") for target in targets) == layers
     assert not [target for target in targets if target.startswith("aten.rand")]
+
+
+def reference_pool_and_route(hidden, token_mask, params, keep):
+    """Steps 1 and 2 of SMEAR one example at a time in float64, sharing no code with the package: the mean of the
+    example's masked tokens, its LayerNorm, and the softmax over the kept experts against the LayerNorm'd rows."""
+    norm_weight, norm_bias, gain, weight = (param.double() for param in params)
+    rows = normalized(weight) * gain
+    normed, probs = [], []
+    for b in range(hidden.shape[0]):
+        tokens = [t for t in range(hidden.shape[1]) if token_mask is None or token_mask[b, t] != 0]
+        pooled = sum(hidden[b, t].double() for t in tokens) / len(tokens)
+        normed.append(normalized(pooled) * norm_weight + norm_bias)
+        logits = rows @ normed[-1]
+        probs.append((logits if keep is None else logits.masked_fill(~keep[b], float("-inf"))).softmax(0))
+    return torch.stack(normed), torch.stack(probs)
+
+
+def router_case(dtype, masked, dropped):
+    """Leaves of one router call: hidden states ``[3, 5, 8]`` and the router's four tensors in ``dtype``, a token
+    mask with an example of one token and a padded one, and a keep mask with an example down to one expert."""
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 5, 8, generator=generator).to(dtype).requires_grad_()
+    shapes = [(8,), (8,), (8,), (4, 8)]
+    params = [(torch.randn(shape, generator=generator) + 1).to(dtype).requires_grad_() for shape in shapes]
+    token_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 1, 0, 0]]) if masked else None
+    keep = torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1], [0, 0, 1, 0]], dtype=torch.bool) if dropped else None
+    return hidden, token_mask, params, keep
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("masked", [True, False])
+@pytest.mark.parametrize("dropped", [True, False])
+@pytest.mark.parametrize("normed_in_loss", [True, False])
+def test_the_opaque_router_operators_compute_pool_and_route_and_their_gradients(
+    dtype, masked, dropped, normed_in_loss
+):
+    """What a compiled model runs for steps 1 and 2 (``peft_smear::masked_mean``, ``peft_smear::route``; their
+    backwards are written by hand) equals a float64 computation, outputs and every input's gradient, in each input
+    dtype: the pooled states' gradient in the hidden states' dtype, the router's in its parameters'."""
+    hidden, token_mask, params, keep = router_case(dtype, masked, dropped)
+    pooled = torch.ops.peft_smear.masked_mean(hidden, token_mask)
+    normed, probs = torch.ops.peft_smear.route(pooled, params, keep)
+    expected_normed, expected_probs = reference_pool_and_route(hidden, token_mask, params, keep)
+    assert pooled.dtype == normed.dtype == probs.dtype == torch.float32
+    tolerance = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(normed.double(), expected_normed, **tolerance)
+    torch.testing.assert_close(probs.double(), expected_probs, **tolerance)
+
+    generator = torch.Generator().manual_seed(1)
+    probe_normed, probe_probs = torch.randn(3, 8, generator=generator), torch.randn(3, 4, generator=generator)
+
+    def loss(normed, probs):
+        return (probs * probe_probs.to(probs.dtype)).sum() + normed_in_loss * (
+            normed * probe_normed.to(normed.dtype)
+        ).sum()
+
+    leaves = [hidden, *params]
+    grads = torch.autograd.grad(loss(normed, probs), leaves)
+    expected = torch.autograd.grad(loss(expected_normed, expected_probs), leaves)
+    for name, grad, want in zip(
+        ["hidden", "norm_weight", "norm_bias", "gain", "weight"], grads, expected, strict=True
+    ):
+        assert grad.dtype == dtype, name
+        torch.testing.assert_close(grad.double(), want.double(), **tolerance, msg=name)
+
+
+@pytest.mark.parametrize(("masked", "dropped"), [(True, True), (False, False)])
+def test_the_opaque_router_operators_pass_torch_library_opcheck(masked, dropped):
+    """Schema, fake (meta) implementation, autograd registration and AOT dispatch with dynamic shapes."""
+    hidden, token_mask, params, keep = router_case(torch.float32, masked, dropped)
+    for result in (
+        torch.library.opcheck(torch.ops.peft_smear.masked_mean.default, (hidden, token_mask)),
+        torch.library.opcheck(
+            torch.ops.peft_smear.route.default, (hidden[:, 0].detach().requires_grad_(), params, keep)
+        ),
+    ):
+        assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_the_pooling_operator_keeps_no_copy_of_its_input_for_backward():
+    """Its backward needs the token mask and the input's dtype only: keeping ``[batch, tokens, features]`` alive until
+    backward would cost a layer input per router where the experts are frozen."""
+    hidden, token_mask, _, _ = router_case(torch.float32, True, False)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda tensor: kept.append(tensor) or tensor, lambda tensor: tensor):
+        pooled = torch.ops.peft_smear.masked_mean(hidden, token_mask)
+    assert [tuple(tensor.shape) for tensor in kept] == [(3, 5)]
+    (grad,) = torch.autograd.grad(pooled.sum(), hidden)
+    torch.testing.assert_close(grad[2], torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0]).unsqueeze(1).expand(5, 8))
+
+
+def test_compiled_training_routes_through_the_opaque_operators():
+    """Every router of a compiled training step pools and routes through the two operators, forward and backward, so
+    that inductor generates no kernel for them (``benchmarks/compile_speed.py`` measures the cold compile)."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    targets = {"forward": [], "backward": []}
+
+    def recording(graph_module, example_inputs):
+        def record(part):
+            def compiler(graph, _):
+                targets[part].extend(str(n.target) for n in graph.graph.nodes if n.op == "call_function")
+                return make_boxed_func(graph.forward)
+
+            return compiler
+
+        return aot_module_simplified(
+            graph_module, example_inputs, fw_compiler=record("forward"), bw_compiler=record("backward")
+        )
+
+    model = smear_model("prompt").train()
+    torch.compile(model, backend=recording)(**inputs_for("prompt")).loss.backward()
+    counts = {part: collections.Counter(found) for part, found in targets.items()}
+    routers = len(model.base_model.targeted_module_names)
+    assert counts["forward"]["peft_smear.masked_mean.default"] == routers
+    assert counts["forward"]["peft_smear.route.default"] == routers
+    assert counts["backward"]["peft_smear.route_backward.default"] == routers
+    # Routers that read one input (q_proj and v_proj) may share one pooling backward: the gradients are summed first.
+    assert 0 < counts["backward"]["peft_smear.masked_mean_backward.default"] <= routers
+    assert not [
+        target
+        for target in targets["forward"]
+        if "layer_norm" in target or ("softmax" in target and "_log_" not in target)
+    ]
