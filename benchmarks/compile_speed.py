@@ -8,10 +8,12 @@ step pays the whole compilation, as it does for a user on a new machine or after
 a method measured after another in the same process would reuse the kernels the first one compiled. In that process:
 the graphs and graph breaks ``torch._dynamo.explain`` finds; the first training step and inference of the compiled
 model (default ``torch.compile``: inductor, automatic dynamic shapes); then ten training batches of different lengths,
-padding and prompt lengths (the task mixtures a router sees), counting the graphs compiled for them. The steady steps
-are measured last, in one more process that compiles both methods from the caches the first two filled: the training
-step and inference of each, compiled and eager, interleaved ``--repeats`` times (the fastest of each), so that both
-methods meet the same machine, as in the speed benchmark (steps timed in two processes differed by up to 30%).
+padding and prompt lengths (the task mixtures a router sees), counting the graphs compiled for them. ``--cold-repeats``
+rounds of such cold first steps (fresh processes, the order alternating) give the median reported: on this machine
+one method's cold first step varied by up to 25% between runs. The steady steps are measured last, in one more
+process that compiles both methods from the caches the first round filled: the training step and inference of each,
+compiled and eager, interleaved ``--repeats`` times (the fastest of each), so that both methods meet the same machine,
+as in the speed benchmark (steps timed in two processes differed by up to 30%).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import copy
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -197,16 +200,31 @@ def measure(
     dtype: str = "float32",
     repeats: int = 5,
     backend: str = "inductor",
+    cold_repeats: int = 1,
     log: Callable[[str], None] = print,
 ) -> dict[str, dict]:
+    """Every method's figures: ``cold_repeats`` rounds of cold first steps, each method in each round in a fresh
+    process with empty caches (the order alternating between rounds; the mixed batches in the first round only),
+    whose median is the first step; then the steady steps from the first round's caches."""
     with tempfile.TemporaryDirectory() as root:
         caches = {method: Path(root) / method for method in METHODS}
         figures = {
             method: measure_cold(method, preset_name, device, dtype, backend, caches[method], log=log)
             for method in METHODS
         }
+        first_steps = {method: [values["first_step_s"]] for method, values in figures.items()}
+        for round_number in range(1, cold_repeats):
+            for method in METHODS[:: -1 if round_number % 2 else 1]:
+                fresh = Path(root) / f"{method}-{round_number}"
+                again = measure_cold(method, preset_name, device, dtype, backend, fresh, log=log, mixed=0)
+                first_steps[method].append(again["first_step_s"])
+                shutil.rmtree(fresh)
         steady = measure_warm(preset_name, device, dtype, repeats, backend, list(caches.values()), log=log)
-    return {method: {**values, **steady[method]} for method, values in figures.items()}
+    medians = {method: statistics.median(times) for method, times in first_steps.items()}
+    return {
+        method: {**values, **steady[method], "first_steps_s": first_steps[method], "first_step_s": medians[method]}
+        for method, values in figures.items()
+    }
 
 
 def checks(figures: dict[str, dict]) -> list[tuple[str, str]]:
@@ -271,6 +289,16 @@ def markdown(figures: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def first_steps_line(figures: dict[str, dict]) -> list[str]:
+    """The cold first steps of every round, when there were several (the table gives their median)."""
+    if len(figures["lora"].get("first_steps_s", [])) < 2:
+        return []
+    runs = "; ".join(
+        f"{method} " + ", ".join(f"{s:.1f}" for s in values["first_steps_s"]) for method, values in figures.items()
+    )
+    return [f"- Cold first steps (s), each in a fresh process, the table's is their median: {runs}."]
+
+
 def results_section(
     figures: dict, command: str, preset_name: str, device: str, dtype: str, load: tuple, seconds: float, repeats: int
 ) -> str:
@@ -293,6 +321,7 @@ def results_section(
             "",
             markdown(figures),
             "",
+            *first_steps_line(figures),
             *[f"- {label}: {result}" for label, result in checks(figures)],
             *([f"- Graph breaks: {'; '.join(breaks)}"] if breaks else []),
             "",
@@ -305,7 +334,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="Default: bfloat16 on CUDA, float32 on CPU.")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions of the steady steps")
+    parser.add_argument(
+        "--cold-repeats", type=int, default=3, help="rounds of cold first steps, each in fresh processes (median)"
+    )
     parser.add_argument("--backend", default="inductor", help="torch.compile's backend (aot_eager: no code generated)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     add_results_option(parser)
@@ -332,7 +364,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     load_before, started = os.getloadavg(), time.perf_counter()
     figures = measure(
-        args.preset, args.device, dtype, args.repeats, args.backend, log=lambda line: print(line, file=sys.stderr)
+        args.preset,
+        args.device,
+        dtype,
+        args.repeats,
+        args.backend,
+        args.cold_repeats,
+        log=lambda line: print(line, file=sys.stderr),
     )
     print(markdown(figures))
     for label, result in checks(figures):

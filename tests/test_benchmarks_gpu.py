@@ -16,6 +16,7 @@ from conftest import import_script
 
 gpu = import_script("gpu")
 speed = import_script("speed")
+compile_speed = import_script("compile_speed")
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +82,17 @@ def test_compile_part_counts_graphs_breaks_and_recompiles(run):
     for method in ("lora", "smear"):
         assert figures[method]["graphs"] >= 1 and figures[method]["graph_breaks"] == 0, method
         assert figures[method]["first_step_s"] > 0 and figures[method]["mixed_batch_graphs"] >= 0
+        # The steady steps, from one more process that compiled both methods from the caches the cold runs filled.
+        assert all(figures[method][name] > 0 for name in compile_speed.STEADY_FIGURES), method
+
+
+def test_a_compile_part_without_its_steady_steps_says_they_were_not_measured():
+    cold = {"graphs": 1, "graph_breaks": 0, "break_reasons": [], "first_step_s": 2.0, "mixed_batch_graphs": None}
+    figures = {"lora": cold, "smear": {**cold, "first_step_s": 2.5}}
+    assert "| smear | 1 | 0 | 2.5 | 1.25× | — | — | — | — | — | — | not run |" in compile_speed.markdown(figures)
+    verdicts = dict(compile_speed.checks(figures))
+    assert verdicts["compiled SMEAR / compiled LoRA training step ≤ 1.05"] == "not measured"
+    assert verdicts["compiled SMEAR / compiled LoRA first step, caches cold ≤ 1.5"] == "met (1.25)"
 
 
 def test_cost_curve_measures_every_shape_of_its_sweep(run):
