@@ -230,9 +230,10 @@ def test_expert_dropout_leaves_its_random_draws_to_aten():
     assert not [target for target in targets if target.startswith("aten.rand")]
 
 
-def reference_pool_and_route(hidden, token_mask, params, keep):
+def reference_pool_and_route(hidden, token_mask, params, noise, p):
     """Steps 1 and 2 of SMEAR one example at a time in float64, sharing no code with the package: the mean of the
-    example's masked tokens, its LayerNorm, and the softmax over the kept experts against the LayerNorm'd rows."""
+    example's masked tokens, its LayerNorm, and the softmax against the LayerNorm'd rows over the experts whose noise
+    is at least ``p`` (all of them where none is)."""
     norm_weight, norm_bias, gain, weight = (param.double() for param in params)
     rows = normalized(weight) * gain
     normed, probs = [], []
@@ -241,20 +242,24 @@ def reference_pool_and_route(hidden, token_mask, params, keep):
         pooled = sum(hidden[b, t].double() for t in tokens) / len(tokens)
         normed.append(normalized(pooled) * norm_weight + norm_bias)
         logits = rows @ normed[-1]
-        probs.append((logits if keep is None else logits.masked_fill(~keep[b], float("-inf"))).softmax(0))
+        kept = torch.tensor([noise is None or bool(noise[b, n] >= p) for n in range(len(logits))])
+        kept = kept if kept.any() else torch.ones_like(kept)
+        exp = torch.exp(logits - logits[kept].max()) * kept
+        probs.append(exp / exp.sum())
     return torch.stack(normed), torch.stack(probs)
 
 
 def router_case(dtype, masked, dropped):
     """Leaves of one router call: hidden states ``[3, 5, 8]`` and the router's four tensors in ``dtype``, a token
-    mask with an example of one token and a padded one, and a keep mask with an example down to one expert."""
+    mask with an example of one token and a padded one, and expert dropout's noise and probability, which leave an
+    example one expert and drop every expert of another (which then keeps them all)."""
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(3, 5, 8, generator=generator).to(dtype).requires_grad_()
     shapes = [(8,), (8,), (8,), (4, 8)]
     params = [(torch.randn(shape, generator=generator) + 1).to(dtype).requires_grad_() for shape in shapes]
     token_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 1, 0, 0]]) if masked else None
-    keep = torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1], [0, 0, 1, 0]], dtype=torch.bool) if dropped else None
-    return hidden, token_mask, params, keep
+    noise = torch.tensor([[0.9, 0.1, 0.7, 0.6], [0.2, 0.3, 0.1, 0.4], [0.3, 0.2, 0.8, 0.1]]) if dropped else None
+    return hidden, token_mask, params, noise, 0.5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -267,10 +272,12 @@ def test_the_opaque_router_operators_compute_pool_and_route_and_their_gradients(
     """What a compiled model runs for steps 1 and 2 (``peft_smear::masked_mean``, ``peft_smear::route``; their
     backwards are written by hand) equals a float64 computation, outputs and every input's gradient, in each input
     dtype: the pooled states' gradient in the hidden states' dtype, the router's in its parameters'."""
-    hidden, token_mask, params, keep = router_case(dtype, masked, dropped)
+    hidden, token_mask, params, noise, p = router_case(dtype, masked, dropped)
     pooled = torch.ops.peft_smear.masked_mean(hidden, token_mask)
-    normed, probs = torch.ops.peft_smear.route(pooled, params, keep)
-    expected_normed, expected_probs = reference_pool_and_route(hidden, token_mask, params, keep)
+    normed, probs = torch.ops.peft_smear.route(pooled, params, noise, p)
+    expected_normed, expected_probs = reference_pool_and_route(hidden, token_mask, params, noise, p)
+    if dropped:
+        assert (probs[0] > 0).tolist() == [True, False, True, True] and (probs[1] > 0).all()
     assert pooled.dtype == normed.dtype == probs.dtype == torch.float32
     tolerance = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(normed.double(), expected_normed, **tolerance)
@@ -297,11 +304,11 @@ def test_the_opaque_router_operators_compute_pool_and_route_and_their_gradients(
 @pytest.mark.parametrize(("masked", "dropped"), [(True, True), (False, False)])
 def test_the_opaque_router_operators_pass_torch_library_opcheck(masked, dropped):
     """Schema, fake (meta) implementation, autograd registration and AOT dispatch with dynamic shapes."""
-    hidden, token_mask, params, keep = router_case(torch.float32, masked, dropped)
+    hidden, token_mask, params, noise, p = router_case(torch.float32, masked, dropped)
     for result in (
         torch.library.opcheck(torch.ops.peft_smear.masked_mean.default, (hidden, token_mask)),
         torch.library.opcheck(
-            torch.ops.peft_smear.route.default, (hidden[:, 0].detach().requires_grad_(), params, keep)
+            torch.ops.peft_smear.route.default, (hidden[:, 0].detach().requires_grad_(), params, noise, p)
         ),
     ):
         assert set(result.values()) == {"SUCCESS"}, result
@@ -310,7 +317,7 @@ def test_the_opaque_router_operators_pass_torch_library_opcheck(masked, dropped)
 def test_the_pooling_operator_keeps_no_copy_of_its_input_for_backward():
     """Its backward needs the token mask and the input's dtype only: keeping ``[batch, tokens, features]`` alive until
     backward would cost a layer input per router where the experts are frozen."""
-    hidden, token_mask, _, _ = router_case(torch.float32, True, False)
+    hidden, token_mask, *_ = router_case(torch.float32, True, False)
     kept = []
     with torch.autograd.graph.saved_tensors_hooks(lambda tensor: kept.append(tensor) or tensor, lambda tensor: tensor):
         pooled = torch.ops.peft_smear.masked_mean(hidden, token_mask)

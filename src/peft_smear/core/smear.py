@@ -68,15 +68,16 @@ ROW_NORM_INIT_GAIN = 1e-2
 
 
 def route(
-    summary: torch.Tensor, params: Sequence[torch.Tensor], keep: torch.Tensor | None = None
+    summary: torch.Tensor, params: Sequence[torch.Tensor], noise: torch.Tensor | None = None, p: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``LN(summary)`` and the router's distribution over it (:func:`router_probabilities`), both fp32; ``params``
-    are the input LayerNorm's weight and bias, the rows' LayerNorm gain and the rows. Compiled, it is one opaque
-    operator (end of this page)."""
+    are the input LayerNorm's weight and bias, the rows' LayerNorm gain and the rows; ``noise``, expert dropout's
+    draw (:func:`keep_experts`). Compiled, it is one opaque operator (end of this page)."""
     if torch.compiler.is_compiling():
-        return torch.ops.peft_smear.route(summary, list(params), keep)
+        return torch.ops.peft_smear.route(summary, list(params), noise, p)
     norm_weight, norm_bias, row_norm_weight, weight = params
     normed = F.layer_norm(summary.float(), (summary.shape[-1],), norm_weight.float(), norm_bias.float())
+    keep = None if noise is None else keep_experts(noise, p)
     return normed, router_probabilities(normed, row_norm_weight, weight, keep)
 
 
@@ -90,19 +91,15 @@ def router_probabilities(
     return drop_experts(normed_input @ normed_rows.T, keep).softmax(dim=-1)
 
 
-def keep_experts(batch_size: int, num_experts: int, p: float, device: torch.device) -> torch.Tensor:
-    """Expert dropout's ``[batch, num_experts]`` mask: each expert of each example dropped with probability ``p``,
-    but all kept for an example that would lose every one. Drawn by ``uniform_``, which inductor leaves to ATen, where
-    ``rand`` becomes generated code with its seed index written in: a kernel compiled anew for every layer."""
-    keep = torch.empty(batch_size, num_experts, device=device).uniform_() >= p
+def keep_experts(noise: torch.Tensor, p: float) -> torch.Tensor:
+    """Expert dropout's mask: each expert of each example dropped where ``noise`` (uniform) < ``p``; none if all."""
+    keep = noise >= p
     return keep | ~keep.any(dim=-1, keepdim=True)
 
 
 def drop_experts(logits: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-    """``logits`` with the experts not in ``keep`` at -inf, so the softmax renormalises over the rest.
-
-    Dropping in logit space, not by rescaling probabilities, keeps a sharp router finite: when every kept expert's
-    probability underflows, ``kept / kept.sum()`` has a gradient of ``1 / sum**2`` that overflows to NaN."""
+    """``logits`` with the experts not in ``keep`` at -inf, so the softmax renormalises over the rest: rescaling
+    probabilities instead gives a sharp router whose kept probabilities all underflow a NaN gradient (``1/sum**2``)."""
     return logits if keep is None else logits.masked_fill(~keep, float("-inf"))
 
 
@@ -166,14 +163,17 @@ class ProbabilityRouter(NormalisedInputRouter):
     def forward(self, inputs: RouterInputs) -> RoutingDecision:
         summary = inputs.summary()  # 1. pooled (masked_mean): [batch, features] fp32
         dropout = self.expert_dropout if self.training else 0.0
-        keep = keep_experts(summary.shape[0], self.num_experts, dropout, summary.device) if dropout > 0 else None
+        # Drawn by uniform_, which inductor leaves to ATen; rand would become a kernel compiled anew for every layer.
+        noise = torch.empty(summary.shape[0], self.num_experts, device=summary.device).uniform_() if dropout else None
         # Dividing the rows' LayerNorm gain divides the logits: the weight itself is normalised away.
         gain = self.row_norm_weight if self.temperature == 1 else self.row_norm_weight / self.temperature
         # 2. LN(pooled) [batch, features] and the distribution [batch, N], fp32
-        normed, probs = route(summary, (self.input_norm_weight, self.input_norm_bias, gain, self.weight), keep)
+        params = (self.input_norm_weight, self.input_norm_bias, gain, self.weight)
+        normed, probs = route(summary, params, noise, dropout)
         if self.warmup_steps and self.training:
             # Uniform (over the kept experts) while warming up, by arithmetic rather than a branch on the counter, so
             # that a compiled model neither breaks its graph nor recompiles; the router's gradient is zero meanwhile.
+            keep = None if noise is None else keep_experts(noise, dropout)
             uniform = drop_experts(torch.zeros_like(probs), keep).softmax(dim=-1)
             warming = (self.training_calls <= self.warmup_steps).to(probs.dtype)
             probs = probs * (1 - warming) + uniform * warming
@@ -244,6 +244,8 @@ def add_per_example_experts(
     hidden = scaled(torch.bmm(tokens, expert_A.transpose(1, 2)), output_scale)
     if hidden.dtype != y.dtype:  # e.g. an fp32 base output under autocast
         return y.add_((torch.bmm(hidden, expert_B_t) * scaling).to(y.dtype))
+    if torch.compiler.is_compiling():  # inductor reuses the buffer anyway; in place, the graph gains copies and views
+        return torch.baddbmm(y, hidden, expert_B_t, alpha=scaling)
     return y.baddbmm_(hidden, expert_B_t, alpha=scaling)
 
 
@@ -363,8 +365,6 @@ def per_token(weights: torch.Tensor) -> torch.Tensor:
 # layer, and a cold compile builds every distinct kernel (SMEAR's first step took 1.9x LoRA's: compile_speed.py). As
 # two opaque operators they add none. Their forwards run the functions above; tests hold their backwards to autograd.
 
-aten = torch.ops.aten
-
 
 @torch.library.custom_op("peft_smear::masked_mean", mutates_args=())
 def masked_mean_op(hidden: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
@@ -386,9 +386,9 @@ def masked_mean_setup(ctx, inputs: tuple[torch.Tensor, torch.Tensor | None], out
 
 @torch.library.custom_op("peft_smear::route", mutates_args=())
 def route_op(
-    summary: torch.Tensor, params: list[torch.Tensor], keep: torch.Tensor | None
+    summary: torch.Tensor, params: list[torch.Tensor], noise: torch.Tensor | None, p: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return route(summary, params, keep)
+    return route(summary, params, noise, p)
 
 
 @torch.library.custom_op("peft_smear::route_backward", mutates_args=())
@@ -403,14 +403,14 @@ def route_backward(
     LayerNorms (recomputed: ``[batch + N, features]``, cheap), in fp32, returned in each tensor's dtype."""
     summary32, norm_weight, norm_bias, gain, weight = (t.float() for t in (summary, *params))
     features, eps = [summary.shape[-1]], 1e-5  # F.layer_norm's default eps, which route uses
-    normed, mean, rstd = aten.native_layer_norm(summary32, features, norm_weight, norm_bias, eps)
-    rows, row_mean, row_rstd = aten.native_layer_norm(weight, features, gain, None, eps)
-    grad_logits = aten._softmax_backward_data(grad_probs, probs, -1, torch.float32)
+    normed, mean, rstd = torch.ops.aten.native_layer_norm(summary32, features, norm_weight, norm_bias, eps)
+    rows, row_mean, row_rstd = torch.ops.aten.native_layer_norm(weight, features, gain, None, eps)
+    grad_logits = torch.ops.aten._softmax_backward_data(grad_probs, probs, -1, torch.float32)
     grad_normed = grad_logits @ rows + (0 if grad_normed is None else grad_normed)
-    grad_summary, grad_norm_weight, grad_norm_bias = aten.native_layer_norm_backward(
+    grad_summary, grad_norm_weight, grad_norm_bias = torch.ops.aten.native_layer_norm_backward(
         grad_normed, summary32, features, mean, rstd, norm_weight, norm_bias, [True, True, True]
     )
-    grad_weight, grad_gain, _ = aten.native_layer_norm_backward(
+    grad_weight, grad_gain, _ = torch.ops.aten.native_layer_norm_backward(
         grad_logits.T @ normed, weight, features, row_mean, row_rstd, gain, None, [True, True, False]
     )
     grads = (grad_summary, grad_norm_weight, grad_norm_bias, grad_gain, grad_weight)
@@ -420,13 +420,13 @@ def route_backward(
 def route_grads(ctx, grad_normed: torch.Tensor | None, grad_probs: torch.Tensor) -> tuple:
     summary, *params, probs = ctx.saved_tensors
     grad_summary, *grad_params = route_backward(summary, params, probs, grad_normed, grad_probs)
-    return grad_summary, grad_params, None
+    return grad_summary, grad_params, None, None
 
 
 masked_mean_op.register_fake(lambda hidden, mask: torch.empty_like(hidden[:, 0], dtype=torch.float32))
 masked_mean_backward.register_fake(lambda grad, mask, dtype: grad.new_empty(*mask.shape, grad.shape[1], dtype=dtype))
 route_op.register_fake(
-    lambda summary, params, keep: (
+    lambda summary, params, noise, p: (
         torch.empty_like(summary, dtype=torch.float32),
         summary.new_empty(summary.shape[0], params[3].shape[0], dtype=torch.float32),
     )
