@@ -244,8 +244,6 @@ def add_per_example_experts(
     hidden = scaled(torch.bmm(tokens, expert_A.transpose(1, 2)), output_scale)
     if hidden.dtype != y.dtype:  # e.g. an fp32 base output under autocast
         return y.add_((torch.bmm(hidden, expert_B_t) * scaling).to(y.dtype))
-    if torch.compiler.is_compiling():  # inductor reuses the buffer anyway; in place, the graph gains copies and views
-        return torch.baddbmm(y, hidden, expert_B_t, alpha=scaling)
     return y.baddbmm_(hidden, expert_B_t, alpha=scaling)
 
 
