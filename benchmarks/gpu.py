@@ -628,8 +628,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--figure",
         type=Path,
-        default=Path("benchmarks/figures/gpu_curve.png"),
-        help="where the cost curve's plot goes (when the curve part ran)",
+        default=None,
+        help="where the cost curve's plot goes (when the curve part ran); default: figures/gpu_curve.png beside the "
+        "results file with --append-results, else curve.png in --output-dir (a dry run never replaces the GPU's)",
     )
     add_results_option(parser)
     parser.add_argument("--part", choices=PARTS, default=None, help=argparse.SUPPRESS)
@@ -673,11 +674,19 @@ def publish(records: list[dict], args: argparse.Namespace, combined_by: str | No
 
     curve = latest_outcomes(records).get("curve", {})
     shown = None
-    if curve.get("status") == "ran" and args.figure is not None:
-        args.figure.parent.mkdir(parents=True, exist_ok=True)
-        speed.plot_curve(curve["result"]["rows"], args.figure)
+    if curve.get("status") == "ran":
+        figure = args.figure
+        if figure is None:
+            published = args.append_results is not None
+            figure = (
+                args.append_results.parent / "figures" / "gpu_curve.png"
+                if published
+                else args.output_dir / "curve.png"
+            )
+        figure.parent.mkdir(parents=True, exist_ok=True)
+        speed.plot_curve(curve["result"]["rows"], figure)
         results = args.append_results.parent if args.append_results is not None else Path.cwd()
-        shown = os.path.relpath(args.figure, results)
+        shown = os.path.relpath(figure, results)
     section = results_section(records, combined_by, shown)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     (args.output_dir / "gpu.md").write_text(section)

@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -117,6 +118,25 @@ def test_results_section_names_the_device_and_sums_up_the_checks(run):
     for part in ("dtypes", "qlora", "serving"):  # the checks that must hold on any machine
         assert f"{part}: all checks passed" in summary
     assert "![SMEAR and the ensemble over LoRA against each dimension of the work](figures/curve.png)" in section
+
+
+def test_a_run_that_publishes_nothing_draws_its_curve_beside_its_results(run, tmp_path):
+    """Only a section appended to a results file puts its plot beside that file (``figures/gpu_curve.png``): a dry
+    run on the CPU must never replace the GPU's plot in ``benchmarks/figures``."""
+    record = tmp_path / "gpu.json"
+    record.write_text(json.dumps(run[2]))
+    committed = Path(gpu.__file__).parent / "figures" / "gpu_curve.png"
+    before = committed.read_bytes() if committed.exists() else None
+    assert gpu.main(["--combine", str(record), "--output-dir", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "curve.png").stat().st_size > 0
+    assert (committed.read_bytes() if committed.exists() else None) == before
+    results = tmp_path / "published" / "RESULTS.md"
+    results.parent.mkdir()
+    assert (
+        gpu.main(["--combine", str(record), "--output-dir", str(tmp_path / "out"), "--append-results", str(results)])
+        == 0
+    )
+    assert (results.parent / "figures" / "gpu_curve.png").stat().st_size > 0
 
 
 def test_a_part_stopped_at_its_limit_is_reported_with_how_far_it_got():
