@@ -21,7 +21,7 @@ import peft_smear
 from conftest import VOCAB, random_batch, tiny_llama
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Wide enough that every batched matmul runs the BLAS kernels real models do: below 400 multiply-adds per batch
 # entry, CPU bmm takes a plain loop of its own, whose rounding differs from mm's in the last bit.
 SIZES = {"hidden_size": 64, "intermediate_size": 96}
@@ -31,7 +31,7 @@ ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 METHODS: dict[str, dict] = {
     "smear": {},
     "smear_paper_router": {"routing": "smear", "router_balance_weight": 0.0},
-    "smear_options": {"routing": "smear", "router_temperature": 2.0, "router_warmup_steps": 5, "lora_dropout": 0.1},
+    "smear_options": {"routing": "smear", "router_temperature": 2.0, "router_warmup_steps": 5},
     "ensemble": {"routing": "ensemble", "expert_dropout": 0.1},
     "top_k": {"routing": "top_k", "top_k": 2, "expert_dropout": 0.1},
     "st_gumbel": {"routing": "st_gumbel"},
@@ -179,6 +179,7 @@ def wide_t5() -> T5ForConditionalGeneration:
         pad_token_id=0,
         decoder_start_token_id=0,
         eos_token_id=1,
+        dropout_rate=0.0,
     )
     return T5ForConditionalGeneration(config).eval()
 
@@ -191,6 +192,7 @@ def t5_cases(dtype_name: str) -> dict[str, torch.Tensor]:
         init_weights=False,
         target_modules=["q", "k", "v", "o", "wi", "wo"],
         task_type="SEQ_2_SEQ_LM",
+        expert_dropout=0.0,  # routers that read the encoder decide together across blocks: another draw order
     )
     model = moved(get_peft_model(wide_t5().to(DTYPES[dtype_name]), config))
     batch = random_batch(3, 6, seed=5, lengths=[6, 4, 3])
@@ -215,6 +217,8 @@ def wide_bert() -> BertForSequenceClassification:
         max_position_embeddings=64,
         num_labels=3,
         pad_token_id=0,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
         **SIZES,
     )
     return BertForSequenceClassification(config).eval()

@@ -1,7 +1,8 @@
 """What the layers of one SMEAR model share about the current call of the wrapped model, split by job
-(:class:`RoutingContext`): the call's masks and inputs (:class:`CallState`), its auxiliary losses
-(:class:`AuxLosses`), the routing kept for ``generate``, and who watches the routing. And :class:`CallRouterInputs`,
-what one layer hands its router, built from values.
+(:class:`RoutingContext`): the call's masks, inputs and what is computed once per call for every layer
+(:class:`CallState`), its auxiliary losses (:class:`AuxLosses`), the routing kept for ``generate``, which layers read
+one input (and decide together), and who watches the routing. And :class:`CallRouterInputs`, what one layer hands its
+router, built from values.
 
 The tuner fills it on every call of the wrapped model; the layers read it. It deliberately outlives the call:
 gradient checkpointing re-runs layer forwards during backward, after any per-call hook is gone, and must route
@@ -11,7 +12,8 @@ exactly as the forward did.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .packing import PackedLayout
-from .smear import masked_mean
+from .smear import keep_experts, masked_mean, pool, token_weights
 from .types import CallInput, Params, RouterInputs, RoutingDecision
 
 
@@ -59,17 +61,46 @@ ROUTING_MASK = CallInput(
 """The one ``smear_*`` input of the method itself: every other is declared by the routers that read it."""
 
 
-def require(condition: torch.Tensor, message: Callable[[], str]) -> None:
-    """Raise ``ValueError(message())`` unless the one-element bool tensor ``condition`` holds.
+class HostChecks:
+    """Checks of a call's tensor values that never make the host wait for the device.
 
-    A check on tensor values reads them on the host, once per call. Under ``torch.compile`` it becomes an assertion
-    inside the graph instead (``torch._assert_async``, raising ``RuntimeError`` with the message's fixed part), so
-    that validating the input costs no graph break.
+    Reading a device tensor on the host waits for every kernel queued before it, a stall LoRA does not have. A check
+    is copied to the host without blocking instead, and read once the copy has landed: at once on a CPU, at the end
+    of the call or, at the latest, when the next call starts on a GPU. Compiled, it is an assertion inside the graph
+    (``torch._assert_async``, raising ``RuntimeError`` with the message's fixed part), so that it breaks no graph.
     """
-    if torch.compiler.is_compiling():
-        torch._assert_async(condition, "peft-smear: invalid routing input; run the model uncompiled for details")
-    elif not bool(condition):
-        raise ValueError(message())
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[torch.Tensor, Any, Callable[[], str], bool]] = []
+
+    def require(self, holds: torch.Tensor, message: Callable[[], str], warn: bool = False, wait: bool = False) -> None:
+        """Raise ``ValueError(message())`` (``warn``: warn it) unless every element of the bool tensor ``holds`` is
+        true; ``wait``: read it now, for a value the call cannot go on without (an index)."""
+        if torch.compiler.is_compiling():
+            if not warn:
+                torch._assert_async(holds.all(), "peft-smear: invalid routing input; run it uncompiled for details")
+            return
+        host = holds.to("cpu", non_blocking=True)
+        event = torch.cuda.Event() if holds.is_cuda else None
+        if event is not None:
+            event.record()
+        self.pending.append((host, event, message, warn))
+        self.resolve(wait=wait)
+
+    def resolve(self, wait: bool) -> None:
+        """Read every check whose copy has landed (``wait``: wait for them), raising or warning for those that fail."""
+        pending, self.pending = self.pending, []
+        for host, event, message, warn in pending:
+            if event is not None and not event.query():
+                if not wait:
+                    self.pending.append((host, event, message, warn))
+                    continue
+                event.synchronize()
+            if not all(host.flatten().tolist()):  # a host tensor: read without any device operation
+                if not warn:
+                    self.pending = []
+                    raise ValueError(message())
+                warnings.warn(message(), stacklevel=4)
 
 
 def expand_rows(tensor: torch.Tensor | None, batch_size: int, name: str) -> torch.Tensor | None:
@@ -87,6 +118,7 @@ def prompt_mask(
     labels: torch.Tensor | None,
     routing_mask: torch.Tensor | None,
     prefix_length: int | None,
+    checks: HostChecks,
 ) -> torch.Tensor:
     """The tokens of each example a causal LM's layers route on: its prompt, never its response.
 
@@ -100,7 +132,8 @@ def prompt_mask(
        whole sequence;
     4. otherwise (a bare prompt, e.g. at generation) every real token.
 
-    Returns a bool mask of ``shape`` (``[batch, seq]``), or of the attention mask's shape when one is given.
+    Returns a bool mask of ``shape`` (``[batch, seq]``), or of the attention mask's shape when one is given. Its
+    checks go to ``checks``, so that they make the host wait for nothing.
     """
     if attention_mask is not None:
         real = attention_mask.bool()
@@ -119,8 +152,8 @@ def prompt_mask(
             )
         selected = real & F.pad(explicit, (0, seq_len - explicit.shape[1]), value=False)
         empty = ~selected.any(dim=1) & real.any(dim=1)
-        require(
-            ~empty.any(),
+        checks.require(
+            ~empty,
             lambda: (
                 f"smear_routing_mask selects none of the real tokens of example(s) "
                 f"{empty.nonzero().flatten().tolist()}: every example needs at least one token to route on."
@@ -138,8 +171,8 @@ def prompt_mask(
         first_label = torch.where(supervised.any(dim=1), supervised.int().argmax(dim=1), seq_len)
         prompt = real & (torch.arange(seq_len, device=real.device) < first_label.unsqueeze(1))
         without_prompt = ~prompt.any(dim=1) & real.any(dim=1)
-        require(
-            ~without_prompt.any(),
+        checks.require(
+            ~without_prompt,
             lambda: (
                 f"Prompt routing found no prompt in example(s) {without_prompt.nonzero().flatten().tolist()}: "
                 + NO_PROMPT
@@ -150,22 +183,23 @@ def prompt_mask(
     return real
 
 
-def several_prompts(labels: torch.Tensor, real: torch.Tensor | None) -> bool:
-    """Whether some row's labels switch from unlabelled to labelled more than once: several prompt/response pairs,
-    as in a packed row (or a multi-turn conversation)."""
+def several_prompts(labels: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+    """``[batch]`` bool: whether each row's labels switch from unlabelled to labelled more than once, several
+    prompt/response pairs, as in a packed row (or a multi-turn conversation)."""
     labelled = labels != -100
     if real is not None:
         labelled &= real.to(labelled.device).bool()
     run_starts = labelled.clone()
     run_starts[:, 1:] &= ~labelled[:, :-1]
-    return bool((run_starts.sum(dim=1) > 1).any())
+    return run_starts.sum(dim=1) > 1
 
 
 @dataclass
 class CallState:
     """What the current call of the wrapped model (or of its encoder) says about its examples: the padding mask, the
     token labels and ids, the layout of packed sequences, the ``smear_*`` inputs and, for the decoder of an
-    encoder-decoder, the encoder's summary. Per-token fields of a packed call hold the padded batch of its sequences
+    encoder-decoder, the encoder's summary; and what every layer needs of it, computed once per call (the routing
+    tokens' weights, expert dropout's draw). Per-token fields of a packed call hold the padded batch of its sequences
     (``[sequences, longest]``); the layers unpack their inputs to match."""
 
     attention_mask: torch.Tensor | None = None
@@ -181,6 +215,10 @@ class CallState:
     and what a routing method keeps for its ``finish_call``."""
     adapters: list[str] | None = None
     """A mixed batch's (PEFT's ``adapter_names=``): the adapter of each example, ``"__base__"`` for none."""
+    checks: HostChecks = field(default_factory=HostChecks)
+    dropout_order: dict[Any, tuple[torch.nn.Module, ...]] = field(default_factory=dict)
+    """Per expert count and dropout rate, the routers that drew expert dropout in the last call, in order: this
+    call draws for all of them at once."""
     _warned_unmarked_packing: bool = field(default=False, repr=False)
 
     def set_inputs(self, values: dict[str, torch.Tensor]) -> None:
@@ -257,7 +295,7 @@ class CallState:
                 warnings.warn(PROMPT_UNKNOWN_IN_TRAINING, stacklevel=5)
             self._warn_if_unmarked_packing(prefix_length)
             self.memo[key] = prompt_mask(
-                (batch_size, seq_len), self.attention_mask, self.labels, routing_mask, prefix_length
+                (batch_size, seq_len), self.attention_mask, self.labels, routing_mask, prefix_length, self.checks
             )
             if self.packing is not None and routing_mask is None and prefix_length is None and self.labels is not None:
                 self._refuse_boundary_prompts(self.memo[key])
@@ -270,12 +308,48 @@ class CallState:
             )
         return mask
 
+    def token_weights(self, mask: Callable[[], torch.Tensor | None], key: tuple) -> torch.Tensor | None:
+        """The weights of the routing tokens that ``mask()`` marks (:func:`~peft_smear.core.smear.token_weights`),
+        computed once per call for every layer that routes by the same rule (``key``)."""
+        key = ("weights", *key)
+        if key not in self.memo:
+            token_mask = mask()
+            self.memo[key] = None if token_mask is None else token_weights(token_mask)
+        return self.memo[key]
+
+    def kept_experts(
+        self, routers: Sequence[torch.nn.Module], p: float, batch_size: int, device: torch.device
+    ) -> torch.Tensor:
+        """Expert dropout's mask for ``routers`` (``[G, batch, N]`` bool), drawn once per call for every router.
+
+        The call's first draw covers the routers that drew in the last call, in their order, so that one ``uniform_``
+        draws the numbers they drew one by one (on a CPU, the very same numbers); routers it does not cover draw their
+        own. Gradient checkpointing's recomputation finds the mask its routers had.
+        """
+        num_experts = routers[0].num_experts
+        key = ("kept experts", num_experts, p)
+        if key not in self.memo:
+            order = self.dropout_order.get(key, {})
+            kept = keep_experts(torch.empty(len(order), batch_size, num_experts, device=device).uniform_(), p)
+            self.memo[key] = {router: (kept, i) for i, router in enumerate(order)}
+            self.dropout_order[key] = {}
+        drawn = self.memo[key]
+        self.dropout_order[key].update(dict.fromkeys(routers))
+        if any(router not in drawn or drawn[router][0].shape[1] != batch_size for router in routers):
+            kept = keep_experts(torch.empty(len(routers), batch_size, num_experts, device=device).uniform_(), p)
+            drawn.update({router: (kept, i) for i, router in enumerate(routers)})
+        slots = [drawn[router] for router in routers]
+        kept, first = slots[0]
+        if all(slab is kept and i == first + k for k, (slab, i) in enumerate(slots)):
+            return kept[first : first + len(slots)]
+        return torch.stack([slab[i] for slab, i in slots])
+
     def _refuse_boundary_prompts(self, prompts: torch.Tensor) -> None:
         """Packing collators (TRL's, transformers' DataCollatorWithFlattening) set the label of every sequence's first
         token to -100, a boundary, not a prompt: plain-text SFT packed that way would route each sequence on its first
         token alone, where the same data unpacked has no prompt and is refused. A packed call in which every sequence's
         prompt is its first token alone is refused too (a one-token prompt among longer ones is a prompt)."""
-        require(
+        self.checks.require(
             (prompts.sum(dim=1) != 1).any(),
             lambda: (
                 "Prompt routing found that every packed sequence's prompt is its first token alone: packing marks "
@@ -286,16 +360,19 @@ class CallState:
         )
 
     def _warn_if_unmarked_packing(self, prefix_length: int | None) -> None:
-        """Warn once when labels look like several sequences packed in a row that came without boundaries. Reading
-        the labels would break a compiled graph, so compiled calls skip it (an uncompiled call shows it)."""
+        """Warn once when labels look like several sequences packed in a row that came without boundaries. Compiled
+        calls skip it (an uncompiled call shows it)."""
         skip = self._warned_unmarked_packing or self.packing is not None or prefix_length is not None
         if skip or torch.compiler.is_compiling():
             return
         labels = self.labels
         if ROUTING_MASK.name not in self.inputs and labels is not None and labels.dim() == 2:
-            self._warned_unmarked_packing = several_prompts(labels, self.attention_mask)
-            if self._warned_unmarked_packing:
-                warnings.warn(UNMARKED_PACKING, stacklevel=6)
+
+            def warned() -> str:
+                self._warned_unmarked_packing = True
+                return UNMARKED_PACKING
+
+            self.checks.require(~several_prompts(labels, self.attention_mask), warned, warn=True)
 
 
 @dataclass
@@ -307,6 +384,7 @@ class CallRouterInputs(RouterInputs):
 
     routed: torch.Tensor
     call: CallState
+    aux: AuxLosses
     router_input: str
     prefix_length: int | None
     training: bool
@@ -328,6 +406,7 @@ class CallRouterInputs(RouterInputs):
         return self.routed.reshape(self.batch_size, -1, self.routed.shape[-1])
 
     def summary(self) -> torch.Tensor:
+        """Pooled once per call for every layer that reads the same tensor by the same rule."""
         if self.router_input == "encoder":
             summary = self.call.encoder_summary
             if summary is None:
@@ -342,7 +421,13 @@ class CallRouterInputs(RouterInputs):
             return summary
         if self.routed.dim() == 2:  # one row per example (e.g. BERT's pooler): the row is the summary
             return self.routed.float()
-        return masked_mean(self.tokens(), self.token_mask())
+        key = ("summary", id(self.routed), self.routed._version, self.router_input, self.prefix_length)
+        pooled = self.memo.get(key)
+        if pooled is None or pooled[0]() is not self.routed:  # an id is reused once its tensor is freed
+            shape = tuple(self.routed.shape[:2])
+            weights = self.call.token_weights(self.token_mask, (self.router_input, self.prefix_length, shape))
+            pooled = self.memo[key] = (weakref.ref(self.routed), pool(self.routed, weights))
+        return pooled[1]
 
     def token_mask(self) -> torch.Tensor | None:
         if self.routed.dim() != 3:
@@ -362,6 +447,12 @@ class CallRouterInputs(RouterInputs):
     def padding_mask(self) -> torch.Tensor | None:
         return self.call.attention_mask
 
+    def kept_experts(self, routers: Sequence[torch.nn.Module], p: float) -> torch.Tensor:
+        return self.call.kept_experts(routers, p, self.batch_size, self.device)
+
+    def require(self, holds: torch.Tensor, message: Callable[[], str], wait: bool = False) -> None:
+        self.call.checks.require(holds, message, wait=wait)
+
 
 @dataclass
 class RowRouterInputs(CallRouterInputs):
@@ -380,8 +471,8 @@ class RowRouterInputs(CallRouterInputs):
         return None if value is None else value[torch.tensor(self.rows, device=value.device)]
 
     def summary(self) -> torch.Tensor:
-        if self.router_input != "encoder":
-            return super().summary()
+        if self.router_input != "encoder":  # pooled for these rows alone
+            return self.routed.float() if self.routed.dim() == 2 else masked_mean(self.tokens(), self.token_mask())
         summary = self.call.encoder_summary
         if summary is not None and summary.shape[0] != self.call_batch:
             raise ValueError(
@@ -455,39 +546,69 @@ class AuxLosses:
 
     values: dict[str, torch.Tensor] = field(default_factory=dict)
     """The losses the layers added during the current call (already weighted), by name."""
+    balanced: list[tuple[torch.Tensor, float]] = field(default_factory=list)
+    """The distributions ``[batch, N]`` (and weights) whose load balancing the call adds once its layers have run."""
     without_autograd: bool = False
     """Whether a layer computed one of them with autograd disabled, as reentrant gradient checkpointing runs it."""
     gradient_scale: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
 
     def begin(self) -> None:
         """Forget the previous call's losses."""
-        self.values, self.without_autograd, self.gradient_scale = {}, False, torch.zeros(())
+        self.values, self.balanced, self.without_autograd, self.gradient_scale = {}, [], False, torch.zeros(())
 
-    def carry(self, output: torch.Tensor, losses: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
-        """Add a layer's losses to the call's and return its output, or, recomputed in backward, hang them on it. Left
-        out of compiled graphs (no graph break per layer): the recomputation runs eagerly even in a compiled model."""
+    def carry(self, output: torch.Tensor, decisions: Sequence[RoutingDecision]) -> torch.Tensor:
+        """Add the losses of a layer's decisions to the call's and return its output, or, recomputed in backward, hang
+        them on it. Left out of compiled graphs (no graph break per layer): the recomputation runs eagerly even in a
+        compiled model."""
+        losses = [(name, value) for decision in decisions for name, value in decision.aux_losses.items()]
+        balanced = [decision.balance for decision in decisions if decision.balance is not None]
+        if not (losses or balanced):
+            return output
         if not torch.compiler.is_compiling() and in_backward():
-            total = sum(value for _, value in losses)
+            total = sum(value for _, value in losses) + sum(load_balance(p.unsqueeze(0), w) for p, w in balanced)
             return AuxLossHook.apply(output, total, self.gradient_scale.to(total.device))
         if not torch.is_grad_enabled():
             self.without_autograd = True
         for name, value in losses:
-            self.values[name] = self.values[name] + value if name in self.values else value
+            self.add(name, value)
+        self.balanced += balanced
         return output
+
+    def add(self, name: str, value: torch.Tensor) -> None:
+        self.values[name] = self.values[name] + value if name in self.values else value
+
+    def totals(self) -> dict[str, torch.Tensor]:
+        """This call's losses by name, the load balancing of every router computed now, once per weight and shape."""
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for probs, weight in self.balanced:
+            groups.setdefault((weight, probs.shape), []).append(probs)
+        self.balanced = []
+        for (weight, _), probs in groups.items():
+            self.add("router_balance", load_balance(torch.stack(probs), weight))
+        return self.values
 
     def added_to(self, loss: torch.Tensor, training: bool) -> torch.Tensor:
         """``loss`` plus this call's losses: through the probe when they were computed without a graph in a training
         call with autograd on (reentrant checkpointing: they train when the layers are recomputed)."""
-        total = sum(self.values.values())
+        total = sum(self.totals().values())
         if self.without_autograd and training and torch.is_grad_enabled():
             anchor = torch.zeros((), device=loss.device, requires_grad=True)
             return loss + LossGradientProbe.apply(anchor, total.to(loss.device, loss.dtype), self.gradient_scale)
         return loss + total
 
 
+def load_balance(probs: torch.Tensor, weight: float) -> torch.Tensor:
+    """``weight * sum_g (N * sum_n mean_b(p_gbn)^2 - 1)`` for ``probs [G, batch, N]``: 0 for an even load, ``N - 1``
+    per router when every example goes to one expert."""
+    return weight * (probs.shape[-1] * probs.mean(dim=1).square().sum() - probs.shape[0])
+
+
 Observer = Callable[[torch.nn.Module, str, RoutingDecision, bool], None]
 """Called with ``(layer, adapter_name, decision, generating)`` for every routing decision a layer applies;
 ``generating``: inside ``generate``, whose steps reuse the decision made at prefill."""
+
+LayerKey = tuple[torch.nn.Module, str]
+"""A wrapped layer and an adapter's name."""
 
 
 @dataclass
@@ -496,13 +617,47 @@ class RoutingContext:
 
     call: CallState = field(default_factory=CallState)
     aux: AuxLosses = field(default_factory=AuxLosses)
-    routing_cache: dict[tuple[torch.nn.Module, str], RoutingDecision] | None = None
+    routing_cache: dict[LayerKey, RoutingDecision] | None = None
     """During ``generate``: the decision every layer made at prefill, reused for every later step."""
     observers: list[Observer] = field(default_factory=list)
     """Who watches the routing (:mod:`peft_smear.training`: recording, statistics): called for every decision a
     layer applies, but not for gradient checkpointing's recomputation of a layer."""
+    groups: dict[LayerKey, tuple[LayerKey, ...]] = field(default_factory=dict)
+    """The layers that read one input and route it alike, found in earlier calls, by their first: it decides for all
+    of them (``Router.route_together``)."""
+    clocks: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    """The routers that count the training calls (``Router.keeps_training_clock``)."""
+    _readers: dict[int, tuple[weakref.ref, int, list[LayerKey]]] = field(default_factory=dict)
+    _shared: dict[LayerKey, tuple[weakref.ref, int, RoutingDecision]] = field(default_factory=dict)
 
-    def cached_decision(self, key: tuple[torch.nn.Module, str], batch_size: int) -> RoutingDecision | None:
+    def begin(self) -> None:
+        """A new call of the wrapped model: the inputs the last one's layers read in common become groups."""
+        self.call.checks.resolve(wait=True)
+        for _, _, keys in self._readers.values():
+            self.groups.update(dict.fromkeys(keys, ()))
+            self.groups[keys[0]] = tuple(keys) if len(keys) > 1 else ()
+        self._readers, self._shared = {}, {}
+
+    def note_reader(self, key: LayerKey, routed: torch.Tensor) -> None:
+        """``key`` routed ``routed`` alone, in a way its group may share."""
+        entry = self._readers.get(id(routed))
+        if entry is None or entry[0]() is not routed or entry[1] != routed._version:
+            self._readers[id(routed)] = entry = (weakref.ref(routed), routed._version, [])
+        entry[2].append(key)
+
+    def share(self, keys: Sequence[LayerKey], decisions: Sequence[RoutingDecision], routed: torch.Tensor) -> None:
+        """Keep the decisions a group's first layer made for the others, for the input they all read."""
+        reference = weakref.ref(routed)
+        self._shared.update((key, (reference, routed._version, d)) for key, d in zip(keys, decisions, strict=True))
+
+    def shared_decision(self, key: LayerKey, routed: torch.Tensor) -> RoutingDecision | None:
+        """The decision this call's group leader made for ``key`` on ``routed``, if it is the input it read."""
+        entry = self._shared.pop(key, None)
+        if entry is None or entry[0]() is not routed or entry[1] != routed._version:
+            return None
+        return entry[2]
+
+    def cached_decision(self, key: LayerKey, batch_size: int) -> RoutingDecision | None:
         """Inside ``generate``, the decision ``key`` (a layer and adapter) made at prefill: decode steps see only the
         new token, and routing on it would both differ from training and change as the answer grows."""
         if self.routing_cache is None or key not in self.routing_cache:
@@ -514,7 +669,7 @@ class RoutingContext:
             )
         return decision
 
-    def observe(self, key: tuple[torch.nn.Module, str], decision: RoutingDecision) -> None:
+    def observe(self, key: LayerKey, decision: RoutingDecision) -> None:
         """Every decision a layer applies passes here: kept for reuse inside ``generate``, and shown to the
         observers."""
         generating = self.routing_cache is not None

@@ -7,6 +7,7 @@ each) and says how to merge them, pick one, apply one expert per example, and mi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -83,6 +84,14 @@ class ExpertKind:
     def merge(self, params: Params, probs: torch.Tensor, dtype: torch.dtype) -> Expert:
         """Each example's merged expert, ``sum_n probs[b, n] * theta_n`` for every parameter, cast to ``dtype``."""
         raise NotImplementedError
+
+    @classmethod
+    def merge_together(
+        cls, kinds: Sequence[ExpertKind], params: Sequence[Params], probs: torch.Tensor, dtype: torch.dtype
+    ) -> list[Expert]:
+        """The merged experts of layers that read one input (``probs [G, batch, N]``, one distribution per layer), as
+        :meth:`merge` gives each; a kind may merge them in fewer operations."""
+        return [kind.merge(p, w, dtype) for kind, p, w in zip(kinds, params, probs.unbind(0), strict=True)]
 
     def gather(
         self, params: Params, expert_index: torch.Tensor, dtype: torch.dtype, up_index: torch.Tensor | None = None

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from .base_layers import bitsandbytes_layer_types
 from .context import CallRouterInputs, RoutingContext, RowRouterInputs
 from .experts import EXPERT_KINDS, ExpertKind
 from .registration import BaseTunerLayer
@@ -65,8 +64,6 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         self.base_layer = base_layer
         self.module_name = module_name  # routers that need a per-layer key (a seed, a salt) take it from here
         self.in_features, self.out_features = in_out_features(self.get_base_layer())
-        # bitsandbytes' 8-bit matmul may return a view that autograd forbids changing in place
-        self.output_may_be_locked_view = isinstance(self.get_base_layer(), bitsandbytes_layer_types())
         self.routing_context = routing_context
         self.merged_adapters: list[str] = []  # own list: BaseTunerLayer's is shared at class level
         self.expert_kind: dict[str, ExpertKind] = {}
@@ -106,6 +103,8 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         features = kind.router_features if router_features is None else router_features
         router = ROUTERS[config.routing](features, config, self.module_name)
         self.smear_router[adapter_name] = router.train(self.training)  # a new module starts in training mode
+        if router.keeps_training_clock:
+            self.routing_context.clocks.add(router)
 
         self._move_adapter_to_device_of_base_layer(adapter_name)
         self.set_adapter(self.active_adapters, inference_mode=inference_mode)
@@ -114,14 +113,16 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         return self.smear_router[adapter_name].num_experts
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        adapters = [name for name in self.active_adapters if name in self.expert_kind]
-        if self.disable_adapters or not adapters:
+        if self.disable_adapters:
             return self.base_layer(x, *args, **kwargs)
-        if self.routing_context.call.adapters is not None:
+        if self.routing_context.call.adapters is not None:  # PEFT's mixed batch names each example's adapter
             return self._mixed_batch_forward(x, *args, **kwargs)
+        adapters = [name for name in self.active_adapters if name in self.expert_kind]
+        if not adapters:
+            return self.base_layer(x, *args, **kwargs)
         # One example per row: a packed row holds several sequences, each an example of its own.
         packing = self.routing_context.call.packing
-        x_each = packing.unpack(x) if packing is not None else x
+        x_each = packing.unpack(x, shared=True) if packing is not None else x
         tokens = x_each.reshape(x_each.shape[0], -1, x_each.shape[-1])  # [examples, tokens, in]
         # Kinds that act on the module's input (IA3 on a feed-forward input) apply their experts before it runs.
         inputs, decisions = x, []
@@ -132,7 +133,7 @@ class SmearLinear(nn.Module, BaseTunerLayer):
                 scaled = self.apply_experts(name, decisions[-1], tokens, tokens, params).reshape(x_each.shape)
                 inputs = packing.pack(scaled) if packing is not None else scaled
         # 1. The base output, on the rows as they came.
-        y = self._base_output(inputs, *args, **kwargs)
+        y = self.base_layer(inputs, *args, **kwargs)
         y_each = packing.unpack(y) if packing is not None else y
         out = y_each.reshape(y_each.shape[0], -1, y_each.shape[-1])  # [examples, tokens, out]
         for name in adapters:
@@ -148,12 +149,12 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             out = self.apply_experts(name, decisions[-1], expert_input, out, params)
         result = out.reshape(y_each.shape)
         result = packing.pack(result) if packing is not None else result
-        losses = [(name, value) for decision in decisions for name, value in decision.aux_losses.items()]
-        return self.routing_context.aux.carry(result, losses) if losses else result
+        return self.routing_context.aux.carry(result, decisions)
 
     def _mixed_batch_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         """PEFT's ``adapter_names=``: each example through its own adapter (routed on its own rows, as alone), the
-        ``"__base__"`` ones (and those of an adapter this layer lacks) through the wrapped module alone."""
+        ``"__base__"`` ones (and those of an adapter this layer lacks) through the wrapped module alone. Whether the
+        adapter is active does not matter: the names say which runs."""
         if self.routing_context.call.packing is not None:
             raise ValueError(
                 "adapter_names= gives each example its adapter, but this batch packs several sequences per row; pass "
@@ -169,7 +170,7 @@ class SmearLinear(nn.Module, BaseTunerLayer):
                 decision = self.route(name, x[index], rows=rows, call_batch=x.shape[0])
                 scaled = self.apply_experts(name, decision, tokens[index], tokens[index])
                 inputs = inputs.index_copy(0, index, scaled.reshape(x[index].shape))
-        y = self._base_output(inputs, *args, **kwargs)
+        y = self.base_layer(inputs, *args, **kwargs)
         out = y.reshape(y.shape[0], -1, y.shape[-1])
         for name, rows in groups.items():
             kind = self.expert_kind[name]
@@ -180,12 +181,6 @@ class SmearLinear(nn.Module, BaseTunerLayer):
                 out = out.index_copy(0, index, self.apply_experts(name, decision, tokens[index], out[index]))
         return out.reshape(y.shape)
 
-    def _base_output(self, inputs: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        result = self.base_layer(inputs, *args, **kwargs)
-        if self.output_may_be_locked_view and torch.is_grad_enabled() and result._is_view():
-            result = result.clone()  # experts add into the output in place, which autograd forbids on such a view
-        return result
-
     def route(
         self,
         adapter_name: str,
@@ -195,7 +190,8 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         call_batch: int = 0,
     ) -> RoutingDecision:
         """How ``adapter_name``'s experts (``params``, unless read here) apply to each example (or token) of
-        ``routed``: inside ``generate`` the decision made at prefill, else the router's decision on what it reads
+        ``routed``: inside ``generate`` the decision made at prefill; else the one its group's first layer made for
+        the same input this call; else the router's decision on what it reads, for the layers of its group too
         (``rows``: which examples of the ``call_batch`` the layer sees ``routed`` holds, in a mixed batch)."""
         key, router, context = (self, adapter_name), self.smear_router[adapter_name], self.routing_context
         fixed = self.fixed_routing.get(adapter_name)
@@ -203,20 +199,39 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         decision = None if router.per_token else context.cached_decision(key, routed.shape[0])
         if fixed is not None:
             decision = RoutingDecision(weights=fixed.to(routed.device).expand(routed.shape[0], -1))
+        elif decision is None and rows is not None:  # a mixed batch: the call's inputs of these rows alone
+            inputs = self._router_inputs(adapter_name, routed, params)
+            decision = router(RowRouterInputs(**vars(inputs), rows=rows, call_batch=call_batch))
         elif decision is None:
-            inputs = CallRouterInputs(
-                routed,
-                context.call,
-                self.router_input[adapter_name],
-                self.routing_prefix_length[adapter_name],
-                self.training,
-                self.expert_params(adapter_name) if params is None else params,
-            )
-            if rows is not None:  # a mixed batch: the call's inputs of these rows alone
-                inputs = RowRouterInputs(**vars(inputs), rows=rows, call_batch=call_batch)
-            decision = router(inputs)
+            decision = context.shared_decision(key, routed) if router.route_together else None
+            if decision is None:
+                group = context.groups.get(key) if router.route_together else None
+                inputs = self._router_inputs(adapter_name, routed, params)
+                if group:  # this layer leads the layers that read this input: it decides for all of them
+                    decisions = router.route_together([layer.smear_router[name] for layer, name in group], inputs)
+                    context.share(group[1:], decisions[1:], routed)
+                    decision = decisions[0]
+                    if decision.together is not None:
+                        experts = [(layer.expert_kind[n], layer.expert_params(n)) for layer, n in group]
+                        decision.together.experts = experts
+                else:
+                    decision = router(inputs)
+            if router.route_together:
+                context.note_reader(key, routed)
         context.observe(key, decision)
         return decision
+
+    def _router_inputs(self, adapter_name: str, routed: torch.Tensor, params: Params | None) -> CallRouterInputs:
+        context = self.routing_context
+        return CallRouterInputs(
+            routed,
+            context.call,
+            context.aux,
+            self.router_input[adapter_name],
+            self.routing_prefix_length[adapter_name],
+            self.training,
+            self.expert_params(adapter_name) if params is None else params,
+        )
 
     def apply_experts(
         self,
@@ -228,7 +243,7 @@ class SmearLinear(nn.Module, BaseTunerLayer):
     ) -> torch.Tensor:
         """``y`` changed by ``adapter_name``'s experts (``params``, unless read here) as ``decision`` says: their
         outputs mixed, or each example's one expert, chosen or merged. ``x [batch, tokens, in]`` is the module's
-        input; ``y`` its output, updated in place (see :meth:`ExpertKind.apply`), or its input for kinds that act on it
+        input; ``y`` its output (see :meth:`ExpertKind.apply`), or its input for kinds that act on it
         (``scales_input``)."""
         kind = self.expert_kind[adapter_name]
         params = self.expert_params(adapter_name) if params is None else params
@@ -238,17 +253,24 @@ class SmearLinear(nn.Module, BaseTunerLayer):
 
     @staticmethod
     def _expert(kind: ExpertKind, params: Params, decision: RoutingDecision, dtype: torch.dtype) -> Expert:
-        """Each example's expert under ``decision``: the chosen one, or the merge of all by its weights.
+        """Each example's expert under ``decision``: the chosen one, or the merge of all by its weights (with the
+        experts of the layers whose decisions were made together with it, in one go).
 
         Kept on the decision, so a decision reused across calls (every step of ``generate``) builds it only once, at
         prefill: per decoded token the merge would cost a quarter of the base layer's work at N=8, r=8, width 512.
         """
         if decision.per_example_expert is None:
-            decision.per_example_expert = (
-                kind.gather(params, decision.expert_index, dtype, decision.up_expert_index)
-                if decision.expert_index is not None
-                else kind.merge(params, decision.weights, dtype)
-            )
+            together = decision.together
+            if decision.expert_index is not None:
+                index, up_index = decision.expert_index, decision.up_expert_index
+                decision.per_example_expert = kind.gather(params, index, dtype, up_index)
+            elif together is not None and together.experts:
+                kinds, each = zip(*together.experts, strict=True)
+                experts = type(kind).merge_together(kinds, each, together.weights, dtype)
+                for member, expert in zip(together.decisions, experts, strict=True):
+                    member.per_example_expert = expert
+            else:
+                decision.per_example_expert = kind.merge(params, decision.weights, dtype)
         return decision.per_example_expert
 
     def expert_params(self, adapter_name: str) -> Params:

@@ -34,8 +34,13 @@ ADAPTER_NAMES = "adapter_names"  # PEFT's mixed batches: each example's adapter
 
 def known_call_inputs() -> dict[str, CallInput]:
     """Every ``smear_*`` input a call may bring: the core's routing mask and those the registered routers read."""
+    return _call_inputs_of(tuple(ROUTERS.values()))
+
+
+@functools.lru_cache(maxsize=4)
+def _call_inputs_of(routers: tuple[type[Router], ...]) -> dict[str, CallInput]:
     inputs = {ROUTING_MASK.name: ROUTING_MASK}
-    for router in ROUTERS.values():
+    for router in routers:
         inputs.update((call_input.name, call_input) for call_input in router.call_inputs)
     return inputs
 
@@ -117,6 +122,7 @@ class SmearModel(BaseTuner):
         self._call_labels = arguments.get("labels")
         if tokens is not None and not self._is_encoder_decoder:
             _check_labels(self._call_labels, tokens.shape[:2], per_token=self._generates_text)
+        self.routing_context.begin()
         self.routing_context.aux.begin()
         if self.model.training:
             self._count_training_call()
@@ -128,13 +134,7 @@ class SmearModel(BaseTuner):
 
     def _count_training_call(self) -> None:
         """Advance the clock of every router that follows a schedule (one in-place add for all of them)."""
-        clocks = [
-            router.training_calls
-            for module in self.model.modules()
-            if isinstance(module, SmearLinear)
-            for router in module.smear_router.values()
-            if router.keeps_training_clock
-        ]
+        clocks = [router.training_calls for router in self.routing_context.clocks]
         if clocks:
             torch._foreach_add_(clocks, 1)
 
@@ -159,7 +159,7 @@ class SmearModel(BaseTuner):
         for router in dict.fromkeys(ROUTERS[config.routing] for config in self._active_configs()):
             if router.finish_call is not None:
                 finished.update(router.finish_call(call))
-        losses = {**aux.values, **finished}
+        losses = {**aux.totals(), **finished}
         if not losses:
             return output
         labels = self._call_labels

@@ -8,6 +8,7 @@ module itself runs on the packed rows, with no work on padding.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -46,10 +47,16 @@ class PackedLayout:
         self._unpack_index = (first_token.unsqueeze(1) + positions).reshape(-1)  # padded slot -> packed token
         self._pack_index = sequence_of_token * self.max_length + offset  # packed token -> padded slot
         self._indices = {device: (self._unpack_index, self._pack_index)}
+        self._last_unpacked: tuple[weakref.ref, int, torch.Tensor] | None = None
 
-    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+    def unpack(self, x: torch.Tensor, shared: bool = False) -> torch.Tensor:
         """A packed layer input or output ``[rows, tokens, ...]`` as ``[sequences, longest, ...]``; padded slots
-        repeat a real token of their sequence (finite values; every mask of the call excludes them)."""
+        repeat a real token of their sequence (finite values; every mask of the call excludes them). ``shared``: a
+        layer input, which the layers that read it too (q, k and v) get unpacked once, so that they route it
+        together."""
+        last = self._last_unpacked
+        if shared and last is not None and last[0]() is x and last[1] == x._version:
+            return last[2]
         if x.dim() < 3 or tuple(x.shape[:2]) != (self.rows, self.row_length):
             raise ValueError(
                 f"This call packs {self.num_sequences} sequences in [{self.rows}, {self.row_length}] rows, but a "
@@ -58,7 +65,10 @@ class PackedLayout:
             )
         unpack_index, _ = self._on(x.device)
         tail = x.shape[2:]
-        return x.reshape(-1, *tail).index_select(0, unpack_index).view(self.num_sequences, self.max_length, *tail)
+        unpacked = x.reshape(-1, *tail).index_select(0, unpack_index).view(self.num_sequences, self.max_length, *tail)
+        if shared:
+            self._last_unpacked = (weakref.ref(x), x._version, unpacked)
+        return unpacked
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """``[sequences, longest, ...]`` -> ``[rows, tokens, ...]``, the inverse of :meth:`unpack` on real tokens."""

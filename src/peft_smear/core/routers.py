@@ -9,11 +9,10 @@ is one of its last two components, so a nested parameter would stay uninitialise
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .types import CallInput, Option, RouterInputs, RoutingDecision, register
@@ -71,6 +70,20 @@ class Router(nn.Module):
     """A classmethod ``finish_call(call)`` of methods that add losses (by name, weighted) once the model's output
     exists (a :class:`~peft_smear.core.model.ModelCall`): called once per model call."""
 
+    route_together: ClassVar[Callable[[Sequence[Router], RouterInputs], list[RoutingDecision]] | None] = None
+    """A classmethod ``route_together(routers, inputs)`` of methods whose routers, in layers that read one input with
+    the same settings (Llama's q, k and v), decide in one go: what ``router(inputs)`` decides for each, in order."""
+
+    exportable: ClassVar[bool] = True
+    """Whether a fixed routing of the method can be written as one plain adapter (export's trait): not for a
+    per-token router or an output mixture."""
+
+    default_lr_ratio: ClassVar[float] = 1.0
+    """The router's learning rate over the experts' that :func:`peft_smear.create_router_optimizer` gives it."""
+
+    over_existing_adapters: ClassVar[bool] = False
+    """Whether the method routes over a bank of separately trained adapters (:func:`peft_smear.build_expert_bank`)."""
+
     def __init__(self, features: int, config: PeftConfig, module_name: str) -> None:
         super().__init__()
         self.num_experts = config.num_experts
@@ -90,6 +103,28 @@ class Router(nn.Module):
 
     def forward(self, inputs: RouterInputs) -> RoutingDecision:
         raise NotImplementedError
+
+    def fixed_distribution(self, task: int | None = None) -> torch.Tensor | None:
+        """``[num_experts]`` fp32: how every example (of task ``task``) is routed at inference whatever its content,
+        where the method has such a routing (export's trait), else ``None``."""
+        return None
+
+    def untrained_experts(self) -> list[int]:
+        """The experts this router has not been trained for yet (the model card lists them)."""
+        return []
+
+
+class NormalisedInputRouter(Router):
+    """A linear map of ``LN(pooled)`` (no bias): ``weight [rows, features]`` and the input LayerNorm's gain and bias,
+    the parameters SMEAR's router and DSelect-k's gate share. Subclasses say what the ``rows`` are and turn the
+    logits into a decision."""
+
+    def __init__(self, features: int, config: PeftConfig, module_name: str, rows: int | None = None) -> None:
+        super().__init__(features, config, module_name)
+        rows = config.num_experts if rows is None else rows
+        self.weight = nn.Parameter(torch.randn(rows, features) * config.router_init_std)
+        self.input_norm_weight = nn.Parameter(torch.ones(features))
+        self.input_norm_bias = nn.Parameter(torch.zeros(features))
 
 
 ROUTERS: dict[str, type[Router]] = {}
@@ -114,6 +149,8 @@ def mixed(weights: torch.Tensor) -> RoutingDecision:
 
 
 def one_expert(index: torch.Tensor, num_experts: int, output_scale: torch.Tensor | None = None) -> RoutingDecision:
-    """The expert ``index [batch]`` for each example, its output times ``output_scale [batch]`` if given."""
-    weights = F.one_hot(index, num_experts).float()
+    """The expert ``index [batch]`` (in range, as every router's choice is) for each example, its output times
+    ``output_scale [batch]`` if given. Not ``F.one_hot``, which reads the indices back to check them: a host sync
+    per layer."""
+    weights = torch.zeros(index.shape[0], num_experts, device=index.device).scatter_(1, index.unsqueeze(1), 1.0)
     return RoutingDecision(weights=weights, expert_index=index, output_scale=output_scale)

@@ -1,12 +1,20 @@
 """SMEAR on one page (Muqeeth, Liu & Raffel, *Soft Merging of Experts with Adaptive Routing*): SMEAR's router and its
-default experts, LoRAs, in the order a wrapped layer runs them for a batch ``x [batch, tokens, in]`` with N experts
-``A [N, r, in]``, ``B [N, out, r]``:
+default experts, LoRAs, in the order a model call runs them.
 
-1. pool:  ``pooled = masked_mean(x, routing_mask)``                 ``[batch, in]`` fp32, over each example's
-   routing tokens (its real tokens; for a causal LM its prompt)
-2. route: ``p = softmax(LN(pooled) @ LN_rows(W).T)``               ``[batch, N]`` fp32, experts dropped in training
-3. merge: ``A_b = sum_n p_bn A_n``, ``B_b = sum_n p_bn B_n``         ``[batch, r, in]``, ``[batch, r, out]`` (B^T)
-4. apply: ``y = base(x) + (x @ A_b^T) @ B_b^T * scaling``          ``[batch, tokens, out]``
+Once per call (:class:`~peft_smear.core.context.CallState`): the tokens each example is routed on, as weights
+``w [batch, tokens]`` (``1 / count`` at each of them); expert dropout's draw for every router; and, once the layers
+have run, the load-balancing loss over every router's distribution.
+
+Once per distinct input ``x [batch, tokens, in]``, for the G routers of the wrapped layers that read it (Llama's q,
+k and v read one, gate and up another):
+
+1. pool:  ``pooled = w @ x``                                   ``[batch, in]`` fp32
+2. route: ``p = softmax(LN(pooled) @ LN_rows(W).T)``           ``[G, batch, N]`` fp32, experts dropped in training
+
+Per wrapped layer, with its N LoRA experts ``A [N, r, in]``, ``B [N, out, r]`` (the A of a group in one go):
+
+3. merge: ``A_b = sum_n p_bn A_n``, ``B_b = sum_n p_bn B_n``     ``[batch, r, in]``, ``[batch, out, r]``
+4. apply: ``y = base(x) + (x @ A_b^T) @ B_b^T * scaling``      ``[batch, tokens, out]``
 
 A and B are merged separately: that is SMEAR's merged expert, not the mixture of the experts' outputs
 ``sum_n p_n B_n A_n x``, and it costs one LoRA per example. ``reference_smear_forward`` in ``tests/conftest.py`` takes
@@ -15,7 +23,6 @@ the same four steps one example at a time in float64, and the tests hold this pa
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -26,8 +33,8 @@ from torch import nn
 
 from .checks import integer, number, require_bool, require_probability
 from .experts import ExpertKind, register_expert_kind
-from .routers import Router, register_router
-from .types import Expert, Option, Params, RouterInputs, RoutingDecision
+from .routers import NormalisedInputRouter, register_router
+from .types import Expert, Option, Params, RouterInputs, RoutingDecision, Together
 
 
 if TYPE_CHECKING:
@@ -37,27 +44,32 @@ if TYPE_CHECKING:
 # 1. Pool ---------------------------------------------------------------------------------------------------------
 
 
-def masked_mean(hidden: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
-    """``[batch, tokens, features]`` -> ``[batch, features]`` fp32: the mean over each example's tokens where
-    ``token_mask`` is nonzero (all tokens when it is ``None``).
+def pool(hidden: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """``[batch, tokens, features]`` -> ``[batch, features]`` fp32: each example's tokens weighted by ``weights``
+    (:func:`token_weights`), or their plain mean when ``None``.
 
-    One batched matmul with per-token weights (``mask / count``): it reads the input once and, for fp32 inputs,
-    allocates nothing of its size (half-precision inputs are upcast first, so the sum accumulates in fp32). Padded
-    positions get weight 0, so their values must be finite; transformers' eager and SDPA attention keep them finite.
-    Compiled, it is one opaque operator (end of this page).
+    One batched matmul: it reads the input once and, for fp32 inputs, allocates nothing of its size (half-precision
+    inputs are upcast first, so the sum accumulates in fp32). Weighted-out positions must hold finite values;
+    transformers' eager and SDPA attention keep padding finite. Compiled, it is an opaque operator
+    (:mod:`~peft_smear.core.compiled`).
     """
     if torch.compiler.is_compiling():
-        return torch.ops.peft_smear.masked_mean(hidden, token_mask)
+        return torch.ops.peft_smear.pool(hidden, weights)
     hidden = hidden.float()
-    if token_mask is None:
+    if weights is None:
         return hidden.mean(dim=1)
-    return torch.bmm(token_weights(token_mask, hidden.device).unsqueeze(1), hidden).squeeze(1)
+    return torch.bmm(weights.unsqueeze(1), hidden).squeeze(1)
 
 
-def token_weights(token_mask: torch.Tensor, device: torch.device) -> torch.Tensor:
+def token_weights(token_mask: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
     """``[batch, tokens]`` fp32: ``1 / count`` at the ``count`` nonzero positions of each row of ``token_mask``."""
     weights = (token_mask != 0).to(device=device, dtype=torch.float32)
     return weights / weights.sum(dim=1, keepdim=True).clamp(min=1)
+
+
+def masked_mean(hidden: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
+    """The mean over each example's tokens where ``token_mask`` is nonzero (all when ``None``), fp32."""
+    return pool(hidden, None if token_mask is None else token_weights(token_mask, hidden.device))
 
 
 # 2. Route --------------------------------------------------------------------------------------------------------
@@ -68,27 +80,26 @@ ROW_NORM_INIT_GAIN = 1e-2
 
 
 def route(
-    summary: torch.Tensor, params: Sequence[torch.Tensor], noise: torch.Tensor | None = None, p: float = 0.0
+    summary: torch.Tensor, params: Sequence[torch.Tensor], drop: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``LN(summary)`` and the router's distribution over it (:func:`router_probabilities`), both fp32; ``params``
-    are the input LayerNorm's weight and bias, the rows' LayerNorm gain and the rows; ``noise``, expert dropout's
-    draw (:func:`keep_experts`). Compiled, it is one opaque operator (end of this page)."""
+    """G routers' ``LN(summary)`` ``[G, batch, features]`` and distributions ``[G, batch, N]``, both fp32:
+    ``softmax(LN(summary) @ LN_rows(W).T)``. ``params``: the input LayerNorms' weights and biases and the rows'
+    LayerNorm gains, ``[G, features]`` each, and the rows ``[G, N, features]``; ``drop`` ``[G, batch, N]``, expert
+    dropout: 0 for a kept expert, -inf for a dropped one, so that the softmax renormalises over the rest (rescaling
+    the probabilities instead gives a sharp router whose kept ones all underflow a NaN gradient, ``1/sum**2``).
+
+    Normalising both sides keeps the logits from saturating the softmax; the rows' gain is learned, so routing can
+    still sharpen where that helps. Compiled, it is an opaque operator (:mod:`~peft_smear.core.compiled`)."""
     if torch.compiler.is_compiling():
-        return torch.ops.peft_smear.route(summary, list(params), noise, p)
-    norm_weight, norm_bias, row_norm_weight, weight = params
-    normed = F.layer_norm(summary.float(), (summary.shape[-1],), norm_weight.float(), norm_bias.float())
-    keep = None if noise is None else keep_experts(noise, p)
-    return normed, router_probabilities(normed, row_norm_weight, weight, keep)
-
-
-def router_probabilities(
-    normed_input: torch.Tensor, row_norm_weight: torch.Tensor, weight: torch.Tensor, keep: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``softmax(normed_input @ LN_rows(weight).T)`` in fp32: ``[batch, features]`` -> ``[batch, num_experts]``,
-    with only the experts in ``keep`` (:func:`keep_experts`), if given. Normalising both sides keeps the logits from
-    saturating the softmax; the rows' gain is learned, so routing can still sharpen where that helps."""
-    normed_rows = F.layer_norm(weight.float(), (weight.shape[-1],), row_norm_weight.float())
-    return drop_experts(normed_input @ normed_rows.T, keep).softmax(dim=-1)
+        return torch.ops.peft_smear.route(summary, list(params), drop)
+    norm_weight, norm_bias, gain, rows = (tensor.float() for tensor in params)
+    features = (summary.shape[-1],)
+    # Every router normalises the same summary: once, then each router's own scale and shift.
+    normed = torch.addcmul(norm_bias.unsqueeze(1), F.layer_norm(summary.float(), features), norm_weight.unsqueeze(1))
+    rows = F.layer_norm(rows, features) * gain.unsqueeze(1)
+    if drop is None:
+        return normed, torch.bmm(normed, rows.transpose(1, 2)).softmax(dim=-1)
+    return normed, torch.baddbmm(drop, normed, rows.transpose(1, 2)).softmax(dim=-1)
 
 
 def keep_experts(noise: torch.Tensor, p: float) -> torch.Tensor:
@@ -97,38 +108,30 @@ def keep_experts(noise: torch.Tensor, p: float) -> torch.Tensor:
     return keep | ~keep.any(dim=-1, keepdim=True)
 
 
-def drop_experts(logits: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-    """``logits`` with the experts not in ``keep`` at -inf, so the softmax renormalises over the rest: rescaling
-    probabilities instead gives a sharp router whose kept probabilities all underflow a NaN gradient (``1/sum**2``)."""
-    return logits if keep is None else logits.masked_fill(~keep, float("-inf"))
+def drop_bias(keep: torch.Tensor) -> torch.Tensor:
+    """What :func:`route` adds to the logits for the experts in ``keep``: 0 where kept, -inf where dropped."""
+    return keep.float().log()
 
 
-class NormalisedInputRouter(Router):
-    """A linear map of ``LN(pooled)`` (no bias): ``weight [rows, features]`` and the input LayerNorm's gain and bias.
-    Subclasses say what the ``rows`` are and turn the logits into a decision."""
-
-    def __init__(self, features: int, config: PeftConfig, module_name: str, rows: int | None = None) -> None:
-        super().__init__(features, config, module_name)
-        rows = config.num_experts if rows is None else rows
-        self.weight = nn.Parameter(torch.randn(rows, features) * config.router_init_std)
-        self.input_norm_weight = nn.Parameter(torch.ones(features))
-        self.input_norm_bias = nn.Parameter(torch.zeros(features))
-
-
-class ProbabilityRouter(NormalisedInputRouter):
-    """``softmax(LN(pooled) @ LN_rows(W).T / router_temperature)`` in fp32, with expert dropout in training: the
-    distribution SMEAR merges by (:meth:`decide`), which other methods sharing this router turn into their own
-    decisions.
+@register_router
+class SmearRouter(NormalisedInputRouter):
+    """SMEAR: the experts' parameters are merged by the router's distribution into one expert per example,
+    ``softmax(LN(pooled) @ LN_rows(W).T / router_temperature)`` in fp32, with expert dropout in training.
 
     Three options against router collapse: a temperature that softens the logits, a warm-up during which every
     example is routed uniformly (the experts differentiate under expert dropout before the router commits; the router
     learns nothing meanwhile), and a load-balancing loss on the batch's mean routing,
     ``router_balance_weight * (N * sum_n mean_p_n^2 - 1)`` per router (0 for an even load, N - 1 when every example
-    goes to one expert), added to the model's loss as ``router_balance``. All are off by default (the paper's
-    router), except SMEAR's load balancing, which won on the collapse benchmark.
+    goes to one expert), added to the model's loss as ``router_balance``. Load balancing is on by default (0.01): it
+    beat the paper's router on the collapse benchmark (``benchmarks/RESULTS.md``); ``router_balance_weight=0.0`` with
+    the other two at their defaults is the paper's router. Other methods turn the same distribution into decisions of
+    their own (:class:`~peft_smear.core.probability.ProbabilityRouter`).
     """
 
+    name = "smear"
+    description = "the router's distribution averages the experts' parameters into one expert per example"
     accepts_expert_dropout = True
+    default_expert_dropout = 0.1
     keeps_training_clock = True  # the warm-up's
     options = (
         Option(
@@ -145,7 +148,7 @@ class ProbabilityRouter(NormalisedInputRouter):
         ),
         Option(
             "router_balance_weight",
-            0.0,
+            0.01,
             "weight of a load-balancing loss on each router's mean routing over the batch (0: the paper's)",
             number(inclusive=True),
         ),
@@ -161,46 +164,48 @@ class ProbabilityRouter(NormalisedInputRouter):
         self.balance_weight = options["router_balance_weight"]
 
     def forward(self, inputs: RouterInputs) -> RoutingDecision:
-        summary = inputs.summary()  # 1. pooled (masked_mean): [batch, features] fp32
-        dropout = self.expert_dropout if self.training else 0.0
-        # Drawn by uniform_, which inductor leaves to ATen; rand would become a kernel compiled anew for every layer.
-        noise = torch.empty(summary.shape[0], self.num_experts, device=summary.device).uniform_() if dropout else None
-        # Dividing the rows' LayerNorm gain divides the logits: the weight itself is normalised away.
-        gain = self.row_norm_weight if self.temperature == 1 else self.row_norm_weight / self.temperature
-        # 2. LN(pooled) [batch, features] and the distribution [batch, N], fp32
-        params = (self.input_norm_weight, self.input_norm_bias, gain, self.weight)
-        normed, probs = route(summary, params, noise, dropout)
-        if self.warmup_steps and self.training:
+        return self.route_together([self], inputs)[0]
+
+    @classmethod
+    def route_together(cls, routers: Sequence[SmearRouter], inputs: RouterInputs) -> list[RoutingDecision]:
+        """The decisions of ``routers``, which read the same input with the same settings: one summary, one
+        :func:`route` for all of them."""
+        first = routers[0]
+        summary = inputs.summary()  # 1. pooled: [batch, features] fp32
+        dropout = first.expert_dropout if first.training else 0.0
+        keep = inputs.kept_experts(routers, dropout) if dropout else None  # [G, batch, N], drawn once per call
+        drop = None if keep is None else drop_bias(keep)
+        # The parameters of all the routers as one tensor, sliced: one operation (and none in backward).
+        stacked = torch.cat(
+            [t.unsqueeze(0) for r in routers for t in (r.input_norm_weight, r.input_norm_bias, r.row_norm_weight)]
+            + [r.weight for r in routers]
+        )
+        G = len(routers)
+        norm_weight, norm_bias, gain = stacked[: 3 * G].view(G, 3, -1).unbind(1)
+        if first.temperature != 1:  # dividing the rows' gain divides the logits: the rows are normalised anyway
+            gain = gain / first.temperature
+        rows = stacked[3 * G :].view(G, first.num_experts, -1)
+        normed, probs = route(summary, (norm_weight, norm_bias, gain, rows), drop)  # 2. [G, batch, *] fp32
+        if first.warmup_steps and first.training:
             # Uniform (over the kept experts) while warming up, by arithmetic rather than a branch on the counter, so
             # that a compiled model neither breaks its graph nor recompiles; the router's gradient is zero meanwhile.
-            keep = None if noise is None else keep_experts(noise, dropout)
-            uniform = drop_experts(torch.zeros_like(probs), keep).softmax(dim=-1)
-            warming = (self.training_calls <= self.warmup_steps).to(probs.dtype)
-            probs = probs * (1 - warming) + uniform * warming
-        decision = self.decide(probs, normed, inputs)
-        if self.training and self.balance_weight > 0:
-            mean = probs.mean(dim=0)
-            decision.aux_losses["router_balance"] = self.balance_weight * (self.num_experts * mean.square().sum() - 1)
-        return decision
+            uniform = torch.zeros_like(probs) if drop is None else drop
+            warming = (first.training_calls <= first.warmup_steps).to(probs.dtype)
+            probs = probs * (1 - warming) + uniform.softmax(dim=-1) * warming
+        each = probs.unbind(0)
+        decisions = [router.decide(p, n, inputs) for router, p, n in zip(routers, each, normed.unbind(0), strict=True)]
+        if len(routers) > 1 and all(d.weights is p for d, p in zip(decisions, each, strict=True)):
+            together = Together(probs, decisions)  # merges: the experts too can be merged in one go
+            for decision in decisions:
+                decision.together = together
+        if first.training and first.balance_weight > 0:  # the call adds every router's load balancing at its end
+            for decision, p in zip(decisions, each, strict=True):
+                decision.balance = (p, first.balance_weight)
+        return decisions
 
     def decide(self, probs: torch.Tensor, normed: torch.Tensor, inputs: RouterInputs) -> RoutingDecision:
         """SMEAR's decision: merge the experts' parameters by the distribution (3., 4. below)."""
         return RoutingDecision(weights=probs)
-
-
-@register_router
-class SmearRouter(ProbabilityRouter):
-    """SMEAR: the experts' parameters are merged by the router's distribution into one expert per example. Its load
-    balancing is on by default (``router_balance_weight=0.01``): it beat the paper's router on the collapse benchmark
-    (``benchmarks/RESULTS.md``); ``router_balance_weight=0.0`` gives the paper's router."""
-
-    name = "smear"
-    description = "the router's distribution averages the experts' parameters into one expert per example"
-    options = tuple(
-        dataclasses.replace(option, default=0.01) if option.name == "router_balance_weight" else option
-        for option in ProbabilityRouter.options
-    )
-    default_expert_dropout = 0.1
 
 
 # 3. Merge --------------------------------------------------------------------------------------------------------
@@ -214,13 +219,14 @@ def merge_parameter(parameter: torch.Tensor, probs: torch.Tensor, dtype: torch.d
     return merged.view(-1, *parameter.shape[1:]).to(dtype)
 
 
-def merge_lora_experts(
-    lora_A: torch.Tensor, lora_B: torch.Tensor, probs: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each example's merged expert: ``sum_n p_n A_n`` as ``[batch, r, in]`` and ``(sum_n p_n B_n)^T`` as
-    ``[batch, r, out]``, from ``probs [batch, N]``, cast to ``dtype`` (the activations'). B is merged already
-    transposed, so that applying it needs no copy."""
-    return merge_parameter(lora_A, probs, dtype), merge_parameter(lora_B.transpose(1, 2), probs, dtype)
+def merge_lora_A(lora_As: Sequence[torch.Tensor], probs: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The merged A of G layers that read one input, ``[batch, r, in]`` each, from their ``[G, batch, N]``
+    distributions: one batched matmul and one cast for all of them."""
+    if len(lora_As) == 1:
+        return [merge_parameter(lora_As[0], probs[0], dtype)]
+    stacked = torch.stack(lora_As)  # [G, N, r, in]
+    merged = torch.bmm(probs.to(stacked.dtype), stacked.flatten(2)).to(dtype)
+    return [a.view(-1, *stacked.shape[2:]) for a in merged.unbind(0)]
 
 
 # 4. Apply --------------------------------------------------------------------------------------------------------
@@ -230,21 +236,18 @@ def add_per_example_experts(
     y: torch.Tensor,
     tokens: torch.Tensor,
     expert_A: torch.Tensor,
-    expert_B_t: torch.Tensor,
+    expert_B: torch.Tensor,
     scaling: float,
     output_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``y [batch, tokens, out]`` plus ``tokens [batch, tokens, in]`` through each example's own expert
-    (``[batch, r, in]``, ``[batch, r, out]``), times ``scaling`` and each example's ``output_scale``: the cost of one
-    rank-r LoRA.
-
-    ``y`` is updated in place: it is the wrapped module's fresh output, which nothing else holds (a linear layer
-    keeps its input for backward, not its output). The per-example scale goes on the rank-r hidden units and the
-    second matmul accumulates into ``y`` with the scaling as its ``alpha``, so no pass over the output is left."""
+    (``[batch, r, in]``, ``[batch, out, r]``), times ``scaling`` and each example's ``output_scale``: the cost of one
+    rank-r LoRA. The per-example scale goes on the rank-r hidden units and the second matmul adds into ``y`` with the
+    scaling as its ``alpha``, so no pass over the output is left."""
     hidden = scaled(torch.bmm(tokens, expert_A.transpose(1, 2)), output_scale)
     if hidden.dtype != y.dtype:  # e.g. an fp32 base output under autocast
-        return y.add_((torch.bmm(hidden, expert_B_t) * scaling).to(y.dtype))
-    return y.baddbmm_(hidden, expert_B_t, alpha=scaling)
+        return y + (torch.bmm(hidden, expert_B.transpose(1, 2)) * scaling).to(y.dtype)
+    return torch.baddbmm(y, hidden, expert_B.transpose(1, 2), alpha=scaling)
 
 
 def scaled(contribution: torch.Tensor, output_scale: torch.Tensor | None) -> torch.Tensor:
@@ -308,7 +311,19 @@ class LoraExperts(ExpertKind):
         return {"smear_lora_A": lora_A, "smear_lora_B": lora_B}
 
     def merge(self, params: Params, probs: torch.Tensor, dtype: torch.dtype) -> Expert:
-        return merge_lora_experts(params["smear_lora_A"], params["smear_lora_B"], probs, dtype)
+        lora_A, lora_B = params["smear_lora_A"], params["smear_lora_B"]
+        return merge_parameter(lora_A, probs, dtype), merge_parameter(lora_B, probs, dtype)
+
+    @classmethod
+    def merge_together(
+        cls, kinds: Sequence[ExpertKind], params: Sequence[Params], probs: torch.Tensor, dtype: torch.dtype
+    ) -> list[Expert]:
+        """Layers that read one input merge their A in one go (their B differ in size)."""
+        lora_As = merge_lora_A([p["smear_lora_A"] for p in params], probs, dtype)
+        return [
+            (lora_A, merge_parameter(p["smear_lora_B"], probs_g, dtype))
+            for lora_A, p, probs_g in zip(lora_As, params, probs.unbind(0), strict=True)
+        ]
 
     def apply(
         self, x: torch.Tensor, y: torch.Tensor, expert: Expert, output_scale: torch.Tensor | None
@@ -321,11 +336,15 @@ class LoraExperts(ExpertKind):
         """The one chosen expert of each example, laid out like :meth:`merge`'s: gathered, not merged, so a discrete
         routing costs exactly one rank-r LoRA."""
         up_index = expert_index if up_index is None else up_index
-        lora_A, lora_B = params["smear_lora_A"], params["smear_lora_B"]
-        return lora_A[expert_index].to(dtype), lora_B[up_index].transpose(1, 2).to(dtype)
+        return params["smear_lora_A"][expert_index].to(dtype), params["smear_lora_B"][up_index].to(dtype)
 
     def mix(self, x: torch.Tensor, y: torch.Tensor, params: Params, weights: torch.Tensor) -> torch.Tensor:
         return add_lora_mixture(y, x, params["smear_lora_A"], params["smear_lora_B"], weights, self.scaling)
+
+    def delta_weight(self, params: Params, distribution: torch.Tensor) -> torch.Tensor:
+        """The merged expert of a fixed routing as an update of the base weight, ``[out, in]``."""
+        lora_A, lora_B = self.merge(params, distribution[None], params["smear_lora_A"].dtype)
+        return (lora_B[0] @ lora_A[0]) * self.scaling
 
 
 def add_lora_mixture(
@@ -340,100 +359,18 @@ def add_lora_mixture(
     ``[batch, tokens, N]``.
 
     All experts run as one rank ``N * r`` LoRA whose rank dimensions are weighted by their expert's ``w_n``: one
-    dense matmul pair instead of N, but still N times the work of one expert. The second matmul accumulates into
-    ``y`` in place, as in :func:`add_per_example_experts`.
+    dense matmul pair instead of N, but still N times the work of one expert.
     """
     n, r, _ = lora_A.shape
     stacked_A = lora_A.reshape(n * r, -1).to(tokens.dtype)
     stacked_B = lora_B.permute(1, 0, 2).reshape(-1, n * r).to(tokens.dtype)
     hidden = tokens @ stacked_A.T * per_token(weights).repeat_interleave(r, dim=-1).to(tokens.dtype)
     if hidden.dtype != y.dtype:
-        return y.add_((hidden @ stacked_B.T * scaling).to(y.dtype))
-    y.view(-1, y.shape[-1]).addmm_(hidden.reshape(-1, n * r), stacked_B.T, alpha=scaling)
-    return y
+        return y + (hidden @ stacked_B.T * scaling).to(y.dtype)
+    flat = torch.addmm(y.reshape(-1, y.shape[-1]), hidden.reshape(-1, n * r), stacked_B.T, alpha=scaling)
+    return flat.view(y.shape)
 
 
 def per_token(weights: torch.Tensor) -> torch.Tensor:
     """Mixture weights as ``[batch, tokens or 1, N]``: per-example ``[batch, N]`` weights broadcast over the tokens."""
     return weights if weights.dim() == 3 else weights.unsqueeze(1)
-
-
-# torch.compile ---------------------------------------------------------------------------------------------------
-# Traced, steps 1 and 2 are a dozen small reductions that inductor fuses into their neighbours differently in each
-# layer, and a cold compile builds every distinct kernel (SMEAR's first step took 1.9x LoRA's: compile_speed.py). As
-# two opaque operators they add none. Their forwards run the functions above; tests hold their backwards to autograd.
-
-
-@torch.library.custom_op("peft_smear::masked_mean", mutates_args=())
-def masked_mean_op(hidden: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
-    return masked_mean(hidden, token_mask)
-
-
-@torch.library.custom_op("peft_smear::masked_mean_backward", mutates_args=())
-def masked_mean_backward(grad: torch.Tensor, token_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Each token's gradient: its weight in the mean times the mean's gradient, ``[batch, tokens, features]``."""
-    return (token_weights(token_mask, grad.device).unsqueeze(-1) * grad.unsqueeze(1)).to(dtype)
-
-
-def masked_mean_setup(ctx, inputs: tuple[torch.Tensor, torch.Tensor | None], output: torch.Tensor) -> None:
-    """Keep the token mask (all ones for none) and the input's dtype, never the input: only its shape is needed."""
-    hidden, token_mask = inputs
-    ctx.save_for_backward(hidden.new_ones(hidden.shape[:2]) if token_mask is None else token_mask)
-    ctx.dtype = hidden.dtype
-
-
-@torch.library.custom_op("peft_smear::route", mutates_args=())
-def route_op(
-    summary: torch.Tensor, params: list[torch.Tensor], noise: torch.Tensor | None, p: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return route(summary, params, noise, p)
-
-
-@torch.library.custom_op("peft_smear::route_backward", mutates_args=())
-def route_backward(
-    summary: torch.Tensor,
-    params: list[torch.Tensor],
-    probs: torch.Tensor,
-    grad_normed: torch.Tensor | None,
-    grad_probs: torch.Tensor,
-) -> list[torch.Tensor]:
-    """The gradients of :func:`route`'s summary and ``params`` through the softmax, the logits' matmul and both
-    LayerNorms (recomputed: ``[batch + N, features]``, cheap), in fp32, returned in each tensor's dtype."""
-    summary32, norm_weight, norm_bias, gain, weight = (t.float() for t in (summary, *params))
-    features, eps = [summary.shape[-1]], 1e-5  # F.layer_norm's default eps, which route uses
-    normed, mean, rstd = torch.ops.aten.native_layer_norm(summary32, features, norm_weight, norm_bias, eps)
-    rows, row_mean, row_rstd = torch.ops.aten.native_layer_norm(weight, features, gain, None, eps)
-    grad_logits = torch.ops.aten._softmax_backward_data(grad_probs, probs, -1, torch.float32)
-    grad_normed = grad_logits @ rows + (0 if grad_normed is None else grad_normed)
-    grad_summary, grad_norm_weight, grad_norm_bias = torch.ops.aten.native_layer_norm_backward(
-        grad_normed, summary32, features, mean, rstd, norm_weight, norm_bias, [True, True, True]
-    )
-    grad_weight, grad_gain, _ = torch.ops.aten.native_layer_norm_backward(
-        grad_logits.T @ normed, weight, features, row_mean, row_rstd, gain, None, [True, True, False]
-    )
-    grads = (grad_summary, grad_norm_weight, grad_norm_bias, grad_gain, grad_weight)
-    return [grad.to(t.dtype) for grad, t in zip(grads, (summary, *params), strict=True)]
-
-
-def route_grads(ctx, grad_normed: torch.Tensor | None, grad_probs: torch.Tensor) -> tuple:
-    summary, *params, probs = ctx.saved_tensors
-    grad_summary, *grad_params = route_backward(summary, params, probs, grad_normed, grad_probs)
-    return grad_summary, grad_params, None, None
-
-
-masked_mean_op.register_fake(lambda hidden, mask: torch.empty_like(hidden[:, 0], dtype=torch.float32))
-masked_mean_backward.register_fake(lambda grad, mask, dtype: grad.new_empty(*mask.shape, grad.shape[1], dtype=dtype))
-route_op.register_fake(
-    lambda summary, params, noise, p: (
-        torch.empty_like(summary, dtype=torch.float32),
-        summary.new_empty(summary.shape[0], params[3].shape[0], dtype=torch.float32),
-    )
-)
-route_backward.register_fake(lambda summary, params, *grads: [torch.empty_like(t) for t in (summary, *params)])
-masked_mean_op.register_autograd(
-    lambda ctx, grad: (masked_mean_backward(grad, *ctx.saved_tensors, ctx.dtype), None),
-    setup_context=masked_mean_setup,
-)
-route_op.register_autograd(
-    route_grads, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(inputs[0], *inputs[1], output[1])
-)

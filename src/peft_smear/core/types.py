@@ -4,8 +4,8 @@ and how expert parameters are passed. A leaf: it imports nothing of the package 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -35,6 +35,11 @@ class Option:
     help: str
     check: Check | None = None
     """Run on every value but ``None`` when the config is built; raises a ``ValueError`` naming the option."""
+
+
+def with_defaults(options: tuple[Option, ...], **defaults: Any) -> tuple[Option, ...]:
+    """``options`` with the given defaults changed: for a method that shares another's router."""
+    return tuple(replace(o, default=defaults[o.name]) if o.name in defaults else o for o in options)
 
 
 @dataclass(frozen=True)
@@ -80,9 +85,27 @@ class RoutingDecision:
     """Auxiliary losses of this decision, by name, already weighted (training only): the layer adds them to the
     call's and carries them through gradient checkpointing."""
 
+    balance: tuple[torch.Tensor, float] | None = None
+    """A distribution ``[batch, N]`` and a weight: the load-balancing loss the call adds for this decision once its
+    layers have run, for every router at once (``router_balance``), when the decision is applied."""
+
     per_example_expert: Expert | None = None
     """Each example's expert (merged by ``weights``, or the chosen one), once built: kept so that a decision reused
     across calls (every step of ``generate``) builds it only once."""
+
+    together: Together | None = None
+    """For merge decisions made in one go for layers that read one input: what merges their experts in one go too."""
+
+
+@dataclass
+class Together:
+    """The merge decisions of routers in layers that read one input (``Router.route_together``): their weights stacked
+    ``[G, batch, N]``, and, once the first layer has filled it in, each layer's expert kind and parameters, so that
+    the first of them to apply its experts merges all of theirs (``ExpertKind.merge_together``)."""
+
+    weights: torch.Tensor
+    decisions: list[RoutingDecision]
+    experts: list[tuple[Any, Params]] = field(default_factory=list)
 
 
 def register(table: dict[str, type], cls: type, base: type, setting: str, registrar: str) -> None:
@@ -138,3 +161,12 @@ class RouterInputs(Protocol):
 
     def padding_mask(self) -> torch.Tensor | None:
         """``[batch, tokens]``: the call's padding mask, nonzero at real tokens (``None``: all are real)."""
+
+    def kept_experts(self, routers: Sequence[torch.nn.Module], p: float) -> torch.Tensor:
+        """``[G, batch, N]`` bool: expert dropout's mask for ``routers`` (each expert dropped with probability ``p``,
+        never all of them), drawn once per call for every router."""
+
+    def require(self, holds: torch.Tensor, message: Callable[[], str], wait: bool = False) -> None:
+        """Raise ``ValueError(message())`` unless every element of the bool tensor ``holds`` is true, without making
+        the host wait for the device (read once its copy lands: at once on a CPU); ``wait``: read it now, for a
+        value the call cannot go on without (an index)."""

@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from ..core.checks import integer, is_integer, number
-from ..core.context import require
 from ..core.routers import ROUTERS, Router, merged, one_expert
 from ..core.types import CallInput, Option, RouterInputs, RoutingDecision
 from .losses import predicting_positions
@@ -84,8 +83,9 @@ class TaskRouter(Router):
         raise NotImplementedError
 
     def task_ids(self, inputs: RouterInputs) -> torch.Tensor:
-        """``[batch]`` int64 ``smear_task_ids``. Reading the ids back synchronises host and device, so they are
-        checked once per call (and limit), not in every layer."""
+        """``[batch]`` int64 ``smear_task_ids``, checked before any layer indexes by them (an index out of range
+        would be a device error). Reading them synchronises host and device, so they are checked once per call (and
+        limit), not in every layer."""
         task_ids = inputs.call_input(TASK_IDS.name)
         if task_ids is None:
             raise ValueError(
@@ -94,12 +94,13 @@ class TaskRouter(Router):
             )
         key, limit = ("task ids checked", self.task_limit), self.task_limit
         if key not in inputs.memo:
-            require(
-                ((task_ids >= 0) & (task_ids < limit)).all(),
+            inputs.require(
+                (task_ids >= 0) & (task_ids < limit),
                 lambda: (
                     f"smear_task_ids must be in [0, {limit}) for routing={self.name!r}, got "
                     f"{sorted(set(task_ids.tolist()))}."
                 ),
+                wait=True,
             )
             inputs.memo[key] = True
         return task_ids

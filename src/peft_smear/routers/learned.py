@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.checks import choice, integer, number
-from ..core.routers import mixed, one_expert
-from ..core.smear import NormalisedInputRouter, ProbabilityRouter
+from ..core.probability import ProbabilityRouter
+from ..core.routers import NormalisedInputRouter, mixed, one_expert
 from ..core.types import Option, RouterInputs, RoutingDecision
 from .common import require_top_k
 from .dselect_k_gate import dselect_k_entropy, dselect_k_gate, dselect_k_num_bits, init_dselect_k_

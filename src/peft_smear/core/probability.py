@@ -1,0 +1,15 @@
+"""The routers that share SMEAR's: other methods (ensemble, Top-k, ST-Gumbel, REINFORCE) turn SMEAR's distribution
+into decisions of their own (:meth:`~peft_smear.core.smear.SmearRouter.decide`)."""
+
+from __future__ import annotations
+
+from .smear import SmearRouter
+from .types import with_defaults
+
+
+class ProbabilityRouter(SmearRouter):
+    """SMEAR's router with the paper's defaults for the methods it compares SMEAR with: no load balancing and no
+    expert dropout unless set. A subclass names the method and overrides ``decide``."""
+
+    options = with_defaults(SmearRouter.options, router_balance_weight=0.0)
+    default_expert_dropout = 0.0
