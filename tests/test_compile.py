@@ -15,6 +15,7 @@ from peft import LoraConfig, get_peft_model
 
 import peft_smear
 from conftest import VOCAB, normalized, random_batch, tiny_bert, tiny_llama, tiny_t5
+from peft_smear.core.smear import drop_experts, token_weights
 
 
 KINDS = {
@@ -231,35 +232,45 @@ def test_expert_dropout_leaves_its_random_draws_to_aten():
 
 
 def reference_pool_and_route(hidden, token_mask, params, noise, p):
-    """Steps 1 and 2 of SMEAR one example at a time in float64, sharing no code with the package: the mean of the
-    example's masked tokens, its LayerNorm, and the softmax against the LayerNorm'd rows over the experts whose noise
-    is at least ``p`` (all of them where none is)."""
-    norm_weight, norm_bias, gain, weight = (param.double() for param in params)
-    rows = normalized(weight) * gain
+    """Steps 1 and 2 of SMEAR one example and router at a time in float64, sharing no code with the package: the
+    mean of the example's masked tokens, its LayerNorm, and the softmax against the LayerNorm'd rows over the experts
+    whose noise is at least ``p`` (all of them where none is)."""
+    norm_weights, norm_biases, gains, weights = (param.double() for param in params)
     normed, probs = [], []
-    for b in range(hidden.shape[0]):
-        tokens = [t for t in range(hidden.shape[1]) if token_mask is None or token_mask[b, t] != 0]
-        pooled = sum(hidden[b, t].double() for t in tokens) / len(tokens)
-        normed.append(normalized(pooled) * norm_weight + norm_bias)
-        logits = rows @ normed[-1]
-        kept = torch.tensor([noise is None or bool(noise[b, n] >= p) for n in range(len(logits))])
-        kept = kept if kept.any() else torch.ones_like(kept)
-        exp = torch.exp(logits - logits[kept].max()) * kept
-        probs.append(exp / exp.sum())
-    return torch.stack(normed), torch.stack(probs)
+    for g in range(weights.shape[0]):
+        rows = normalized(weights[g]) * gains[g]
+        for b in range(hidden.shape[0]):
+            tokens = [t for t in range(hidden.shape[1]) if token_mask is None or token_mask[b, t] != 0]
+            pooled = sum(hidden[b, t].double() for t in tokens) / len(tokens)
+            normed.append(normalized(pooled) * norm_weights[g] + norm_biases[g])
+            logits = rows @ normed[-1]
+            kept = torch.tensor([noise is None or bool(noise[b, n] >= p) for n in range(len(logits))])
+            kept = kept if kept.any() else torch.ones_like(kept)
+            exp = torch.exp(logits - logits[kept].max()) * kept
+            probs.append(exp / exp.sum())
+    return torch.stack(normed).view(weights.shape[0], hidden.shape[0], -1), torch.stack(probs).view(
+        weights.shape[0], hidden.shape[0], -1
+    )
 
 
 def router_case(dtype, masked, dropped):
-    """Leaves of one router call: hidden states ``[3, 5, 8]`` and the router's four tensors in ``dtype``, a token
-    mask with an example of one token and a padded one, and expert dropout's noise and probability, which leave an
-    example one expert and drop every expert of another (which then keeps them all)."""
+    """Leaves of two routers that read one input: hidden states ``[3, 5, 8]`` and the routers' four tensors stacked
+    in ``dtype``, a token mask with an example of one token and a padded one, and expert dropout's noise and
+    probability, which leave an example one expert and drop every expert of another (which then keeps them all)."""
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(3, 5, 8, generator=generator).to(dtype).requires_grad_()
-    shapes = [(8,), (8,), (8,), (4, 8)]
+    shapes = [(2, 8), (2, 8), (2, 8), (2, 4, 8)]
     params = [(torch.randn(shape, generator=generator) + 1).to(dtype).requires_grad_() for shape in shapes]
     token_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 1, 0, 0]]) if masked else None
     noise = torch.tensor([[0.9, 0.1, 0.7, 0.6], [0.2, 0.3, 0.1, 0.4], [0.3, 0.2, 0.8, 0.1]]) if dropped else None
     return hidden, token_mask, params, noise, 0.5
+
+
+def operator_inputs(hidden, token_mask, noise, p):
+    """What a layer hands the operators: the token weights and, for both routers, expert dropout's bias."""
+    weights = None if token_mask is None else token_weights(token_mask)
+    drop = None if noise is None else drop_experts(noise, p).expand(2, -1, -1)
+    return weights, drop
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -269,22 +280,23 @@ def router_case(dtype, masked, dropped):
 def test_the_opaque_router_operators_compute_pool_and_route_and_their_gradients(
     dtype, masked, dropped, normed_in_loss
 ):
-    """What a compiled model runs for steps 1 and 2 (``peft_smear::masked_mean``, ``peft_smear::route``; their
-    backwards are written by hand) equals a float64 computation, outputs and every input's gradient, in each input
-    dtype: the pooled states' gradient in the hidden states' dtype, the router's in its parameters'."""
+    """What a compiled model runs for steps 1 and 2 (``peft_smear::pool``, ``peft_smear::route``; their backwards
+    are written by hand) equals a float64 computation, outputs and every input's gradient, in each input dtype: the
+    pooled states' gradient in the hidden states' dtype, the routers' in their parameters'."""
     hidden, token_mask, params, noise, p = router_case(dtype, masked, dropped)
-    pooled = torch.ops.peft_smear.masked_mean(hidden, token_mask)
-    normed, probs = torch.ops.peft_smear.route(pooled, params, noise, p)
+    weights, drop = operator_inputs(hidden, token_mask, noise, p)
+    pooled = torch.ops.peft_smear.pool(hidden, weights)
+    normed, probs = torch.ops.peft_smear.route(pooled, params, drop)
     expected_normed, expected_probs = reference_pool_and_route(hidden, token_mask, params, noise, p)
     if dropped:
-        assert (probs[0] > 0).tolist() == [True, False, True, True] and (probs[1] > 0).all()
+        assert (probs[:, 0] > 0).tolist() == [[True, False, True, True]] * 2 and (probs[:, 1] > 0).all()
     assert pooled.dtype == normed.dtype == probs.dtype == torch.float32
     tolerance = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(normed.double(), expected_normed, **tolerance)
     torch.testing.assert_close(probs.double(), expected_probs, **tolerance)
 
     generator = torch.Generator().manual_seed(1)
-    probe_normed, probe_probs = torch.randn(3, 8, generator=generator), torch.randn(3, 4, generator=generator)
+    probe_normed, probe_probs = torch.randn(2, 3, 8, generator=generator), torch.randn(2, 3, 4, generator=generator)
 
     def loss(normed, probs):
         return (probs * probe_probs.to(probs.dtype)).sum() + normed_in_loss * (
@@ -305,22 +317,23 @@ def test_the_opaque_router_operators_compute_pool_and_route_and_their_gradients(
 def test_the_opaque_router_operators_pass_torch_library_opcheck(masked, dropped):
     """Schema, fake (meta) implementation, autograd registration and AOT dispatch with dynamic shapes."""
     hidden, token_mask, params, noise, p = router_case(torch.float32, masked, dropped)
+    weights, drop = operator_inputs(hidden, token_mask, noise, p)
     for result in (
-        torch.library.opcheck(torch.ops.peft_smear.masked_mean.default, (hidden, token_mask)),
+        torch.library.opcheck(torch.ops.peft_smear.pool.default, (hidden, weights)),
         torch.library.opcheck(
-            torch.ops.peft_smear.route.default, (hidden[:, 0].detach().requires_grad_(), params, noise, p)
+            torch.ops.peft_smear.route.default, (hidden[:, 0].detach().requires_grad_(), params, drop)
         ),
     ):
         assert set(result.values()) == {"SUCCESS"}, result
 
 
 def test_the_pooling_operator_keeps_no_copy_of_its_input_for_backward():
-    """Its backward needs the token mask and the input's dtype only: keeping ``[batch, tokens, features]`` alive until
-    backward would cost a layer input per router where the experts are frozen."""
+    """Its backward needs the token weights and the input's dtype only: keeping ``[batch, tokens, features]`` alive
+    until backward would cost a layer input per router where the experts are frozen."""
     hidden, token_mask, *_ = router_case(torch.float32, True, False)
     kept = []
     with torch.autograd.graph.saved_tensors_hooks(lambda tensor: kept.append(tensor) or tensor, lambda tensor: tensor):
-        pooled = torch.ops.peft_smear.masked_mean(hidden, token_mask)
+        pooled = torch.ops.peft_smear.pool(hidden, token_weights(token_mask))
     assert [tuple(tensor.shape) for tensor in kept] == [(3, 5)]
     (grad,) = torch.autograd.grad(pooled.sum(), hidden)
     torch.testing.assert_close(grad[2], torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0]).unsqueeze(1).expand(5, 8))
@@ -350,11 +363,11 @@ def test_compiled_training_routes_through_the_opaque_operators():
     torch.compile(model, backend=recording)(**inputs_for("prompt")).loss.backward()
     counts = {part: collections.Counter(found) for part, found in targets.items()}
     routers = len(model.base_model.targeted_module_names)
-    assert counts["forward"]["peft_smear.masked_mean.default"] == routers
+    assert counts["forward"]["peft_smear.pool.default"] == routers
     assert counts["forward"]["peft_smear.route.default"] == routers
     assert counts["backward"]["peft_smear.route_backward.default"] == routers
     # Routers that read one input (q_proj and v_proj) may share one pooling backward: the gradients are summed first.
-    assert 0 < counts["backward"]["peft_smear.masked_mean_backward.default"] <= routers
+    assert 0 < counts["backward"]["peft_smear.pool_backward.default"] <= routers
     assert not [
         target
         for target in targets["forward"]

@@ -178,23 +178,25 @@ def test_lora_dropout_drops_the_experts_input_in_training_only(tmp_path):
 
 
 def test_expert_dropout_keeps_an_example_that_lost_every_expert():
-    from peft_smear.core.smear import drop_experts, keep_experts
+    from peft_smear.core.smear import drop_experts
 
     torch.manual_seed(0)
-    keep = keep_experts(torch.rand(2000, 2), 0.9)
+    drop = drop_experts(torch.rand(2000, 2), 0.9)
+    keep = drop == 0
+    assert set(drop.unique().tolist()) == {0.0, float("-inf")}
     assert keep.any(-1).all(), "every example keeps an expert"
     assert not keep.all(), "some examples lost one of their two experts"
-    dropped = drop_experts(torch.zeros(2000, 2), keep).softmax(-1)
+    dropped = drop.softmax(-1)
     assert torch.isfinite(dropped).all()
     torch.testing.assert_close(dropped.sum(-1), torch.ones(2000))
     assert torch.equal(dropped == 0, ~keep)
 
 
 def test_expert_dropout_drops_each_expert_with_its_probability():
-    from peft_smear.core.smear import keep_experts
+    from peft_smear.core.smear import drop_experts
 
     torch.manual_seed(0)
-    kept = keep_experts(torch.rand(20000, 8), 0.25).float().mean().item()
+    kept = (drop_experts(torch.rand(20000, 8), 0.25) == 0).float().mean().item()
     # Rows that lost all 8 experts (0.25**8 of them) keep them all: negligible here.
     assert abs(kept - 0.75) < 0.01, kept
 
@@ -202,20 +204,20 @@ def test_expert_dropout_drops_each_expert_with_its_probability():
 def test_expert_dropout_on_a_sharp_router_keeps_gradients_finite():
     """The dominant expert dropped from a saturated router: the kept experts' probabilities all underflow, which
     renormalising probabilities turned into NaN gradients."""
-    from peft_smear.core.smear import router_probabilities
+    from peft_smear.core.smear import route
 
     torch.manual_seed(0)
-    normed = torch.randn(64, 4)
-    weight = torch.zeros(3, 4)
-    weight[0] = normed.mean(0).sign()  # expert 0 takes every example once the gain is large
-    row_gain = torch.full((4,), 60.0, requires_grad=True)
-    keep = torch.ones(64, 3, dtype=torch.bool)
-    keep[::2, 0] = False  # the dominant expert dropped for half the examples
-    probs = router_probabilities(normed, row_gain, weight, keep)
-    (probs[:, 1:] * torch.arange(1.0, 3.0)).sum().backward()
+    summary = torch.randn(64, 4)
+    weight = torch.zeros(1, 3, 4)
+    weight[0, 0] = summary.mean(0).sign()  # expert 0 takes every example once the gain is large
+    row_gain = torch.full((1, 4), 60.0, requires_grad=True)
+    drop = torch.zeros(1, 64, 3)
+    drop[0, ::2, 0] = float("-inf")  # the dominant expert dropped for half the examples
+    _, probs = route(summary, (torch.ones(1, 4), torch.zeros(1, 4), row_gain, weight), drop)
+    (probs[0, :, 1:] * torch.arange(1.0, 3.0)).sum().backward()
     assert torch.isfinite(probs).all() and torch.isfinite(row_gain.grad).all()
-    torch.testing.assert_close(probs.sum(-1), torch.ones(64))
-    assert (probs[::2, 0] == 0).all()
+    torch.testing.assert_close(probs.sum(-1), torch.ones(1, 64))
+    assert (probs[0, ::2, 0] == 0).all()
 
 
 def _alone_and_in_batch(model, arch, sequences, pad_left):

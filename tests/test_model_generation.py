@@ -75,20 +75,24 @@ def test_routing_and_merging_happen_once_per_generate_from_the_prompt(monkeypatc
     inputs = left_padded(prompts(2, [5, 3]))
     on_prompt = peft_smear.get_routing_weights(model, **inputs)
     computed = []
-    original = peft_smear.core.smear.router_probabilities
+    smear_page = peft_smear.core.smear
+    route, merge, merge_A = smear_page.route, smear_page.merge_parameter, smear_page.merge_lora_A
 
-    def counting(*args, **kwargs):
-        computed.append(original(*args, **kwargs))
+    def counting(*args):
+        computed.append(route(*args))
         return computed[-1]
 
-    monkeypatch.setattr(peft_smear.core.smear, "router_probabilities", counting)
-    merges = []
-    merge = peft_smear.core.smear.merge_lora_experts
-    monkeypatch.setattr(peft_smear.core.smear, "merge_lora_experts", lambda *a: merges.append(a) or merge(*a))
+    merges = []  # one per merged parameter of a layer
+    monkeypatch.setattr(smear_page, "route", counting)
+    monkeypatch.setattr(smear_page, "merge_parameter", lambda *a: merges.append(1) or merge(*a))
+    monkeypatch.setattr(
+        smear_page, "merge_lora_A", lambda As, *a: merges.extend([1] * (len(As) > 1) * len(As)) or merge_A(As, *a)
+    )
     with recording_routing(model) as recorded:
         generate(model, inputs, max_new_tokens=8)
-    assert len(computed) == len(model.base_model.targeted_module_names), "one routing per layer, at prefill only"
-    assert len(merges) == len(computed), "each layer merges its experts once, at prefill, not at every step"
+    routed = sum(probs.shape[0] for _, probs in computed)  # layers that read one input route in one call
+    assert routed == len(model.base_model.targeted_module_names), "one routing per layer, at prefill only"
+    assert len(merges) == 2 * routed, "each layer merges its A and B once, at prefill, not at every step"
     names = {module: name for name, module in model.base_model.model.named_modules()}
     for (layer, _), weights in recorded.items():
         torch.testing.assert_close(weights, on_prompt[names[layer]], atol=1e-6, rtol=1e-5)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .packing import PackedLayout
-from .smear import keep_experts, masked_mean, pool, token_weights
+from .smear import drop_experts, masked_mean, pool, token_weights
 from .types import CallInput, Params, RouterInputs, RoutingDecision
 
 
@@ -317,31 +317,34 @@ class CallState:
             self.memo[key] = None if token_mask is None else token_weights(token_mask)
         return self.memo[key]
 
-    def kept_experts(
+    def dropped_experts(
         self, routers: Sequence[torch.nn.Module], p: float, batch_size: int, device: torch.device
     ) -> torch.Tensor:
-        """Expert dropout's mask for ``routers`` (``[G, batch, N]`` bool), drawn once per call for every router.
+        """Expert dropout for ``routers`` (``[G, batch, N]``, 0 or -inf: :func:`~peft_smear.core.smear.drop_experts`),
+        drawn once per call for every router.
 
         The call's first draw covers the routers that drew in the last call, in their order, so that one ``uniform_``
         draws the numbers they drew one by one (on a CPU, the very same numbers); routers it does not cover draw their
         own. Gradient checkpointing's recomputation finds the mask its routers had.
         """
         num_experts = routers[0].num_experts
-        key = ("kept experts", num_experts, p)
+        if torch.compiler.is_compiling():  # drawn where it is needed: a compiled graph orders its draws itself
+            return drop_experts(torch.empty(len(routers), batch_size, num_experts, device=device).uniform_(), p)
+        key = ("dropped experts", num_experts, p)
         if key not in self.memo:
             order = self.dropout_order.get(key, {})
-            kept = keep_experts(torch.empty(len(order), batch_size, num_experts, device=device).uniform_(), p)
-            self.memo[key] = {router: (kept, i) for i, router in enumerate(order)}
+            drops = drop_experts(torch.empty(len(order), batch_size, num_experts, device=device).uniform_(), p)
+            self.memo[key] = {router: (drops, i) for i, router in enumerate(order)}
             self.dropout_order[key] = {}
         drawn = self.memo[key]
         self.dropout_order[key].update(dict.fromkeys(routers))
         if any(router not in drawn or drawn[router][0].shape[1] != batch_size for router in routers):
-            kept = keep_experts(torch.empty(len(routers), batch_size, num_experts, device=device).uniform_(), p)
-            drawn.update({router: (kept, i) for i, router in enumerate(routers)})
+            drops = drop_experts(torch.empty(len(routers), batch_size, num_experts, device=device).uniform_(), p)
+            drawn.update({router: (drops, i) for i, router in enumerate(routers)})
         slots = [drawn[router] for router in routers]
-        kept, first = slots[0]
-        if all(slab is kept and i == first + k for k, (slab, i) in enumerate(slots)):
-            return kept[first : first + len(slots)]
+        drops, first = slots[0]
+        if all(slab is drops and i == first + k for k, (slab, i) in enumerate(slots)):
+            return drops[first : first + len(slots)]
         return torch.stack([slab[i] for slab, i in slots])
 
     def _refuse_boundary_prompts(self, prompts: torch.Tensor) -> None:
@@ -421,6 +424,8 @@ class CallRouterInputs(RouterInputs):
             return summary
         if self.routed.dim() == 2:  # one row per example (e.g. BERT's pooler): the row is the summary
             return self.routed.float()
+        if torch.compiler.is_compiling():  # the compiled graph shares the pooling: no identities to trace
+            return masked_mean(self.tokens(), self.token_mask())
         key = ("summary", id(self.routed), self.routed._version, self.router_input, self.prefix_length)
         pooled = self.memo.get(key)
         if pooled is None or pooled[0]() is not self.routed:  # an id is reused once its tensor is freed
@@ -447,8 +452,8 @@ class CallRouterInputs(RouterInputs):
     def padding_mask(self) -> torch.Tensor | None:
         return self.call.attention_mask
 
-    def kept_experts(self, routers: Sequence[torch.nn.Module], p: float) -> torch.Tensor:
-        return self.call.kept_experts(routers, p, self.batch_size, self.device)
+    def dropped_experts(self, routers: Sequence[torch.nn.Module], p: float) -> torch.Tensor:
+        return self.call.dropped_experts(routers, p, self.batch_size, self.device)
 
     def require(self, holds: torch.Tensor, message: Callable[[], str], wait: bool = False) -> None:
         self.call.checks.require(holds, message, wait=wait)
@@ -564,14 +569,19 @@ class AuxLosses:
         balanced = [decision.balance for decision in decisions if decision.balance is not None]
         if not (losses or balanced):
             return output
-        if not torch.compiler.is_compiling() and in_backward():
+        compiling = torch.compiler.is_compiling()
+        if not compiling and in_backward():
             total = sum(value for _, value in losses) + sum(load_balance(p.unsqueeze(0), w) for p, w in balanced)
             return AuxLossHook.apply(output, total, self.gradient_scale.to(total.device))
         if not torch.is_grad_enabled():
             self.without_autograd = True
         for name, value in losses:
             self.add(name, value)
-        self.balanced += balanced
+        if compiling:  # a compiled graph computes each layer's where it is: no list to carry to the call's end
+            for probs, weight in balanced:
+                self.add("router_balance", load_balance(probs.unsqueeze(0), weight))
+        else:
+            self.balanced += balanced
         return output
 
     def add(self, name: str, value: torch.Tensor) -> None:

@@ -202,6 +202,8 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         elif decision is None and rows is not None:  # a mixed batch: the call's inputs of these rows alone
             inputs = self._router_inputs(adapter_name, routed, params)
             decision = router(RowRouterInputs(**vars(inputs), rows=rows, call_batch=call_batch))
+        elif decision is None and torch.compiler.is_compiling():  # no identities to trace: each layer alone
+            decision = router(self._router_inputs(adapter_name, routed, params))
         elif decision is None:
             decision = context.shared_decision(key, routed) if router.route_together else None
             if decision is None:

@@ -134,7 +134,7 @@ class SmearModel(BaseTuner):
 
     def _count_training_call(self) -> None:
         """Advance the clock of every router that follows a schedule (one in-place add for all of them)."""
-        clocks = [router.training_calls for router in self.routing_context.clocks]
+        clocks = [router.training_calls for router in list(self.routing_context.clocks)]
         if clocks:
             torch._foreach_add_(clocks, 1)
 

@@ -102,15 +102,11 @@ def route(
     return normed, torch.baddbmm(drop, normed, rows.transpose(1, 2)).softmax(dim=-1)
 
 
-def keep_experts(noise: torch.Tensor, p: float) -> torch.Tensor:
-    """Expert dropout's mask: each expert of each example dropped where ``noise`` (uniform) < ``p``; none if all."""
+def drop_experts(noise: torch.Tensor, p: float) -> torch.Tensor:
+    """Expert dropout, as :func:`route` adds it to the logits: 0 for a kept expert, -inf for one dropped, which it is
+    where ``noise`` (uniform) < ``p``, unless that would drop all of an example's."""
     keep = noise >= p
-    return keep | ~keep.any(dim=-1, keepdim=True)
-
-
-def drop_bias(keep: torch.Tensor) -> torch.Tensor:
-    """What :func:`route` adds to the logits for the experts in ``keep``: 0 where kept, -inf where dropped."""
-    return keep.float().log()
+    return (keep | ~keep.any(dim=-1, keepdim=True)).float().log()
 
 
 @register_router
@@ -173,18 +169,14 @@ class SmearRouter(NormalisedInputRouter):
         first = routers[0]
         summary = inputs.summary()  # 1. pooled: [batch, features] fp32
         dropout = first.expert_dropout if first.training else 0.0
-        keep = inputs.kept_experts(routers, dropout) if dropout else None  # [G, batch, N], drawn once per call
-        drop = None if keep is None else drop_bias(keep)
-        # The parameters of all the routers as one tensor, sliced: one operation (and none in backward).
-        stacked = torch.cat(
-            [t.unsqueeze(0) for r in routers for t in (r.input_norm_weight, r.input_norm_bias, r.row_norm_weight)]
-            + [r.weight for r in routers]
+        drop = inputs.dropped_experts(routers, dropout) if dropout else None  # [G, batch, N], once per call
+        # Each parameter of all the routers stacked: one operation each, and none in backward.
+        norm_weight, norm_bias, gain, rows = (
+            torch.stack([getattr(r, name) for r in routers])
+            for name in ("input_norm_weight", "input_norm_bias", "row_norm_weight", "weight")
         )
-        G = len(routers)
-        norm_weight, norm_bias, gain = stacked[: 3 * G].view(G, 3, -1).unbind(1)
         if first.temperature != 1:  # dividing the rows' gain divides the logits: the rows are normalised anyway
             gain = gain / first.temperature
-        rows = stacked[3 * G :].view(G, first.num_experts, -1)
         normed, probs = route(summary, (norm_weight, norm_bias, gain, rows), drop)  # 2. [G, batch, *] fp32
         if first.warmup_steps and first.training:
             # Uniform (over the kept experts) while warming up, by arithmetic rather than a branch on the counter, so

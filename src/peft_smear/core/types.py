@@ -162,9 +162,9 @@ class RouterInputs(Protocol):
     def padding_mask(self) -> torch.Tensor | None:
         """``[batch, tokens]``: the call's padding mask, nonzero at real tokens (``None``: all are real)."""
 
-    def kept_experts(self, routers: Sequence[torch.nn.Module], p: float) -> torch.Tensor:
-        """``[G, batch, N]`` bool: expert dropout's mask for ``routers`` (each expert dropped with probability ``p``,
-        never all of them), drawn once per call for every router."""
+    def dropped_experts(self, routers: Sequence[torch.nn.Module], p: float) -> torch.Tensor:
+        """``[G, batch, N]``: expert dropout for ``routers``, 0 for a kept expert and -inf for one dropped (with
+        probability ``p``, never all of an example's), drawn once per call for every router."""
 
     def require(self, holds: torch.Tensor, message: Callable[[], str], wait: bool = False) -> None:
         """Raise ``ValueError(message())`` unless every element of the bool tensor ``holds`` is true, without making
