@@ -188,10 +188,9 @@ def test_the_upcycled_adapter_exports_to_the_plain_lora(tmp_path):
         ({"bias": "all"}, "bias='all'"),
         ({"rank_pattern": {"q_proj": 2}}, "rank_pattern="),
         ({"alpha_pattern": {"q_proj": 2}}, "alpha_pattern="),
-        ({"modules_to_save": ["lm_head"]}, "modules_to_save="),
         ({"target_modules": ["embed_tokens"]}, "embed_tokens"),
     ],
-    ids=["dora", "lora-bias", "bias", "rank-pattern", "alpha-pattern", "modules-to-save", "embedding"],
+    ids=["dora", "lora-bias", "bias", "rank-pattern", "alpha-pattern", "embedding"],
 )
 def test_a_lora_it_cannot_take_is_refused_by_name(settings, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):
@@ -215,3 +214,19 @@ def test_other_adapters_other_bases_and_settings_the_lora_decides_are_refused(tm
         peft_smear.upcycle(trained_lora(), routing="arrow")
     with pytest.raises(ValueError, match="expert_noise must be >= 0"):
         peft_smear.upcycle(trained_lora(), expert_noise=-1.0)
+
+
+def test_the_lora_s_modules_to_save_carry_over_with_their_weights(tmp_path):
+    lora = trained_lora(modules_to_save=["lm_head"])
+    with torch.no_grad():
+        lora.base_model.model.lm_head.modules_to_save["default"].weight.mul_(1.5)  # trained: not the base head
+    lora.eval()
+    inputs = batch("smear")
+    with torch.no_grad():
+        expected = lora(**inputs).logits
+    lora.save_pretrained(tmp_path / "lora")
+    for source, base in ((copy.deepcopy(lora), None), (tmp_path / "lora", tiny_llama(seed=0))):
+        model = peft_smear.upcycle(source, base, num_experts=3).eval()
+        assert set(model.peft_config["default"].modules_to_save) == {"lm_head"}
+        with torch.no_grad():
+            torch.testing.assert_close(model(**inputs).logits, expected, atol=1e-6, rtol=0)

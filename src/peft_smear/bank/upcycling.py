@@ -19,12 +19,13 @@ from typing import Any
 import torch
 from peft import PeftConfig, PeftModel, get_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils import ModulesToSaveWrapper
 from torch import nn
 
 from ..core.config import SmearConfig
 from ..core.layer import SmearLinear
 from ..core.routers import ROUTERS
-from .build import AdapterSource, LoraAdapter, read_lora_adapter
+from .build import _PEFT_PREFIX, AdapterSource, LoraAdapter, read_lora_adapter
 
 
 # What the LoRA decides and the caller must leave unset: its rank, scaling and modules carry over exactly.
@@ -53,13 +54,14 @@ def upcycle(
     A and B, which breaks the experts' symmetry at once but the step-0 equality with the LoRA too (0, the default,
     keeps it; see ``docs/upcycling.md``).
 
-    A LoRA SMEAR cannot take is refused by name: other PEFT types, DoRA, LoRA biases or ``bias`` other than ``"none"``,
-    per-module rank or alpha patterns, ``modules_to_save``, LoRAs of embeddings or convolutions, modules the base
-    model lacks.
+    The LoRA's ``modules_to_save`` (a trained head) carry over as the SMEAR adapter's, with their weights, besides
+    any given here. A LoRA SMEAR cannot take is refused by name: other PEFT types, DoRA, LoRA biases or ``bias`` other
+    than ``"none"``, per-module rank or alpha patterns, LoRAs of embeddings or convolutions, modules the base model
+    lacks.
     """
     if isinstance(lora, PeftModel):
         _check_config(lora.peft_config[lora.active_adapter])
-        adapter = read_lora_adapter("lora", lora, _Unwrapped(lora.get_base_model()))
+        adapter = read_lora_adapter("lora", lora, _Unwrapped(lora.get_base_model()), keep_modules_to_save=True)
         if base_model is None:
             base_model = lora.unload()
     elif base_model is None:
@@ -71,7 +73,7 @@ def upcycle(
             config = None  # read_lora_adapter says why the adapter cannot be read
         if config is not None:
             _check_config(config)
-        adapter = read_lora_adapter("lora", lora, base_model)
+        adapter = read_lora_adapter("lora", lora, base_model, keep_modules_to_save=True)
     else:
         raise TypeError(f"upcycle takes a PeftModel or the path of a saved LoRA adapter, got {type(lora).__name__}.")
     rank = _rank(adapter)
@@ -79,6 +81,7 @@ def upcycle(
     if expert_noise < 0:
         raise ValueError(f"expert_noise must be >= 0, got {expert_noise!r}.")
     model = get_peft_model(base_model, config, adapter_name=adapter_name)
+    _load_saved_modules(model, adapter, adapter_name)
     layers = {name: m for name, m in model.base_model.model.named_modules() if isinstance(m, SmearLinear)}
     if set(layers) != set(adapter.weights):
         raise RuntimeError(f"SMEAR wrapped {sorted(layers)} instead of the LoRA's modules {sorted(adapter.weights)}.")
@@ -118,11 +121,15 @@ def _check_config(config: PeftConfig) -> None:
         raise ValueError(
             f"The LoRA sets rank_pattern={config.rank_pattern!r}: every expert of a SMEAR adapter has one rank r."
         )
-    if getattr(config, "modules_to_save", None):
-        raise ValueError(
-            f"The LoRA sets modules_to_save={sorted(config.modules_to_save)!r}: upcycling takes LoRA weights only; "
-            "train those modules with the SMEAR adapter's modules_to_save."
-        )
+
+
+def _load_saved_modules(model: PeftModel, adapter: LoraAdapter, adapter_name: str) -> None:
+    """The LoRA's trained ``modules_to_save`` (a classifier head, say) into the SMEAR adapter's copies of them."""
+    for name, wrapper in model.base_model.model.named_modules():
+        prefix = f"{_PEFT_PREFIX}{name}."
+        state = {k.removeprefix(prefix): v for k, v in adapter.saved_modules.items() if k.startswith(prefix)}
+        if isinstance(wrapper, ModulesToSaveWrapper) and state:
+            wrapper.modules_to_save[adapter_name].load_state_dict(state, strict=True)
 
 
 def _rank(adapter: LoraAdapter) -> int:
@@ -152,6 +159,7 @@ def _upcycled_config(
         )
     config = adapter.config
     lora_dropout = settings.pop("lora_dropout", config.lora_dropout)
+    modules_to_save = [*(settings.pop("modules_to_save", None) or ()), *(config.modules_to_save or ())]
     known = {f.name for f in fields(SmearConfig)}
     values = {
         **settings,
@@ -161,6 +169,7 @@ def _upcycled_config(
         "use_rslora": bool(config.use_rslora),
         "lora_dropout": lora_dropout,
         "target_modules": sorted(adapter.weights),
+        "modules_to_save": sorted(set(modules_to_save)) or None,
     }
     if "task_type" in known and values.get("task_type") is None:
         values["task_type"] = config.task_type

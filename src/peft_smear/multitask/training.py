@@ -107,9 +107,12 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     counts = {t.name: len(rows_of(splits["train"], i)) for i, t in enumerate(tasks)}
     print("Training examples: " + ", ".join(f"{name} {count}" for name, count in counts.items()))
 
-    peft_model = build_model(
-        model_dir, tasks, lambda model: smear_config(model, args.routing, args.r, args.num_experts), args.seed
-    )
+    if args.upcycle_from:
+        peft_model = upcycled_model(model_dir, tasks, args.upcycle_from, args.routing, args.num_experts, args.seed)
+    else:
+        peft_model = build_model(
+            model_dir, tasks, lambda model: smear_config(model, args.routing, args.r, args.num_experts), args.seed
+        )
     peft_model.print_trainable_parameters()
     collator = MultiTaskCollator(tokenizer)
     optimizer = None  # Trainer's own AdamW, unless the routers learn at their own rate
@@ -230,6 +233,26 @@ def build_model(
     set_seed(seed)
     model = MultiTaskModel.from_encoder_dir(model_dir, tasks)
     return get_peft_model(model, make_config(model))
+
+
+def upcycled_model(
+    model_dir: str | Path,
+    tasks: Sequence[TaskInfo],
+    lora_dir: str | Path,
+    routing: str,
+    num_experts: int | None,
+    seed: int,
+) -> PeftModel:
+    """The multi-task model with a SMEAR adapter whose experts start as copies of the saved LoRA ``lora_dir``
+    (:func:`peft_smear.upcycle`); the heads are trained in full, from the LoRA's if it saved them."""
+    from ..bank.upcycling import upcycle
+
+    set_seed(seed)
+    model = MultiTaskModel.from_encoder_dir(model_dir, tasks)
+    num_tasks = len(tasks) if TASK_IDS in ROUTERS[routing].call_inputs else None
+    return upcycle(
+        lora_dir, model, num_experts=num_experts, routing=routing, num_tasks=num_tasks, modules_to_save=["heads"]
+    )
 
 
 def fit(
