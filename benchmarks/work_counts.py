@@ -1,0 +1,320 @@
+"""The work a step dispatches, counted: SMEAR, the ensemble and ``single`` against PEFT LoRA (issue 43).
+
+On a GPU a small model's step is bound by the host: every ATen operation that launches a kernel costs several
+microseconds of Python, dispatch and launch, whatever its arithmetic (the H200 section measured about 14 µs per
+operation for every method). So the number of operations a step dispatches predicts its time there, and unlike a
+time it is deterministic and a CPU can count it:
+
+    python benchmarks/work_counts.py --append-results benchmarks/RESULTS.md
+
+* **Kernel-launching operations per decoder layer**, counted with a ``TorchDispatchMode`` that sees every ATen
+  operation, backward included, and leaves out views, ``detach``, ``empty*``, ``_unsafe_view``, ``alias`` and
+  ``lift_fresh``, which launch nothing on a GPU. Per layer is the 3-layer model's count minus the 2-layer model's,
+  so that what a call does once (embedding, head, loss, per-call routing work) drops out. A training step is one
+  forward with labels (the first half of each sequence a prompt, labels -100) and its backward; an evaluation is
+  one forward without labels under ``no_grad``. Each is run once before it is counted, so lazily built state is not.
+* **Host syncs per call**: the operations whose result the host must read before it can go on (``item``, ``bool``
+  of a tensor, ``nonzero``, ``equal``, a boolean-mask index, ...), which on a GPU wait for every queued kernel. On
+  the 3-layer model, per call, for the method and for LoRA. (``.tolist()`` and ``.cpu()`` of a CPU tensor dispatch
+  nothing and are not seen here: the package calls neither on a call's tensors.)
+* **Package calls per wrapped module**: every Python function call into the adapter's package (``peft_smear`` for
+  the SMEAR methods, ``peft/tuners/lora`` for LoRA) during one training forward of the 2-layer model, divided by its
+  14 wrapped modules, per-call work included.
+
+The model is a Llama built from a config with all seven linears of every block wrapped (``speed.py``'s target
+modules and adapters: N = 8 experts of rank r = 8, LoRA of rank r, ``lora_alpha = r``), with bf16 and fp32 bases (a
+bf16 base keeps fp32 adapters, as PEFT's adapter autocast makes them). Sizes do not change the counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import peft
+import torch
+from common import add_results_option, command_line, load_description, machine_description, write_results
+from peft import LoraConfig, get_peft_model
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import peft_smear
+
+
+TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+METHODS = ("lora", "smear", "ensemble", "single")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+MODES = ("train", "eval")
+NO_KERNEL = {"detach", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view"}
+NO_KERNEL |= {"alias", "lift_fresh", "lift_fresh_copy", "_local_scalar_dense"}  # the last is counted as a sync
+HOST_READS = {"_local_scalar_dense", "nonzero", "equal", "is_nonzero", "masked_select", "unique", "_unique2"}
+HOST_READS |= {"unique_consecutive", "unique_dim"}
+MODEL = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "pad_token_id": 0,
+}
+BATCH, SEQUENCE = 4, 32
+# The issue's targets: SMEAR's kernel-launching operations per layer over LoRA's.
+TARGETS = {("train", "bf16"): 1.30, ("eval", "bf16"): 1.20, ("train", "fp32"): 1.40}
+CALLS_PER_MODULE_TARGET = 12
+
+
+class DispatchCounter(TorchDispatchMode):
+    """Counts the ATen operations that launch a kernel, by name, and the host reads among all of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.operations: collections.Counter[str] = collections.Counter()
+        self.host_reads: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in HOST_READS or _data_dependent(name, args, kwargs):
+            self.host_reads[name] += 1
+        if not (func.is_view or name in NO_KERNEL):
+            self.operations[name] += 1
+        return func(*args, **kwargs)
+
+
+def _data_dependent(name: str, args: tuple, kwargs: dict) -> bool:
+    """A boolean-mask index (its size is the mask's count) or a ``repeat_interleave`` with tensor repeats and no
+    ``output_size``: both read values on the host."""
+    if name in ("index", "index_put", "index_put_"):
+        indices = args[1] if len(args) > 1 else ()
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ())
+    if name == "repeat_interleave":
+        return isinstance(args[0], torch.Tensor) and args[0].dtype != torch.bool and "output_size" not in kwargs
+    return False
+
+
+def build(method: str, layers: int, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    """A random Llama of ``layers`` blocks with ``method``'s adapter on all seven linears of each."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        base = LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, **MODEL)).to(dtype)
+    common = {"target_modules": TARGET_MODULES, "task_type": "CAUSAL_LM"}
+    if method == "lora":
+        return get_peft_model(base, LoraConfig(r=8, lora_alpha=8, **common))
+    num_experts = {} if method == "single" else {"num_experts": 8}
+    return get_peft_model(base, peft_smear.SmearConfig(r=8, lora_alpha=8, routing=method, **num_experts, **common))
+
+
+def batch(device: str) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(1, MODEL["vocab_size"], (BATCH, SEQUENCE), generator=generator)
+    labels = input_ids.clone()
+    labels[:, : SEQUENCE // 2] = -100
+    inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
+    return {name: value.to(device) for name, value in inputs.items()}
+
+
+def step(model: torch.nn.Module, inputs: dict[str, torch.Tensor], mode: str) -> None:
+    """One training step's forward and backward, or one evaluation forward."""
+    if mode == "train":
+        model.train()
+        model(**inputs).loss.backward()
+        model.zero_grad(set_to_none=True)
+        return
+    model.eval()
+    with torch.no_grad():
+        model(**{name: value for name, value in inputs.items() if name != "labels"})
+
+
+def counted(model: torch.nn.Module, inputs: dict[str, torch.Tensor], mode: str) -> DispatchCounter:
+    step(model, inputs, mode)  # lazily built state is not counted
+    counter = DispatchCounter()
+    with counter:
+        step(model, inputs, mode)
+    return counter
+
+
+def package_of(method: str) -> str:
+    if method == "lora":
+        return str(Path(peft.__file__).parent / "tuners" / "lora")
+    return str(Path(peft_smear.__file__).parent)
+
+
+def package_calls(model: torch.nn.Module, inputs: dict[str, torch.Tensor], package: str) -> int:
+    """Python calls into ``package`` during one training forward of ``model``."""
+    model.train()
+    model(**inputs)  # once before, as for the operations
+    calls = 0
+
+    def profile(frame, event, arg) -> None:
+        nonlocal calls
+        if event == "call" and frame.f_code.co_filename.startswith(package):
+            calls += 1
+
+    sys.setprofile(profile)
+    try:
+        model(**inputs)
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+@dataclass
+class Row:
+    method: str
+    dtype: str
+    ops_per_layer: dict[str, int] = field(default_factory=dict)  # by mode
+    host_reads_per_call: dict[str, int] = field(default_factory=dict)  # by mode
+    calls_per_module: float = 0.0
+    top_operations: dict[str, list[tuple[str, int]]] = field(default_factory=dict)  # by mode, per layer
+
+
+def measure(methods: tuple[str, ...], dtypes: tuple[str, ...], device: str, log: Callable[[str], None]) -> list[Row]:
+    rows = []
+    inputs = batch(device)
+    for dtype_name in dtypes:
+        for method in methods:
+            row = Row(method, dtype_name)
+            two, three = (build(method, layers, DTYPES[dtype_name], device) for layers in (2, 3))
+            for mode in MODES:
+                small, large = counted(two, inputs, mode), counted(three, inputs, mode)
+                per_layer = large.operations.copy()
+                per_layer.subtract(small.operations)
+                row.ops_per_layer[mode] = sum(per_layer.values())
+                row.top_operations[mode] = [(name, n) for name, n in per_layer.most_common() if n > 0]
+                row.host_reads_per_call[mode] = sum(large.host_reads.values())
+            wrapped = sum(1 for name, _ in two.named_modules() if name.split(".")[-1] in TARGET_MODULES)
+            row.calls_per_module = package_calls(two, inputs, package_of(method)) / wrapped
+            log(
+                f"{dtype_name} {method}: ops per layer {row.ops_per_layer}, host reads per call "
+                f"{row.host_reads_per_call}, package calls per wrapped module {row.calls_per_module:.1f}"
+            )
+            rows.append(row)
+    return rows
+
+
+def lora_row(rows: list[Row], dtype: str) -> Row | None:
+    return next((row for row in rows if row.method == "lora" and row.dtype == dtype), None)
+
+
+def markdown_table(rows: list[Row]) -> str:
+    lines = [
+        "| base | method | train ops / layer | ratio | eval ops / layer | ratio | host syncs per train / eval call "
+        "(LoRA's) | package calls per wrapped module |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lora = lora_row(rows, row.dtype)
+        ratios = [row.ops_per_layer[m] / lora.ops_per_layer[m] if lora else float("nan") for m in MODES]
+        syncs = " / ".join(
+            f"{row.host_reads_per_call[m]} ({lora.host_reads_per_call[m] if lora else '?'})" for m in MODES
+        )
+        lines.append(
+            f"| {row.dtype} | {row.method} | {row.ops_per_layer['train']} | {ratios[0]:.2f}× | "
+            f"{row.ops_per_layer['eval']} | {ratios[1]:.2f}× | {syncs} | {row.calls_per_module:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def check_targets(rows: list[Row]) -> list[tuple[str, str]]:
+    """The issue's targets for SMEAR, each with its verdict."""
+    checks = []
+    for (mode, dtype), limit in TARGETS.items():
+        smear, lora = (next((r for r in rows if r.method == m and r.dtype == dtype), None) for m in ("smear", "lora"))
+        if smear and lora:
+            ratio = smear.ops_per_layer[mode] / lora.ops_per_layer[mode]
+            verdict = "met" if ratio <= limit else "missed"
+            checks.append((f"SMEAR {mode} ops per layer, {dtype}, ≤ {limit:.2f}× LoRA's", f"{ratio:.2f}×: {verdict}"))
+    for row in rows:
+        lora = lora_row(rows, row.dtype)
+        if row.method == "smear" and lora:
+            extra = {m: row.host_reads_per_call[m] - lora.host_reads_per_call[m] for m in MODES}
+            verdict = "met" if not any(extra.values()) else "missed"
+            checks.append((f"SMEAR host syncs beyond LoRA's, {row.dtype}, train / eval", f"{extra}: {verdict}"))
+            calls = "met" if row.calls_per_module <= CALLS_PER_MODULE_TARGET else "missed"
+            checks.append(
+                (
+                    f"SMEAR package calls per wrapped module, {row.dtype}, ≤ {CALLS_PER_MODULE_TARGET}",
+                    f"{row.calls_per_module:.1f}: {calls}",
+                )
+            )
+    return checks
+
+
+def operations_table(rows: list[Row], method: str = "smear", limit: int = 12) -> str:
+    """The operations ``method`` dispatches per layer beside LoRA's, most frequent first."""
+    lines = []
+    for row in rows:
+        lora = lora_row(rows, row.dtype)
+        if row.method != method or lora is None:
+            continue
+        for mode in MODES:
+            theirs = dict(lora.top_operations[mode])
+            ours = row.top_operations[mode][:limit]
+            listing = ", ".join(f"{name} {n} ({theirs.get(name, 0)})" for name, n in ours)
+            lines.append(f"- {row.dtype} {mode}: {listing}")
+    return "\n".join(lines)
+
+
+def results_section(rows: list[Row], device: str, command: str, load: tuple[tuple, tuple], seconds: float) -> str:
+    lines = [
+        f"## Work counts, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        "",
+        f"- Command: `{command}`",
+        f"- Machine: {machine_description(device)}",
+        f"- Load average (1, 5, 15 min) before / after the run: {load_description(load, 'nothing changes')}.",
+        f"- Wall time: {seconds:.0f} s. Counts are deterministic: they do not depend on the load or the machine.",
+        "- Kernel-launching ATen operations per decoder layer (3-layer model minus 2-layer), a training step (forward "
+        "and backward) and an evaluation forward; host syncs per call of the 3-layer model (LoRA's in brackets); "
+        "Python calls into the adapter's package per wrapped module in one training forward of the 2-layer model. "
+        "Ratios are to PEFT LoRA of rank r on the same base.",
+        "",
+        markdown_table(rows),
+        "",
+        "### Targets (issue 43)",
+        "",
+        *[f"- {label}: {result}" for label, result in check_targets(rows)],
+        "",
+        "### SMEAR's operations per layer, most frequent first (LoRA's count of the same operation in brackets)",
+        "",
+        operations_table(rows),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=list(DTYPES))
+    parser.add_argument("--device", default="cpu")
+    add_results_option(parser)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> int:
+    args = parse_args(argv)
+    if "lora" not in args.methods:
+        args.methods.insert(0, "lora")  # every ratio is to LoRA's
+    load_before, start = os.getloadavg(), time.perf_counter()
+    rows = measure(tuple(args.methods), tuple(args.dtypes), args.device, log)
+    seconds, load_after = time.perf_counter() - start, os.getloadavg()
+    log(markdown_table(rows))
+    for label, result in check_targets(rows):
+        log(f"{label}: {result}")
+    if args.append_results is not None:
+        command = command_line("work_counts.py", argv)
+        write_results(
+            args.append_results, results_section(rows, args.device, command, (load_before, load_after), seconds)
+        )
+        log(f"wrote {args.append_results}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

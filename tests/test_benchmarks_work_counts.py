@@ -1,0 +1,48 @@
+"""benchmarks/work_counts.py counts what it says: kernel-launching operations (views and allocations left out),
+host reads, calls into a package; per layer as the difference of two depths; and writes its RESULTS section."""
+
+from __future__ import annotations
+
+import torch
+
+from conftest import import_script, run_script_main
+
+
+work_counts = import_script("work_counts")
+
+
+def test_the_counter_leaves_out_views_and_allocations_and_counts_host_reads():
+    x = torch.randn(4, 3)
+    counter = work_counts.DispatchCounter()
+    with counter:
+        y = x.view(-1).view(3, 4).t()  # views
+        z = torch.empty(3) + 1  # an allocation, then one kernel
+        w = (y * 2).sum()  # two kernels
+        bool(w > 0)  # a kernel (gt) and a host read
+        x[x > 0]  # a kernel (gt) and a boolean-mask index, which reads its count on the host
+        x.detach()
+    assert sum(counter.operations.values()) == 6, counter.operations
+    assert counter.operations["add"] == 1 and counter.operations["gt"] == 2
+    assert sum(counter.host_reads.values()) == 2, counter.host_reads
+    assert z.shape == (3,)
+
+
+def test_package_calls_counts_the_calls_into_the_package_only():
+    model = work_counts.build("lora", 2, torch.float32, "cpu")
+    inputs = work_counts.batch("cpu")
+    calls = work_counts.package_calls(model, inputs, work_counts.package_of("lora"))
+    assert calls > 0
+    assert work_counts.package_calls(model, inputs, "/no/such/package") == 0
+
+
+def test_a_run_writes_its_table_and_targets(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    lines = []
+    run_script_main(
+        work_counts, ["--methods", "single", "--dtypes", "fp32", "--append-results", results], lines.append
+    )
+    text = results.read_text()
+    assert "## Work counts" in text and "| fp32 | lora |" in text and "| fp32 | single |" in text
+    # LoRA's own row is its own reference.
+    row = next(line for line in text.splitlines() if line.startswith("| fp32 | lora |"))
+    assert row.count("1.00×") == 2
