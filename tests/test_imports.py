@@ -122,7 +122,7 @@ MAY_IMPORT = {name: {name, *below} for name, below in BELOW.items()}
 
 
 def layer(module: str) -> str:
-    if module in ("peft_smear", "peft_smear._api"):
+    if module in ("peft_smear", "peft_smear._api", "peft_smear.__main__"):
         return "namespace"
     prefix = next((p for p in LAYER_OF_PREFIX if module == p or module.startswith(p + ".")), None)
     if prefix is None:
