@@ -394,12 +394,17 @@ def _lock_path(real: Path, shown: Path) -> Path:
     """The lock file of saves to ``real``: beside it where its parent takes a new file (or holds the lock file
     already), else inside it."""
     beside = real.parent / f".{_tag(real.name)}.peft-smear-lock"
-    if os.path.lexists(beside) or os.access(real.parent, os.W_OK | os.X_OK):
+    if os.path.lexists(beside) or _writable(real.parent):
         return beside
-    if real.is_dir() and os.access(real, os.W_OK | os.X_OK):
+    if real.is_dir() and _writable(real):
         return real / _INNER_LOCK
     why = f"Cannot save to {shown}: neither its parent directory nor {shown} itself is writable"
     raise PermissionError(errno.EACCES, why, str(shown))
+
+
+def _writable(directory: Path) -> bool:
+    """Whether this process may create files in ``directory``, by its effective ids and capabilities."""
+    return os.access(directory, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids)
 
 
 def _open_lock_file(path: Path) -> int:

@@ -154,24 +154,31 @@ def _pinned(model_id: Any, kwargs: dict[str, Any], load: Callable[[Any, dict[str
             raise AdapterFileError(f"{directory} has no {CONFIG_NAME}: {why}.")
         return load(model_id, kwargs)
     with atomic.pinned(directory) as path:
-        config = os.path.join(path, CONFIG_NAME)
-        settings = read_json(config, os.path.join(directory, CONFIG_NAME))
-        if not isinstance(settings, dict) or settings.get("peft_type") != SmearPeftType.SMEAR:
-            return load(model_id, kwargs)
-        check_weights_header(path, directory, settings)
-        read = _identity(config)
-        _pinned_here.paths = pinned_paths | {path}
         try:
-            loaded = load(path, {key: value for key, value in kwargs.items() if key != "subfolder"})
+            return _load_pinned(path, directory, model_id, kwargs, load)
         except Exception as error:
             raise _in_user_terms(error, path, directory) from error.__cause__
-        finally:
-            _pinned_here.paths = pinned_paths
-        if _identity(config) != read:  # only where flock is missing: an in-place save then does not wait for loads
-            raise atomic.DirectoryBusyError(
-                f"{directory} changed while it was being loaded: another process saved into it. Load it again."
-            )
-        return loaded
+
+
+def _load_pinned(path: str, directory: str, model_id: Any, kwargs: dict[str, Any], load: Callable) -> Any:
+    """:func:`_pinned`'s load of ``directory``, read through its pinned ``path``."""
+    config = os.path.join(path, CONFIG_NAME)
+    settings = read_json(config, os.path.join(directory, CONFIG_NAME))
+    if not isinstance(settings, dict) or settings.get("peft_type") != SmearPeftType.SMEAR:
+        return load(model_id, kwargs)
+    check_weights_header(path, directory, settings)
+    read = _identity(config)
+    pinned_paths = getattr(_pinned_here, "paths", set())
+    _pinned_here.paths = pinned_paths | {path}
+    try:
+        loaded = load(path, {key: value for key, value in kwargs.items() if key != "subfolder"})
+    finally:
+        _pinned_here.paths = pinned_paths
+    if _identity(config) != read:  # only where flock is missing: an in-place save then does not wait for loads
+        raise atomic.DirectoryBusyError(
+            f"{directory} changed while it was being loaded: another process saved into it. Load it again."
+        )
+    return loaded
 
 
 def _identity(path: str) -> tuple[int, ...] | None:
