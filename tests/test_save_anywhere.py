@@ -39,7 +39,7 @@ from transformers import AutoModelForCausalLM
 from atomic_worker import LLAMA_BATCH, smear_llama
 from conftest import mount, save_tiny_encoder, tiny_llama, unmount_under, write_task_files
 from peft_smear import SmearConfig, cli
-from peft_smear.saving import atomic
+from peft_smear.saving import atomic, locks
 from peft_smear.saving.loading import AdapterFileError
 
 
@@ -180,7 +180,7 @@ def test_a_save_whose_final_move_fails_keeps_its_files_and_names_where(tmp_path,
     (tmp_path / "adapter_model.safetensors").mkdir()  # what the new weights cannot replace
     (tmp_path / "adapter_model.safetensors" / "x").write_text("in the way")
     model = smear_llama(2, lora_alpha=16)
-    with pytest.raises(atomic.UnpublishedSaveError, match=r"They are complete in (\S+); the next save") as caught:
+    with pytest.raises(atomic.UnpublishedSaveError, match=r"are complete in \S+; moving them in failed") as caught:
         model.save_pretrained(tmp_path)
     publishing = Path(re.search(r"complete in (\S+);", str(caught.value))[1])
     assert (publishing / "adapter_model.safetensors").is_file() and (publishing / "adapter_config.json").is_file()
@@ -409,7 +409,7 @@ def test_a_load_meeting_an_in_place_save_fails_at_once_naming_it(tmp_path, mount
     smear_llama(1, lora_alpha=8).save_pretrained(tmp_path / "inside")
 
     def hold_while_moving() -> None:
-        with atomic._unread(tmp_path / "inside", tmp_path / "inside"):
+        with locks.unread(tmp_path / "inside", tmp_path / "inside"):
             atomic.step("moving")
 
     holder = stopped_in(hold_while_moving, at="moving")

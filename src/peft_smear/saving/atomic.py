@@ -6,15 +6,14 @@ goes through :func:`staged_directory`, so that a process killed at any moment of
 the complete old directory (nothing, if there was none), the complete new one, or, in place (step 4b), a directory
 without the new save's configs, which no loader takes for a whole save and which the next save completes. How:
 
-1. **Lock, recover and clean.** Saves to one target run one after the other: each holds an exclusive ``flock`` on
+1. **Lock, recover and clean.** Saves to one target run one after the other: each holds the lock file
    ``.<name>.peft-smear-lock`` beside it (inside the target where its parent is not writable) from here to the end
    (the last one removes the file; a kill leaves it, and the next save takes it). A save that finds the lock held says
    once on stderr which process holds it, and gives up after ``PEFT_SMEAR_LOCK_TIMEOUT`` seconds (default 60) with an
-   error naming that process. On a filesystem without ``flock`` the lock file is created exclusively and holds the
-   saver's process id (a dead saver's is taken over). Then what killed saves left is put in order: an old copy whose
-   target is missing is renamed back (a kill inside the fallback's two renames, step 4a), an interrupted in-place save
-   is completed (step 4b), and staging directories and old copies are removed. A sibling whose save is still running
-   holds a ``flock`` on it and is left alone.
+   error naming that process (see :mod:`peft_smear.saving.locks`, also for filesystems without ``flock``). Then what
+   killed saves left is put in order: an old copy whose target is missing is renamed back (a kill inside the
+   fallback's two renames, step 4a), an interrupted in-place save is completed (step 4b), and staging directories and
+   old copies are removed. A sibling whose save is still running holds a ``flock`` on it and is left alone.
 2. **Stage.** A sibling directory ``.<name>.peft-smear-staging-<random>`` is created (same filesystem, so the swap is a
    rename) with the target's mode, owner, group and ACLs. With ``keep_others``, it first receives every entry of the
    current target that the save does not rewrite, as hard links: a checkpoint's optimizer and trainer state, a run's
@@ -61,18 +60,18 @@ import contextlib
 import ctypes
 import errno
 import hashlib
-import math
 import os
 import re
 import secrets
 import shutil
-import socket
 import stat
 import sys
 import threading
-import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
+
+from . import locks
+from .locks import TIMEOUT_VARIABLE, DirectoryBusyError
 
 
 try:
@@ -103,14 +102,6 @@ _INNER_LOCK = ".peft-smear-lock"
 RECORD_SUFFIX = "config.json"  # adapter_config.json, emoe_config.json: what makes a directory load
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 _MAX_TAG = 120  # NAME_MAX is 255; the rest of a sibling's name takes 40
-TIMEOUT_VARIABLE = "PEFT_SMEAR_LOCK_TIMEOUT"
-DEFAULT_TIMEOUT = 60.0
-_ANNOUNCE_AFTER = 0.5  # seconds of waiting before a wait is announced: saves in quick succession stay quiet
-_NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS}
-
-
-class DirectoryBusyError(TimeoutError):
-    """Another process holds the directory: a save waited for it in vain, or a load met an in-place save."""
 
 
 class UnpublishedSaveError(OSError):
@@ -162,20 +153,6 @@ def destination(path: str | os.PathLike) -> Path:
     return path
 
 
-def lock_timeout() -> float:
-    """How long a save waits for another process (seconds): ``PEFT_SMEAR_LOCK_TIMEOUT``, else 60."""
-    text = os.environ.get(TIMEOUT_VARIABLE)
-    if text is None:
-        return DEFAULT_TIMEOUT
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"{TIMEOUT_VARIABLE}={text!r} is not a number of seconds >= 0.")
-    return value
-
-
 @contextlib.contextmanager
 def staged_directory(
     target: str | os.PathLike,
@@ -225,7 +202,7 @@ def staged_directory(
         finally:
             with _live_lock:
                 _live.pop(staging, None)
-            _unlock(lock)
+            locks.unlock(lock)
 
 
 @contextlib.contextmanager
@@ -266,9 +243,10 @@ def pinned(path: str | os.PathLike) -> Iterator[str]:
         if current is not None and (current.st_dev, current.st_ino) == (opened.st_dev, opened.st_ino):
             if busy:
                 os.close(fd)
+                holder = locks.describe_holders(opened, "WRITE")
                 raise DirectoryBusyError(
-                    f"{path} is being saved in place by {_holders(opened, 'WRITE')}: its files are replaced one by "
-                    "one right now. Load it again once that save is done."
+                    f"{path} is being saved in place by {holder}: its files are replaced one by one right now. Load "
+                    "it again once that save is done."
                 )
             try:
                 yield f"/proc/self/fd/{fd}"
@@ -293,10 +271,11 @@ def interrupted(directory: str | os.PathLike) -> str | None:
             tag = _tag(place.name)
             candidates += [Path(e.path) for e in os.scandir(place.parent) if _kind_beside(e.name, tag) == PUBLISHING]
         for publishing in candidates:
-            lock = _try_lock(publishing)
+            lock = locks.try_lock_directory(publishing)
             if lock is False:
-                return f"{_holders(os.stat(publishing), 'WRITE')} is moving a save's files into {place} right now"
-            _unlock(lock)
+                holder = locks.describe_holders(os.stat(publishing), "WRITE")
+                return f"{holder} is moving a save's files into {place} right now"
+            locks.unlock(lock)
             return (
                 f"an interrupted save left it without its config; the rest of that save's files are in {publishing}, "
                 f"and peft_smear.saving.atomic.recover({str(place)!r}) (or the next save to {place}) moves them in"
@@ -318,7 +297,7 @@ def _lstat_or_none(path: str | os.PathLike) -> os.stat_result | None:
         return None
 
 
-# --- locks ------------------------------------------------------------------------------------------------------
+# --- the lock of saves ------------------------------------------------------------------------------------------
 
 
 _held_targets: dict[Path, tuple[int, int]] = {}  # target -> (thread id, depth): this thread's saves nest freely
@@ -327,10 +306,9 @@ _held_lock = threading.Lock()
 
 @contextlib.contextmanager
 def _target_lock(real: Path, shown: Path, timeout: float | None = None) -> Iterator[None]:
-    """Hold the exclusive lock of saves to ``real``: a ``flock`` on ``.<name>.peft-smear-lock`` beside it (inside it,
-    where its parent is not writable), removed by the save that releases it (a save waiting on a removed lock file
-    takes the new one). Without it, one save's recovery (step 1) deleted another's staging directory between its
-    creation and its lock."""
+    """Hold the exclusive lock of saves to ``real`` (:func:`~peft_smear.saving.locks.save_lock` on the file
+    :func:`_lock_path` names); saves to it by this thread nest inside. Without it, one save's recovery (step 1)
+    deleted another's staging directory between its creation and its lock."""
     thread = threading.get_ident()
     with _held_lock:
         owner, depth = _held_targets.get(real, (None, 0))
@@ -346,265 +324,26 @@ def _target_lock(real: Path, shown: Path, timeout: float | None = None) -> Itera
     if fcntl is None:
         yield
         return
-    release = _acquire(real, shown, lock_timeout() if timeout is None else timeout)
-    with _held_lock:
-        _held_targets[real] = (thread, 1)
-    try:
-        yield
-    finally:
+    with locks.save_lock(_lock_path(real, shown), shown, locks.lock_timeout() if timeout is None else timeout):
         with _held_lock:
-            del _held_targets[real]
-        release()
-
-
-def _acquire(real: Path, shown: Path, timeout: float) -> Callable[[], None]:
-    """Take the lock of saves to ``real``, waiting at most ``timeout`` seconds; return what releases it."""
-    path = _lock_path(real, shown)
-    if not _flock_works(path.parent):
-        return _acquire_by_pid(path, shown, timeout)
-    held: list[int] = []
-
-    def attempt() -> str | None:
-        fd = _open_lock_file(path)
+            _held_targets[real] = (thread, 1)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _holders(os.fstat(fd), "WRITE")
-            os.close(fd)
-            return holder
-        current = _stat_or_none(path)
-        opened = os.fstat(fd)
-        if current is None or (current.st_dev, current.st_ino) != (opened.st_dev, opened.st_ino):
-            os.close(fd)  # the save that held it removed it: lock the file that is there now
-            return attempt()
-        held.append(fd)
-        return None
-
-    _wait(attempt, shown, "saved", timeout, path)
-
-    def release() -> None:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        os.close(held[0])
-
-    return release
+            yield
+        finally:
+            with _held_lock:
+                del _held_targets[real]
 
 
 def _lock_path(real: Path, shown: Path) -> Path:
     """The lock file of saves to ``real``: beside it where its parent takes a new file (or holds the lock file
     already), else inside it."""
     beside = real.parent / f".{_tag(real.name)}.peft-smear-lock"
-    if os.path.lexists(beside) or _writable(real.parent):
+    if os.path.lexists(beside) or locks.writable(real.parent):
         return beside
-    if real.is_dir() and _writable(real):
+    if real.is_dir() and locks.writable(real):
         return real / _INNER_LOCK
     why = f"Cannot save to {shown}: neither its parent directory nor {shown} itself is writable"
     raise PermissionError(errno.EACCES, why, str(shown))
-
-
-def _writable(directory: Path) -> bool:
-    """Whether this process may create files in ``directory``, by its effective ids and capabilities."""
-    return os.access(directory, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids)
-
-
-def _open_lock_file(path: Path) -> int:
-    """A descriptor of the lock file, created if missing; read-only where it is someone else's (a shared sticky
-    directory such as /tmp refuses to open another user's file for writing)."""
-    try:
-        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except PermissionError:
-        return os.open(path, os.O_RDONLY)
-
-
-def _flock_works(directory: Path) -> bool:
-    """Whether the filesystem of ``directory`` supports ``flock`` (some network filesystems answer ``ENOLCK``)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return True  # the lock file's own error will say what is wrong
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError as error:
-        return error.errno not in _NO_FLOCK
-    finally:
-        os.close(fd)
-    return True
-
-
-def _acquire_by_pid(path: Path, shown: Path, timeout: float) -> Callable[[], None]:
-    """The lock where ``flock`` is missing: ``path`` created exclusively, holding this process's id, host and start
-    time; a lock file whose process is gone (on this host) is taken over."""
-    me = f"{os.getpid()} {socket.gethostname()} {_start_time(os.getpid())}\n"
-
-    def attempt() -> str | None:
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            holder = _pid_lock_holder(path)
-            if holder is None:  # its process is gone
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-                return attempt()
-            return holder
-        with os.fdopen(fd, "w") as file:
-            file.write(me)
-        return None
-
-    _wait(attempt, shown, "saved", timeout, path)
-
-    def release() -> None:
-        with contextlib.suppress(OSError):
-            if Path(path).read_text() == me:
-                os.unlink(path)
-
-    return release
-
-
-def _pid_lock_holder(path: Path) -> str | None:
-    """The process named in a pid lock file, described, or ``None`` if it is gone (or the file is)."""
-    try:
-        text, age = path.read_text(), time.time() - path.stat().st_mtime
-    except FileNotFoundError:
-        return None
-    fields = text.split()
-    if len(fields) != 3 or not fields[0].isdigit():
-        return None if age > 10 else "another process"  # being written, or left half-written by a kill
-    pid, host, started = int(fields[0]), fields[1], fields[2]
-    if host != socket.gethostname():
-        return f"process {pid} on host {host}"
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:
-        pass
-    if started != "?" and _start_time(pid) not in (started, "?"):
-        return None  # the id now belongs to another process
-    return _describe(pid)
-
-
-def _start_time(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as file:
-            return file.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return "?"
-
-
-def _wait(attempt: Callable[[], str | None], shown: Path, doing: str, timeout: float, lock: Path) -> None:
-    """Call ``attempt`` until it succeeds (returns ``None``; otherwise it returns who holds what it wants): says once
-    on stderr that it waits and for whom, and gives up after ``timeout`` seconds naming them."""
-    start = time.monotonic()
-    delay, announced = 0.001, False
-    while True:
-        holder = attempt()
-        if holder is None:
-            return
-        waited = time.monotonic() - start
-        if waited >= timeout:
-            if timeout == 0:
-                raise DirectoryBusyError(f"{shown} is being {doing} by {holder} (it holds {lock}).")
-            raise DirectoryBusyError(
-                f"Gave up after {timeout:g} s: {shown} is being {doing} by {holder} (it holds {lock}). Let it finish "
-                f"or stop it; {TIMEOUT_VARIABLE} sets how many seconds to wait."
-            )
-        if not announced and waited >= min(_ANNOUNCE_AFTER, timeout / 2):
-            print(
-                f"peft-smear: {shown} is being {doing} by {holder}; waiting for it, at most {timeout:g} s "
-                f"({TIMEOUT_VARIABLE}).",
-                file=sys.stderr,
-                flush=True,
-            )
-            announced = True
-        time.sleep(min(delay, max(timeout - waited, 0)))
-        delay = min(delay * 2, 0.05)
-
-
-def _holders(info: os.stat_result, kind: str) -> str:
-    """The processes holding a ``flock`` of ``kind`` (``WRITE``: exclusive, ``READ``: shared) on the file ``info``
-    describes, from ``/proc/locks``, described."""
-    key = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
-    pids = []
-    with contextlib.suppress(OSError), open("/proc/locks") as file:
-        for line in file:
-            fields = line.split()  # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:5678 0 EOF"; waiters have "->"
-            if len(fields) >= 6 and fields[1] == "FLOCK" and fields[3] == kind and fields[5] == key:
-                pid = int(fields[4])
-                if pid not in pids and pid != os.getpid():
-                    pids.append(pid)
-    if not pids:
-        return "another process"
-    return " and ".join(_describe(pid) for pid in pids[:3])
-
-
-def _describe(pid: int) -> str:
-    """``process <pid> (<command line>)``, and whether it is stopped (Ctrl-Z, SIGSTOP)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as file:
-            command = file.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        with open(f"/proc/{pid}/stat") as file:
-            state = file.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return f"process {pid}"
-    command = command if len(command) <= 100 else command[:97] + "..."
-    return f"process {pid}" + (f" ({command})" if command else "") + (", which is stopped" if state in "Tt" else "")
-
-
-def _lock(path: Path) -> int | None:
-    """Hold an exclusive ``flock`` on ``path`` (a directory) until :func:`_unlock`: a running save's sibling is never
-    taken for a stale one. ``None`` where locks are unavailable."""
-    fd = _try_lock(path)
-    return None if fd is False else fd
-
-
-def _try_lock(path: Path) -> int | bool | None:
-    """A lock on a sibling that no running save holds (``None`` if it cannot be locked at all), or ``False``."""
-    if fcntl is None or path.is_symlink() or not path.is_dir():
-        return None
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return False
-    except OSError:  # a filesystem without flock: nothing tells a running save apart
-        os.close(fd)
-        return None
-    return fd
-
-
-def _unlock(fd: int | None) -> None:
-    if fd is not None:
-        os.close(fd)  # closing the only descriptor releases the flock
-
-
-@contextlib.contextmanager
-def _unread(directory: Path, shown: Path) -> Iterator[None]:
-    """Hold ``directory`` exclusively once no load reads it (the shared locks of :func:`pinned`), waiting for loads
-    at most ``PEFT_SMEAR_LOCK_TIMEOUT`` seconds: a load that starts meanwhile fails at once instead of reading a
-    directory whose files are being replaced."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-
-        def attempt() -> str | None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return _holders(os.fstat(fd), "READ")
-            except OSError:  # a filesystem without flock: loads find a changed config instead (see loading)
-                pass
-            return None
-
-        if fcntl is not None:
-            _wait(attempt, shown, "loaded", lock_timeout(), directory)
-        yield
-    finally:
-        os.close(fd)
 
 
 # --- recovery -----------------------------------------------------------------------------------------------------
@@ -633,7 +372,7 @@ def _recover(real: Path, shown: Path) -> None:
     siblings = []
     for path, kind in found:
         if kind is not None:
-            lock = _try_lock(path)
+            lock = locks.try_lock_directory(path)
             if lock is not False:  # False: a running save holds it
                 siblings.append((path, kind, lock))
     try:
@@ -643,14 +382,7 @@ def _recover(real: Path, shown: Path) -> None:
                 os.rename(max(olds)[1], real)
                 _sync_directory(real.parent)
         for path in sorted((path for path, kind, _ in siblings if kind == PUBLISHING), key=os.path.getmtime):
-            try:
-                real.mkdir(exist_ok=True)
-                with _unread(real, shown):
-                    _move_in(path, real)
-            except OSError as error:
-                raise UnpublishedSaveError(
-                    f"An interrupted save to {shown} left its new files in {path}, and moving them in failed: {error}"
-                ) from error
+            _move_in_or_say_where(path, real, shown, f"An interrupted save to {shown} left its new files in {path}")
         for path, _, _ in siblings:
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
@@ -658,7 +390,7 @@ def _recover(real: Path, shown: Path) -> None:
                 path.unlink()
     finally:
         for _, _, lock in siblings:
-            _unlock(lock)
+            locks.unlock(lock)
 
 
 def _kind_beside(name: str, tag: str) -> str | None:
@@ -700,7 +432,7 @@ def _stage(real: Path, keep_others: bool, rewrites: set[str], amends: set[str]) 
             if not keep_others or _carry_over(real, staging, "", rewrites, amends):
                 return staging, lock, False
             shutil.rmtree(staging)  # files that cannot be linked are not copied: the save goes in place
-            _unlock(lock)
+            locks.unlock(lock)
     try:
         staging, lock = _make_directory(real, f".peft-smear-{STAGING}-")
     except PermissionError as error:
@@ -720,7 +452,7 @@ def _make_directory(parent: Path, prefix: str) -> tuple[Path, int | None]:
             os.mkdir(path)
         except FileExistsError:
             continue
-        return path, _lock(path)
+        return path, locks.lock_directory(path)
 
 
 def _is_mount_point(path: Path) -> bool:
@@ -804,7 +536,7 @@ def _own(path: Path, like: os.stat_result) -> None:
     """Give ``path`` the owner and group of ``like`` where this process may (root; or the group alone, for one of
     its groups); otherwise it stays this process's, as a file PEFT creates would."""
     info = os.lstat(path)
-    if (info.st_uid, info.st_gid) == (like.st_uid, like.st_gid):
+    if not hasattr(os, "lchown") or (info.st_uid, info.st_gid) == (like.st_uid, like.st_gid):
         return
     for uid in (like.st_uid, -1):
         try:
@@ -865,7 +597,7 @@ def _publish(staging: Path, real: Path, shown: Path, lock: int | None, in_place:
         _publish_in_place(staging, real, shown, lock)
         return
     cwd = _cwd_inside(real)
-    _unlock(lock)  # once at the target, the new directory must not look like one an in-place save holds
+    locks.unlock(lock)  # once at the target, the new directory must not look like one an in-place save holds
     try:
         if not os.path.lexists(real):
             os.rename(staging, real)
@@ -875,7 +607,7 @@ def _publish(staging: Path, real: Path, shown: Path, lock: int | None, in_place:
         else:
             old = _fallback_swap(staging, real)
     except OSError:  # EBUSY, EXDEV, EPERM...: the directory cannot be renamed, its files can
-        _publish_in_place(staging, real, shown, _lock(staging))
+        _publish_in_place(staging, real, shown, locks.lock_directory(staging))
         return
     _sync_directory(real.parent)
     step("swapped")
@@ -902,19 +634,25 @@ def _publish_in_place(staging: Path, real: Path, shown: Path, lock: int | None) 
                 f"Could not put the save to {shown} in place ({error.strerror}); it is complete in {staging}."
             ) from error
         step("publishing")
-        try:
-            real.mkdir(exist_ok=True)
-            with _unread(real, shown):
-                _move_in(publishing, real)
-        except OSError as error:
-            raise UnpublishedSaveError(
-                f"Could not move the new files of {shown} into it ({error}). They are complete in {publishing}; the "
-                f"next save to {shown}, or peft_smear.saving.atomic.recover({str(shown)!r}), moves them in."
-            ) from error
+        _move_in_or_say_where(publishing, real, shown, f"The new files of {shown} are complete in {publishing}")
     finally:
-        _unlock(lock)
+        locks.unlock(lock)
     shutil.rmtree(publishing, ignore_errors=True)
     step("published")
+
+
+def _move_in_or_say_where(source: Path, real: Path, shown: Path, where: str) -> None:
+    """:func:`_move_in` once no load reads ``real``; if it fails, an error that starts with ``where`` and says how the
+    files get in."""
+    try:
+        real.mkdir(exist_ok=True)
+        with locks.unread(real, shown):
+            _move_in(source, real)
+    except OSError as error:
+        raise UnpublishedSaveError(
+            f"{where}; moving them in failed ({error}). The next save to {shown}, or "
+            f"peft_smear.saving.atomic.recover({str(shown)!r}), moves them in."
+        ) from error
 
 
 def _move_in(source: Path, real: Path) -> None:
@@ -964,7 +702,7 @@ def _remove_when_unread(old: Path, shown: Path) -> None:
     with contextlib.ExitStack() as stack:
         try:
             for directory, _, _ in os.walk(old):
-                stack.enter_context(_unread(Path(directory), shown))
+                stack.enter_context(locks.unread(Path(directory), shown))
         except DirectoryBusyError as error:
             print(f"peft-smear: left the old copy {old} for the next save to remove: {error}", file=sys.stderr)
             return

@@ -38,6 +38,7 @@ from peft.utils import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME
 
 from ..core.checks import listing
 from ..core.experts import EXPERT_KINDS
+from ..core.model import SmearModel
 from ..core.registration import SmearPeftType, adapter_state_dict_keys
 from . import atomic
 
@@ -120,7 +121,7 @@ def from_json_file(peft: Callable, cls: type, path: str | os.PathLike, **kwargs:
 def _take_out(model: Any, adapter_name: str) -> None:
     """Remove an adapter transformers loaded into ``model``, as transformers' ``delete_adapter`` does (which wants
     a later PEFT)."""
-    delete_adapter(model, adapter_name=adapter_name, prefix="smear_")
+    delete_adapter(model, adapter_name=adapter_name, prefix=SmearModel.prefix)
     model.peft_config.pop(adapter_name)
     if not model.peft_config:
         del model.peft_config
@@ -172,13 +173,22 @@ def _load_pinned(path: str, directory: str, model_id: Any, kwargs: dict[str, Any
     _pinned_here.paths = pinned_paths | {path}
     try:
         loaded = load(path, {key: value for key, value in kwargs.items() if key != "subfolder"})
+    except Exception:
+        _check_unchanged(config, read, directory)  # a file that vanished mid-load: say why
+        raise
     finally:
         _pinned_here.paths = pinned_paths
-    if _identity(config) != read:  # only where flock is missing: an in-place save then does not wait for loads
+    _check_unchanged(config, read, directory)
+    return loaded
+
+
+def _check_unchanged(config: str, read: tuple[int, ...] | None, directory: str) -> None:
+    """Refuse a load during which the config changed: only where ``flock`` is missing, where a save does not wait
+    for loads before it replaces files."""
+    if _identity(config) != read:
         raise atomic.DirectoryBusyError(
             f"{directory} changed while it was being loaded: another process saved into it. Load it again."
         )
-    return loaded
 
 
 def _identity(path: str) -> tuple[int, ...] | None:
@@ -315,7 +325,8 @@ def check_loaded(model: torch.nn.Module, adapter_name: str, info: Any) -> None:
     reports (``info``: its missing and unexpected keys; it refuses other shapes itself) and the weights loaded."""
     state = model.state_dict()
     keys = adapter_state_dict_keys(model, adapter_name)
-    non_finite = sorted(k for k in keys if state[k].is_floating_point() and not state[k].isfinite().all())
+    loaded = [k for k in keys if state[k].is_floating_point() and state[k].device.type != "meta"]
+    non_finite = sorted(k for k in loaded if not state[k].isfinite().all())
     if non_finite:
         raise AdapterFileError(
             f"Cannot load SMEAR adapter {adapter_name!r}: its weights hold NaN or infinite values, in"
