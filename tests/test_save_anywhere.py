@@ -34,10 +34,19 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Trainer
 
 from atomic_worker import LLAMA_BATCH, smear_llama
-from conftest import mount, save_tiny_encoder, tiny_llama, unmount_under, write_task_files
+from conftest import (
+    lm_data,
+    mount,
+    pad_collator,
+    save_tiny_encoder,
+    tiny_llama,
+    training_args,
+    unmount_under,
+    write_task_files,
+)
 from peft_smear import SmearConfig, cli
 from peft_smear.saving import atomic, locks
 from peft_smear.saving.loading import AdapterFileError
@@ -126,6 +135,24 @@ def test_a_save_into_a_mount_point_replaces_its_files_in_place_and_copies_nothin
     model.save_pretrained(volume)
     torch.testing.assert_close(loaded_logits(volume), logits(model), rtol=0, atol=0)
     assert (volume / "checkpoint-1" / "optimizer.pt").stat().st_ino == inode  # left where it was, never copied
+    assert leftovers(tmp_path) == []
+
+
+@AS_ROOT
+def test_trainer_checkpoints_and_its_final_save_into_a_mount_point(tmp_path, mounted):
+    """Trainer's output_dir on a volume: each checkpoint and the final save go in place; the checkpoints already there
+    stay where they are (the whole output_dir used to be copied across filesystems, then deleted with the save)."""
+    mounted("tmpfs", tmp_path)
+    config = SmearConfig(num_experts=2, r=2, target_modules=["q_proj"], routing_prefix_length=4, init_weights=False)
+    model = get_peft_model(tiny_llama(), config)
+    arguments = training_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=1)
+    trainer = Trainer(model=model, args=arguments, train_dataset=lm_data(16), data_collator=pad_collator)
+    trainer.train()
+    checkpoint = tmp_path / "checkpoint-1" / "optimizer.pt"
+    inode = checkpoint.stat().st_ino
+    trainer.save_model()
+    assert checkpoint.stat().st_ino == inode
+    torch.testing.assert_close(loaded_logits(tmp_path), logits(model), rtol=0, atol=0)
     assert leftovers(tmp_path) == []
 
 
@@ -235,12 +262,14 @@ def test_an_unprivileged_user_saves_where_its_parent_is_not_writable_and_into_a_
     (shared / "adapter" / "optimizer.pt").write_bytes(os.urandom(4096))
     optimizer = (shared / "adapter" / "optimizer.pt").stat().st_ino
     (shared / ".adapter.peft-smear-lock").write_text("")
+    closed = tmp_path / "readonly" / "root-adapter"  # root's, in a directory nobody cannot write: PEFT fails too
+    old.save_pretrained(closed)
     command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
     command += ["--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"]
     script = AS_NOBODY.format(paths=[str(ROOT / "src"), str(ROOT / "tests")])
     environment = {**os.environ, "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
-        [*command, sys.executable, "-c", script, str(own), str(shared / "adapter")],
+        [*command, sys.executable, "-c", script, str(own), str(shared / "adapter"), str(closed)],
         capture_output=True,
         text=True,
         env=environment,
@@ -249,12 +278,18 @@ def test_an_unprivileged_user_saves_where_its_parent_is_not_writable_and_into_a_
     if result.returncode != 0 and "setpriv" in result.stderr:
         pytest.skip(f"cannot run as nobody here: {result.stderr.strip()}")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert json.loads(result.stdout.splitlines()[-1]) == {str(own): "saved", str(shared / "adapter"): "saved"}
+    results = json.loads(result.stdout.splitlines()[-1])
+    assert (results[str(own)], results[str(shared / "adapter")]) == ("saved", "saved")
+    assert results[str(closed)] == (
+        f"PermissionError: [Errno 13] Cannot save to {closed}: neither its parent directory nor {closed} itself is "
+        f"writable: '{closed}'"
+    )
     expected = logits(smear_llama(2, lora_alpha=16))
     for target in (own, shared / "adapter"):
         torch.testing.assert_close(loaded_logits(target), expected, rtol=0, atol=0)
     assert (shared / "adapter" / "optimizer.pt").stat().st_ino == optimizer  # not copied
     assert leftovers(tmp_path / "readonly") == [] and leftovers(shared) == [".adapter.peft-smear-lock"]  # root's
+    torch.testing.assert_close(loaded_logits(closed), logits(old), rtol=0, atol=0)
 
 
 @AS_ROOT
