@@ -114,15 +114,18 @@ def _acquire(path: Path, shown: Path, timeout: float) -> Callable[[], None]:
 def _open_lock_file(path: Path) -> int:
     """A descriptor of the lock file, created if missing; read-only where it is someone else's (a shared sticky
     directory such as /tmp refuses to open another user's file for writing)."""
+    nofollow = getattr(os, "O_NOFOLLOW", 0)  # a link planted in a shared directory is not followed
     try:
-        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        return os.open(path, os.O_RDWR | os.O_CREAT | nofollow, 0o644)
     except PermissionError:
-        pass
-    try:
-        return os.open(path, os.O_RDONLY)
+        try:
+            return os.open(path, os.O_RDONLY | nofollow)
+        except OSError as error:
+            failure = error
     except OSError as error:
-        why = f"Cannot take the lock of saves: its lock file {path} cannot be opened ({error.strerror})"
-        raise type(error)(error.errno, why, str(path)) from None
+        failure = error
+    why = f"Cannot take the lock of saves: its lock file {path} cannot be opened ({failure.strerror})"
+    raise type(failure)(failure.errno, why, str(path)) from None
 
 
 def _flock_works(directory: Path) -> bool:
