@@ -74,36 +74,34 @@ def tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
 
 def tiny_bert(seed: int = 0, num_labels: int = 3, **overrides) -> BertForSequenceClassification:
     torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=64,
-        num_labels=num_labels,
-        pad_token_id=0,
-        **overrides,
-    )
-    return BertForSequenceClassification(config).eval()
+    settings = {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 64,
+        "num_labels": num_labels,
+        "pad_token_id": 0,
+    }
+    return BertForSequenceClassification(BertConfig(**{**settings, **overrides})).eval()
 
 
 def tiny_t5(seed: int = 0, **overrides) -> T5ForConditionalGeneration:
     torch.manual_seed(seed)
-    config = T5Config(
-        vocab_size=VOCAB,
-        d_model=32,
-        d_kv=8,
-        d_ff=48,
-        num_layers=2,
-        num_decoder_layers=2,
-        num_heads=4,
-        pad_token_id=0,
-        decoder_start_token_id=0,
-        eos_token_id=1,
-        **overrides,
-    )
-    return T5ForConditionalGeneration(config).eval()
+    settings = {
+        "vocab_size": VOCAB,
+        "d_model": 32,
+        "d_kv": 8,
+        "d_ff": 48,
+        "num_layers": 2,
+        "num_decoder_layers": 2,
+        "num_heads": 4,
+        "pad_token_id": 0,
+        "decoder_start_token_id": 0,
+        "eos_token_id": 1,
+    }
+    return T5ForConditionalGeneration(T5Config(**{**settings, **overrides})).eval()
 
 
 def random_batch(batch: int, seq: int, seed: int = 0, lengths: list[int] | None = None) -> dict[str, torch.Tensor]:
