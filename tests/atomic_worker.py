@@ -10,6 +10,9 @@
   at step ``k``, left exactly as the kill left it;
 * ``after-<k>/`` (for the kill points in ``followed``): the same state, then the new save once more, to the end.
 
+In the scenarios of ``MOUNTED`` the target is a tmpfs mount point in every copy (it cannot be renamed: the save goes
+in place); they run only as root, and the caller unmounts them.
+
 Every save runs in a child forked from this process, which imports the libraries once and runs nothing else itself
 (no model, no thread), so a save costs a fork rather than a Python start. ``logits-old.pt`` and ``logits-new.pt`` hold
 the in-memory models' logits where a scenario gives them.
@@ -21,6 +24,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import traceback
 from collections.abc import Callable
@@ -46,7 +50,9 @@ TARGETS = {  # the path each scenario saves to, relative to its directory; the r
     "train": "run",
     "export_tasks": "exported",
     "staged_fallback": "run",
+    "save_pretrained_mount": "adapter",
 }
+MOUNTED = {"save_pretrained_mount"}
 LLAMA_BATCH = random_batch(2, 6, seed=3, lengths=[6, 4])
 TASK_BATCH = {
     "input_ids": torch.tensor([[2, 5, 9, 12, 3], [2, 7, 3, 0, 0]]),
@@ -275,10 +281,11 @@ SCENARIOS: dict[str, tuple[Callable | None, Callable, Callable]] = {
     "train": (inputs_train, prepare_train, save_train),
     "export_tasks": (load_runs_once, prepare_export_tasks, save_export_tasks),
     "staged_fallback": (None, prepare_staged_fallback, save_staged_fallback),
+    "save_pretrained_mount": (None, prepare_save_pretrained, save_save_pretrained),
 }
 # The kills after which the save runs again: one in each kind of state a kill can leave beside the target (a staging
 # directory being written, a complete one, the old copy after the swap, the old copy moved aside by the fallback).
-FOLLOWED_STEPS = {"staged", "synced", "swapped", "old copy moved aside"}
+FOLLOWED_STEPS = {"staged", "synced", "swapped", "old copy moved aside", "publishing", "removed the configs"}
 
 
 # --- the driver ---------------------------------------------------------------------------------------------------
@@ -320,6 +327,20 @@ def in_child(directory: Path, function: Callable, inputs: Path, kill_at: int | N
     return status, steps
 
 
+def copy_state(source: Path, destination: Path, scenario: str) -> None:
+    """A copy of the directory ``source`` at ``destination``; in a ``MOUNTED`` scenario its target becomes a tmpfs
+    mount point holding what it held."""
+    shutil.copytree(source, destination, symlinks=True)
+    if scenario in MOUNTED:
+        target = destination / TARGETS[scenario]
+        held = target.with_name(".held")
+        target.rename(held)
+        target.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(target)], check=True)
+        shutil.copytree(held, target, symlinks=True, dirs_exist_ok=True)
+        shutil.rmtree(held)
+
+
 def _rename_if_there(source: Path, destination: Path) -> None:
     if source.exists():
         source.rename(destination)
@@ -340,7 +361,7 @@ def run_scenario(work: Path, name: str) -> None:
     assert status == 0, f"{name}: the old save failed"
     _rename_if_there(root / "logits-pristine.pt", root / "logits-old.pt")
 
-    shutil.copytree(root / "pristine", root / "reference", symlinks=True)
+    copy_state(root / "pristine", root / "reference", name)
     status, steps = in_child(root / "reference", save, inputs)
     assert status == 0, f"{name}: the new save failed"
     _rename_if_there(root / "logits-reference.pt", root / "logits-new.pt")
@@ -348,12 +369,12 @@ def run_scenario(work: Path, name: str) -> None:
     statuses = []
     for k in range(len(steps)):
         killed = root / f"killed-{k}"
-        shutil.copytree(root / "pristine", killed, symlinks=True)
+        copy_state(root / "pristine", killed, name)
         status, _ = in_child(killed, save, inputs, kill_at=k)
         statuses.append(os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL)
         if steps[k] in FOLLOWED_STEPS and steps.index(steps[k]) == k:  # the first such step (export-tasks: per task)
             after = root / f"after-{k}"
-            shutil.copytree(killed, after, symlinks=True)
+            copy_state(killed, after, name)
             status, _ = in_child(after, save, inputs)
             assert status == 0, f"{name}: the save after the kill at step {k} failed"
             (root / f"logits-{after.name}.pt").unlink(missing_ok=True)

@@ -74,36 +74,34 @@ def tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
 
 def tiny_bert(seed: int = 0, num_labels: int = 3, **overrides) -> BertForSequenceClassification:
     torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=64,
-        num_labels=num_labels,
-        pad_token_id=0,
-        **overrides,
-    )
-    return BertForSequenceClassification(config).eval()
+    settings = {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 64,
+        "num_labels": num_labels,
+        "pad_token_id": 0,
+    }
+    return BertForSequenceClassification(BertConfig(**{**settings, **overrides})).eval()
 
 
 def tiny_t5(seed: int = 0, **overrides) -> T5ForConditionalGeneration:
     torch.manual_seed(seed)
-    config = T5Config(
-        vocab_size=VOCAB,
-        d_model=32,
-        d_kv=8,
-        d_ff=48,
-        num_layers=2,
-        num_decoder_layers=2,
-        num_heads=4,
-        pad_token_id=0,
-        decoder_start_token_id=0,
-        eos_token_id=1,
-        **overrides,
-    )
-    return T5ForConditionalGeneration(config).eval()
+    settings = {
+        "vocab_size": VOCAB,
+        "d_model": 32,
+        "d_kv": 8,
+        "d_ff": 48,
+        "num_layers": 2,
+        "num_decoder_layers": 2,
+        "num_heads": 4,
+        "pad_token_id": 0,
+        "decoder_start_token_id": 0,
+        "eos_token_id": 1,
+    }
+    return T5ForConditionalGeneration(T5Config(**{**settings, **overrides})).eval()
 
 
 def random_batch(batch: int, seq: int, seed: int = 0, lengths: list[int] | None = None) -> dict[str, torch.Tensor]:
@@ -431,3 +429,38 @@ def logits_without_peft_smear(
     result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     return torch.load(work / "out.pt")
+
+
+def mount(
+    kind: str, target: Path, *, size: str = "64m", source: Path | None = None, lower: Path | None = None
+) -> None:
+    """Make ``target`` (an existing directory) a mount point, as a container's volume or a mounted drive is: ``tmpfs``
+    (empty, ``size`` bytes), ``bind`` (of ``source``) or ``overlay`` (``lower`` as its read-only lower layer, its upper
+    and work directories beside ``target``). Needs root; a test that calls it skips where mounting is not allowed."""
+    import pytest
+
+    if kind == "tmpfs":
+        command = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(target)]
+    elif kind == "bind":
+        command = ["mount", "--bind", str(source), str(target)]
+    else:
+        upper, work = target.with_name(target.name + ".upper"), target.with_name(target.name + ".work")
+        upper.mkdir(exist_ok=True)
+        work.mkdir(exist_ok=True)
+        options = f"lowerdir={lower},upperdir={upper},workdir={work}"
+        command = ["mount", "-t", "overlay", "overlay", "-o", options, str(target)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount {kind} here (tests of mounts run as root, as CI does): {result.stderr.strip()}")
+
+
+def unmount_under(directory: Path) -> None:
+    """Unmount every mount point at or under ``directory``, deepest first."""
+    points = []
+    with open("/proc/self/mountinfo") as file:
+        for line in file:
+            point = line.split()[4].replace("\\040", " ")
+            if Path(point) == Path(directory) or Path(point).is_relative_to(directory):
+                points.append(point)
+    for point in sorted(points, key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], capture_output=True)

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import torch
 from peft import get_peft_model
-from transformers import BertConfig, BertForSequenceClassification, T5Config, T5ForConditionalGeneration
 
 import peft_smear
-from conftest import VOCAB, random_batch, tiny_llama
+from conftest import random_batch, tiny_bert, tiny_llama, tiny_t5
 
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -165,25 +164,6 @@ def llama_cases(method: str, dtype_name: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def wide_t5() -> T5ForConditionalGeneration:
-    """``tests/conftest.py``'s tiny T5, as wide as :data:`SIZES`."""
-    torch.manual_seed(0)
-    config = T5Config(
-        vocab_size=VOCAB,
-        d_model=64,
-        d_kv=16,
-        d_ff=96,
-        num_layers=2,
-        num_decoder_layers=2,
-        num_heads=4,
-        pad_token_id=0,
-        decoder_start_token_id=0,
-        eos_token_id=1,
-        dropout_rate=0.0,
-    )
-    return T5ForConditionalGeneration(config).eval()
-
-
 def t5_cases(dtype_name: str) -> dict[str, torch.Tensor]:
     config = peft_smear.SmearConfig(
         num_experts=4,
@@ -194,7 +174,9 @@ def t5_cases(dtype_name: str) -> dict[str, torch.Tensor]:
         task_type="SEQ_2_SEQ_LM",
         expert_dropout=0.0,  # routers that read the encoder decide together across blocks: another draw order
     )
-    model = moved(get_peft_model(wide_t5().to(DTYPES[dtype_name]), config))
+    model = moved(
+        get_peft_model(tiny_t5(d_model=64, d_kv=16, d_ff=96, dropout_rate=0.0).to(DTYPES[dtype_name]), config)
+    )
     batch = random_batch(3, 6, seed=5, lengths=[6, 4, 3])
     labels = random_batch(3, 4, seed=6, lengths=[4, 3, 2])["input_ids"].masked_fill(
         random_batch(3, 4, seed=6, lengths=[4, 3, 2])["attention_mask"] == 0, -100
@@ -207,28 +189,16 @@ def t5_cases(dtype_name: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def wide_bert() -> BertForSequenceClassification:
-    """``tests/conftest.py``'s tiny BERT classifier, as wide as :data:`SIZES`."""
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=VOCAB,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=64,
-        num_labels=3,
-        pad_token_id=0,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        **SIZES,
-    )
-    return BertForSequenceClassification(config).eval()
-
-
 def bert_cases(dtype_name: str) -> dict[str, torch.Tensor]:
     config = peft_smear.SmearConfig(
         num_experts=4, r=2, lora_alpha=4, init_weights=False, target_modules="all-linear", task_type="SEQ_CLS"
     )
-    model = moved(get_peft_model(wide_bert().to(DTYPES[dtype_name]), config))
+    model = moved(
+        get_peft_model(
+            tiny_bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **SIZES).to(DTYPES[dtype_name]),
+            config,
+        )
+    )
     batch = {**random_batch(3, 6, seed=8, lengths=[6, 4, 2]), "labels": torch.tensor([0, 2, 1])}
     out = {f"eval/{k}": v for k, v in evaluated(model, batch).items()}
     out.update({f"train/{k}": v for k, v in trained_call(model, batch, seed=31).items()})

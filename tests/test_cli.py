@@ -125,7 +125,7 @@ def test_console_script_runs_offline_with_a_progress_bar(saved, tmp_path):
     source = str(Path(peft_smear.__file__).parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([source, os.environ.get("PYTHONPATH", "")])}
     env["HF_HUB_OFFLINE"] = "1"
-    command = [sys.executable, "-m", "peft_smear.cli", "export", "--base-model", str(base), "--adapter", str(adapter)]
+    command = [sys.executable, "-m", "peft_smear", "export", "--base-model", str(base), "--adapter", str(adapter)]
     command += ["--output", str(tmp_path / "out"), "--task-data", str(data), "--batch-size", "2"]
     result = subprocess.run(command, capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
@@ -133,6 +133,17 @@ def test_console_script_runs_offline_with_a_progress_bar(saved, tmp_path):
     assert f"Wrote a LoRA adapter to {tmp_path / 'out'}" in result.stdout
     assert "mean routing of 5 examples" in result.stdout
     assert "PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(" in result.stdout
+
+
+def test_python_m_peft_smear_is_the_command_and_parses_its_arguments_first():
+    """``python -m peft_smear`` did nothing; it is the ``peft-smear`` command, which answers ``--help`` before torch
+    is imported (``-X importtime`` lists every module imported). Running a command through it is tested above."""
+    environment = {**os.environ, "PYTHONPATH": str(Path(peft_smear.__file__).parents[1])}
+    command = [sys.executable, "-X", "importtime", "-m", "peft_smear", "--help"]
+    result = subprocess.run(command, capture_output=True, text=True, env=environment)
+    assert result.returncode == 0 and result.stdout.startswith("usage: peft-smear [-h] COMMAND"), result.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if "|" in line}
+    assert "peft_smear.cli" in imported and not imported & {"torch", "transformers", "peft"}
 
 
 def test_setup_registers_the_console_script():

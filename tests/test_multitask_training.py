@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from peft import PeftConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, BertConfig, BertModel
 
@@ -342,3 +342,24 @@ def test_router_lr_ratio_gives_the_routers_their_own_rate(workspace, tmp_path, m
     with pytest.raises(SystemExit) as refused:
         run_cli(*train_args(root / "encoder", task_files, tmp_path / "bad", "--router-lr-ratio", "0"))
     assert refused.value.code == 2 and "--router-lr-ratio: must be a number > 0, got '0'" in capsys.readouterr().err
+
+
+def test_train_upcycles_a_saved_lora_of_the_same_model(run, workspace):
+    """``train --upcycle-from``: the SMEAR experts start as the LoRA (heads included), its rank and scaling kept."""
+    root, task_files = workspace
+    run_dir, _ = run
+    tasks = [TaskInfo(**task) for task in json.loads((run_dir / training.RUN_FILE).read_text())["tasks"]]
+
+    def lora_config(model):
+        names = training.block_linear_names(model)
+        return LoraConfig(r=3, lora_alpha=6, target_modules=names, modules_to_save=["heads"], init_lora_weights=False)
+
+    lora = training.build_model(root / "encoder", tasks, lora_config, seed=1).eval()
+    lora.save_pretrained(root / "lora")
+    smear = training.upcycled_model(root / "encoder", tasks, root / "lora", "smear", EXPERTS, seed=0).eval()
+    inputs = {"input_ids": torch.randint(5, 15, (4, 9)), "task_index": torch.tensor([0, 1, 0, 1])}
+    with torch.no_grad():
+        torch.testing.assert_close(smear(**inputs).logits, lora(**inputs).logits, atol=1e-6, rtol=0)
+    assert run_cli(*train_args(root / "encoder", task_files, root / "upcycled", "--upcycle-from", root / "lora")) == 0
+    config = PeftConfig.from_pretrained(str(root / "upcycled"))
+    assert (config.r, config.lora_alpha, config.num_experts, set(config.modules_to_save)) == (3, 6, EXPERTS, {"heads"})

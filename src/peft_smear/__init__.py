@@ -11,8 +11,8 @@ The package is layered: :mod:`peft_smear.core` is the PEFT method; :mod:`peft_sm
 :mod:`peft_smear.bank` and :mod:`peft_smear.emoe` on those; :mod:`peft_smear.multitask` (the ``peft-smear train``
 application) and :mod:`peft_smear.cli` sit on top. This module only gathers the public names: what a user needs,
 and what an author of a routing method or an expert kind builds on (from :mod:`peft_smear._api`): loaded at once,
-except when the ``peft-smear`` command imports the package to parse its arguments first (:mod:`peft_smear_launcher`),
-which then loads them with :func:`_load_method`.
+except while the ``peft-smear`` command parses its arguments (:mod:`peft_smear_launcher`), which then loads them with
+:func:`_load_method`. ``python -m peft_smear`` runs that command.
 """
 
 import sys as _sys
@@ -28,5 +28,15 @@ def _load_method() -> None:
     globals()["__all__"] = list(_api.__all__)
 
 
-if "peft_smear_launcher" not in _sys.modules:  # the command line loads it once its arguments are parsed
+def _command_parsing() -> bool:
+    """Whether the ``peft-smear`` command is parsing its arguments (entered by its script, or as ``python -m
+    peft_smear``, whose package is imported while ``sys.argv[0]`` is still ``-m``): it loads the method itself, with
+    :func:`_load_method`, once they are parsed."""
+    argv = getattr(_sys, "orig_argv", [])
+    as_main = "-m" in argv and argv[argv.index("-m") + 1 : argv.index("-m") + 2] == [__name__]
+    launcher = _sys.modules.get("peft_smear_launcher")
+    return (as_main and _sys.argv[:1] == ["-m"]) or getattr(launcher, "PARSING", False)
+
+
+if not _command_parsing():
     _load_method()

@@ -5,6 +5,7 @@ import peft_smear.experts
 import peft_smear.routers  # noqa: F401  (the SMEAR paper's baselines register themselves)
 
 from .bank import build_expert_bank, describe_tasks, embed_texts, train_phatgoose_gates
+from .bank.upcycling import upcycle
 from .core.config import SmearConfig
 from .core.experts import EXPERT_KINDS, ExpertKind, register_expert_kind
 from .core.layer import SmearLinear
@@ -69,6 +70,7 @@ __all__ = [
     "register_expert_kind",
     "register_router",
     "train_phatgoose_gates",
+    "upcycle",
     "write_model_card",
 ]
 

@@ -12,7 +12,7 @@ import math
 import os
 import pickle
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -45,6 +45,7 @@ class LoraAdapter:
     name: str
     config: LoraConfig
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    saved_modules: dict[str, torch.Tensor] = field(default_factory=dict)  # modules_to_save, as PEFT saves them
 
     def rank(self, module: str) -> int:
         return self.weights[module][0].shape[0]
@@ -111,8 +112,12 @@ def build_expert_bank(
     return model
 
 
-def read_lora_adapter(name: str, source: AdapterSource, base_model: nn.Module) -> LoraAdapter:
-    """``source`` as a :class:`LoraAdapter`, checked against ``base_model``; refusals name ``name`` and the module."""
+def read_lora_adapter(
+    name: str, source: AdapterSource, base_model: nn.Module, keep_modules_to_save: bool = False
+) -> LoraAdapter:
+    """``source`` as a :class:`LoraAdapter`, checked against ``base_model``; refusals name ``name`` and the module.
+    ``keep_modules_to_save``: keep the weights of the adapter's ``modules_to_save`` (upcycling carries them over)
+    instead of refusing them."""
     if isinstance(source, PeftModel):
         adapter = source.active_adapter
         config = source.peft_config[adapter]
@@ -147,8 +152,13 @@ def read_lora_adapter(name: str, source: AdapterSource, base_model: nn.Module) -
 
     modules = dict(base_model.named_modules())
     weights: dict[str, dict[str, torch.Tensor]] = {}
+    kept = tuple(config.modules_to_save or ()) if keep_modules_to_save else ()
+    saved_modules = {}
     for key, tensor in state.items():
         suffix = next((s for s in _LORA_SUFFIXES if key.endswith(s)), None)
+        if suffix is None and any(f".{module}." in f".{key.removeprefix(_PEFT_PREFIX)}" for module in kept):
+            saved_modules[key] = tensor
+            continue
         if suffix is None:
             raise ValueError(
                 f"Adapter {name!r} holds {key!r}, which is not a LoRA weight of a linear layer (a bank takes adapters "
@@ -185,7 +195,7 @@ def read_lora_adapter(name: str, source: AdapterSource, base_model: nn.Module) -
         loaded[module] = (A, B)
     if not loaded:
         raise ValueError(f"Adapter {name!r} has no LoRA weights.")
-    return LoraAdapter(name, config, loaded)
+    return LoraAdapter(name, config, loaded, saved_modules)
 
 
 def subtract_general_knowledge(adapters: list[LoraAdapter], general: list[LoraAdapter]) -> None:

@@ -241,8 +241,8 @@ def _save_atomically(model, target: Path, overwrite: bool) -> None:
     mix and never nothing. The old directory is replaced whole, and only when ``overwrite`` allows it."""
     from ..saving.atomic import staged_directory
 
-    refuse_occupied(target, overwrite, "pass --overwrite to replace it")
     with staged_directory(target) as staging:
+        refuse_occupied(target, overwrite, "pass --overwrite to replace it")  # under the save's lock
         model.save_pretrained(staging)
 
 

@@ -113,12 +113,10 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         return self.smear_router[adapter_name].num_experts
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self.disable_adapters:
-            return self.base_layer(x, *args, **kwargs)
-        if self.routing_context.call.adapters is not None:  # PEFT's mixed batch names each example's adapter
+        if self.routing_context.call.adapters is not None and not self.disable_adapters:  # names say which runs
             return self._mixed_batch_forward(x, *args, **kwargs)
         adapters = [name for name in self.active_adapters if name in self.expert_kind]
-        if not adapters:
+        if self.disable_adapters or not adapters:
             return self.base_layer(x, *args, **kwargs)
         # One example per row: a packed row holds several sequences, each an example of its own.
         packing = self.routing_context.call.packing

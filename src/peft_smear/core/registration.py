@@ -1,4 +1,4 @@
-"""The one module that touches PEFT internals.
+"""The one module that touches PEFT internals (and transformers' adapter loading).
 
 PEFT 0.21 has no public way to register a method whose name is not already in its own ``PeftType`` enum
 (``register_peft_method`` refuses it), so we write PEFT's registries directly. Everything else peft-smear needs from
@@ -49,6 +49,7 @@ from peft.utils import (  # noqa: E402
     TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING,
 )
 from peft.utils.other import AuxiliaryTrainingWrapper  # noqa: E402  (modules_to_save, which take adapter_names)
+from transformers.integrations import PeftAdapterMixin  # noqa: E402  (transformers' model.load_adapter)
 
 
 __all__ = [
@@ -95,12 +96,8 @@ _WRAPPER_NAME_COMPONENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module
 def adapter_state_dict_prefixes(model, adapter_name: str | None = None) -> set[str]:
     """State-dict key prefixes of the tuner parameters in ``model`` (of ``adapter_name`` only, when given), as the keys
     of ``model.state_dict()`` spell them even inside FSDP1 or activation-checkpointing wrappers."""
-    prefixes = set()
-    for prefix in _get_tuner_state_dict_key_prefixes(model, adapter_name=adapter_name):
-        for component in _WRAPPER_NAME_COMPONENTS:
-            prefix = prefix.replace(component, "")
-        prefixes.add(prefix)
-    return prefixes
+    prefixes = _get_tuner_state_dict_key_prefixes(model, adapter_name=adapter_name)
+    return {functools.reduce(lambda name, part: name.replace(part, ""), _WRAPPER_NAME_COMPONENTS, p) for p in prefixes}
 
 
 def select_adapter_entries(state_dict: dict, prefixes: set[str]) -> dict:
@@ -142,7 +139,7 @@ def route_peft_method(owner: type, name: str, routed: Callable) -> None:
 
 def route_peft_model_method(name: str, smear_method: Callable) -> None:
     """Make ``PeftModel.<name>(...)`` call ``smear_method(peft_method, model, ...)`` when the model's active adapter
-    is SMEAR; every other PEFT model keeps PEFT's method. Used for the model card, ``push_to_hub`` and the atomic
+    is SMEAR; every other PEFT model keeps PEFT's method. Used for ``push_to_hub`` and the atomic
     ``save_pretrained``."""
 
     def routed(peft_method: Callable, model: PeftModel, *args, **kwargs):
@@ -175,9 +172,9 @@ def install(
     lora_conversion: object,
 ) -> None:
     """Everything ``import peft_smear`` changes in PEFT, in one place: the ``"SMEAR"`` type in PEFT's registries;
-    SMEAR's model card, ``push_to_hub`` and atomic ``save_pretrained`` for models whose active adapter is SMEAR
-    (others keep PEFT's); ``PeftModel.from_pretrained``, ``load_adapter`` and ``PeftConfig.from_json_file`` routed
-    through ``loading`` (by name; ``routed(peft_method, ...)``, see :func:`route_peft_method`); ``adapter_names=``
+    the model card (``model_card`` sees every model's), SMEAR's ``push_to_hub`` and atomic ``save_pretrained`` (others
+    keep PEFT's); ``PeftModel.from_pretrained``, ``load_adapter``, ``PeftConfig.from_json_file`` and transformers'
+    ``load_adapter`` routed through ``loading`` (by name; ``routed(peft_method, ...)``); ``adapter_names=``
     kept for the tuner; and what the SMEAR tuner and layers ask the layers above them: whether a checkpoint fits
     (``checkpoint_check``), whether an adapter fits in memory (``size_check``) and how to answer PEFT's
     ``convert_to_lora`` (``lora_conversion``)."""
@@ -185,9 +182,10 @@ def install(
     tuner_cls.checkpoint_check = staticmethod(checkpoint_check)
     tuner_cls.size_check = staticmethod(size_check)
     tuner_cls.tuner_layer_cls.lora_conversion = lora_conversion
-    route_peft_model_method("create_or_update_model_card", model_card)
+    route_peft_method(PeftModel, "create_or_update_model_card", model_card)
     route_peft_model_method("push_to_hub", push_to_hub)
     route_peft_model_method("save_pretrained", save_pretrained)
+    owners = {"from_json_file": PeftConfigMixin, "transformers.load_adapter": PeftAdapterMixin}
     for name, routed in loading.items():
-        route_peft_method(PeftConfigMixin if name == "from_json_file" else PeftModel, name, routed)
+        route_peft_method(owners.get(name, PeftModel), name.rpartition(".")[2], routed)
     route_peft_method(PeftModel, "__init__", keep_adapter_names)

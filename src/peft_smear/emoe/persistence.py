@@ -75,7 +75,10 @@ def load_emoe(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
     config_path, partition_path = directory / CONFIG_NAME, directory / PARTITION_NAME
     for path in (config_path, partition_path):
         if not path.is_file():
-            raise FileNotFoundError(f"{directory} holds no saved EMoE model: {path.name} is missing.")
+            why = atomic.interrupted(directory) if path == config_path else None
+            raise FileNotFoundError(
+                f"{directory} holds no saved EMoE model: {path.name} is missing" + (f": {why}." if why else ".")
+            )
     config = _read_config(config_path)
     try:
         tensors = load_file(str(partition_path))

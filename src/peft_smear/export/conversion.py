@@ -111,7 +111,12 @@ class LoraConversion:
     @staticmethod
     def _distribution(layer: SmearLinear, adapter_name: str) -> torch.Tensor:
         if adapter_name not in layer.expert_kind:
-            raise ValueError(f"This SMEAR layer has no adapter {adapter_name!r}; it has {sorted(layer.expert_kind)}.")
+            raise ValueError(
+                f"SMEAR layer {layer.module_name!r} has no adapter {adapter_name!r} (it has "
+                f"{', '.join(map(repr, sorted(layer.expert_kind)))}): PEFT's LoRA conversion converts every adapted "
+                f"layer, and {adapter_name!r} targets other modules than another adapter of the model. Convert a "
+                f"model that holds {adapter_name!r} alone, or export it with peft_smear.export_merged_adapter."
+            )
         kind, router = layer.expert_kind[adapter_name], layer.smear_router[adapter_name]
         export = KIND_EXPORTS.get(kind.name)
         if export is None or type(export).delta_weight is KindExport.delta_weight:

@@ -173,7 +173,8 @@ def export_merged_adapter(
             usage,
         )
 
-    _write_atomically(target, exported_config, {k: v.detach().cpu().contiguous() for k, v in weights.items()}, card)
+    weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
+    _write_atomically(target, exported_config, weights, card, overwrite)
     exported_config.energy_kept = energy_kept  # not a dataclass field: not saved in adapter_config.json
     return exported_config
 
@@ -324,8 +325,11 @@ def _one_hot_index(p: torch.Tensor) -> int | None:
 
 
 def refuse_occupied(directory: Path, overwrite: bool, hint: str) -> None:
-    """An existing non-empty output is only replaced when the caller said so: nothing a user saved is lost."""
-    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())) and not overwrite:
+    """An existing non-empty output is only replaced when the caller said so: nothing a user saved is lost. A save's
+    own entries (its lock, an in-place save's staging) are not the user's."""
+    if overwrite or not directory.exists():
+        return
+    if not directory.is_dir() or any(not atomic.own_entry(entry.name) for entry in directory.iterdir()):
         raise FileExistsError(f"{directory} exists and is not empty; {hint}.")
 
 
@@ -411,12 +415,14 @@ def _check_distributions(
 
 
 def _write_atomically(
-    target: Path, config: PeftConfig, weights: dict[str, torch.Tensor], card: Callable[[Path], None]
+    target: Path, config: PeftConfig, weights: dict[str, torch.Tensor], card: Callable[[Path], None], overwrite: bool
 ) -> None:
     """Write the adapter and its card into a staging directory beside ``target``, then swap it into place in one
     step (see :mod:`peft_smear.saving.atomic`): a kill at any moment leaves the old directory or the new adapter, never
-    a mix and never nothing; the old one is deleted only once the new one is in place."""
+    a mix and never nothing; the old one is deleted only once the new one is in place. Whether ``target`` is free is
+    asked again under the save's lock: another save may have filled it since."""
     with atomic.staged_directory(target) as staging:
+        refuse_occupied(target, overwrite, "pass overwrite=True to replace it")
         config.save_pretrained(staging)
         atomic.step(f"wrote {CONFIG_NAME}")
         save_file(weights, staging / SAFETENSORS_WEIGHTS_NAME, metadata={"format": "pt"})

@@ -177,6 +177,7 @@ def merge_experts(
     )
     parameters = sum(t.numel() for t in tensors.values())
     with atomic.staged_directory(target) as staging:
+        refuse_occupied(target, overwrite, "pass overwrite=True to replace it")  # again, under the save's lock
         merged_config.save_pretrained(staging)
         atomic.step(f"wrote {CONFIG_NAME}")
         tensors = {key: value.detach().cpu().contiguous() for key, value in tensors.items()}

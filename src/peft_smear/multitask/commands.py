@@ -76,6 +76,12 @@ def add_train_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
     )
     parser.add_argument("--num-experts", type=positive_int, help="experts per layer (default: 8; 1 for single)")
     parser.add_argument("--r", type=positive_int, default=8, help="rank of each LoRA expert (default: 8)")
+    parser.add_argument(
+        "--upcycle-from",
+        metavar="DIR",
+        help="start every expert as a copy of this saved PEFT LoRA adapter of the same model and tasks (its rank, "
+        "scaling, modules and trained heads; --r is not used): peft_smear.upcycle",
+    )
     parser.add_argument("--steps", type=positive_int, default=250, help="training steps (default: 250)")
     parser.add_argument("--batch-size", type=positive_int, default=32, help="examples per step (default: 32)")
     parser.add_argument("--max-length", type=positive_int, default=64, help="tokens per example (default: 64)")

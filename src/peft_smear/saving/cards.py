@@ -12,6 +12,7 @@ template's whole.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,8 @@ INSTALL_LINES = (
     "pip install ./peft-smear  # the directory that holds its setup.cfg",
 )
 CARD_TAGS = ("peft", "smear", "mixture-of-experts", "peft-smear")
+OUR_TAGS = {"smear", "mixture-of-experts", "peft-smear", "smear-export"}  # "peft" is PEFT's too
+OUR_TITLE = re.compile(r"^# (SMEAR adapter for |.* exported from a SMEAR adapter$|A LoRA merged from the experts )")
 SECTION_BEGIN = "<!-- peft-smear: begin (generated; rewritten on every save) -->"
 SECTION_END = "<!-- peft-smear: end -->"
 FRAMEWORK_HEADING = "### Framework versions"
@@ -106,11 +109,31 @@ def section_of(card: ModelCard, begin: str = SECTION_BEGIN, end: str = SECTION_E
 
 
 def create_or_update_model_card(original: Callable[[Any, str], None], peft_model: Any, output_dir: str) -> None:
-    """``PeftModel.create_or_update_model_card`` for SMEAR models: PEFT's card (``original``), amended."""
+    """``PeftModel.create_or_update_model_card``: for SMEAR models PEFT's card (``original``), amended; for other
+    PEFT models PEFT's, once a card peft-smear wrote in ``output_dir`` (a plain LoRA saved over a SMEAR adapter) no
+    longer describes the SMEAR adapter."""
     path = Path(output_dir) / "README.md"
     previous = path.read_text(encoding="utf-8") if path.is_file() else None
+    if getattr(peft_model.active_peft_config, "peft_type", None) != "SMEAR":
+        if previous is not None and SECTION_BEGIN in previous:
+            _drop_smear_card(path, previous)
+        return original(peft_model, output_dir)
     original(peft_model, output_dir)
     _amend(peft_model, Path(output_dir), previous, adapter_id=None, usage=None, tags=())
+
+
+def _drop_smear_card(path: Path, text: str) -> None:
+    """Take what peft-smear wrote out of the card at ``path`` (its section, title, tags and version line); a card
+    with nothing else left is deleted, so that PEFT writes its own."""
+    card = ModelCard(text)
+    body = amended(card.text, "", SECTION_BEGIN, SECTION_END, lambda text, _: text)
+    lines = [line for line in body.splitlines() if not OUR_TITLE.match(line) and not line.startswith("- peft-smear ")]
+    if all(not line.strip() or line == FRAMEWORK_HEADING or line.startswith("- PEFT ") for line in lines):
+        path.unlink()
+        return
+    card.text = "\n".join(lines).strip("\n") + "\n"
+    card.data.tags = [tag for tag in card.data.tags or [] if tag not in OUR_TAGS] or None
+    card.save(path)
 
 
 def write_model_card(
