@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, Literal
 
 from peft import LoraConfig
@@ -87,73 +87,34 @@ class SmearConfig(PeftConfig):
         modules_to_save: Extra modules trained in full and saved with the adapter (e.g. a classifier head).
     """
 
-    expert_type: str = field(default="lora", metadata={"help": "What each expert is: 'lora', 'adapter', 'ia3'."})
-    r: int = field(default=8, metadata={"help": "Rank of each LoRA expert."})
-    num_experts: int | None = field(
-        default=None, metadata={"help": "Number of experts per wrapped module (the routing method's default, 8)."}
-    )
-    lora_alpha: float = field(default=8, metadata={"help": "LoRA scaling numerator (scaling = lora_alpha / r)."})
-    use_rslora: bool = field(default=False, metadata={"help": "Use lora_alpha / sqrt(r) as scaling."})
-    lora_dropout: float = field(
-        default=0.0, metadata={"help": "lora: dropout on the experts' input during training, as in PEFT LoRA."}
-    )
-    expert_dropout: float | None = field(
-        default=None, metadata={"help": "Probability of dropping each expert per example during training."}
-    )
-    router_init_std: float = field(default=1e-2, metadata={"help": "Std of the router weight initialisation."})
-    router_input: Literal["auto", "self", "prompt", "encoder"] = field(
-        default="auto", metadata={"help": "Router input: 'auto', 'self', 'prompt' or 'encoder'."}
-    )
-    routing_prefix_length: int | None = field(
-        default=None, metadata={"help": "Prompt routing: route on the first k real tokens of every example."}
-    )
-    init_weights: bool | Literal["gaussian", "smear"] = field(
-        default=True, metadata={"help": "Expert initialisation: True, False, 'gaussian' or 'smear'."}
-    )
-    target_modules: list[str] | str | None = field(
-        default=None,
-        metadata={"help": "Module names or regex to wrap; defaults to PEFT LoRA's targets for the architecture."},
-    )
-    exclude_modules: list[str] | str | None = field(
-        default=None, metadata={"help": "Module names or regex never to wrap."}
-    )
-    layers_to_transform: list[int] | int | None = field(
-        default=None, metadata={"help": "Indices of the layers to wrap."}
-    )
-    layers_pattern: list[str] | str | None = field(
-        default=None, metadata={"help": "Name of the layer list, used with layers_to_transform."}
-    )
-    modules_to_save: list[str] | None = field(
-        default=None, metadata={"help": "Modules trained in full and saved with the adapter."}
-    )
-    routing: str = field(
-        default="smear", metadata={"help": "Routing method: 'smear' or one of peft_smear.ROUTERS (the baselines)."}
-    )
-    routing_options: dict[str, Any] | None = field(
-        default=None, metadata={"help": "The routing method's own options, completed with its defaults."}
-    )
-    freeze_experts: bool = field(
-        default=False, metadata={"help": "Keep the experts frozen (a bank of trained adapters); routers still train."}
-    )
-    expert_names: list[str] | None = field(default=None, metadata={"help": "A bank's expert names, in order."})
-    expert_descriptions: list[str] | None = field(
-        default=None, metadata={"help": "A bank's task description of each expert."}
-    )
-    expert_embeddings: list[list[float]] | None = field(
-        default=None, metadata={"help": "An embedding of each expert's task description (for routers that read it)."}
-    )
-    adapter_width: int | None = field(default=None, metadata={"help": "adapter: bottleneck width."})
-    adapter_reduction_factor: int | None = field(
-        default=None, metadata={"help": "adapter: width = out_features // factor (16 when no width is set)."}
-    )
-    adapter_activation: str = field(default="swish", metadata={"help": "adapter: 'swish', 'silu', 'relu', 'gelu'."})
-    adapter_layer_norm: bool = field(default=False, metadata={"help": "adapter: LayerNorm on each expert's output."})
-    ia3_feedforward_modules: list[str] | str | None = field(
-        default=None, metadata={"help": "ia3: target modules whose input features are scaled."}
-    )
-    expert_options: dict[str, Any] | None = field(
-        default=None, metadata={"help": "The options of an expert kind registered from outside, with its defaults."}
-    )
+    expert_type: str = "lora"
+    r: int = 8
+    num_experts: int | None = None
+    lora_alpha: float = 8
+    use_rslora: bool = False
+    lora_dropout: float = 0.0
+    expert_dropout: float | None = None
+    router_init_std: float = 1e-2
+    router_input: Literal["auto", "self", "prompt", "encoder"] = "auto"
+    routing_prefix_length: int | None = None
+    init_weights: bool | Literal["gaussian", "smear"] = True
+    target_modules: list[str] | str | None = None
+    exclude_modules: list[str] | str | None = None
+    layers_to_transform: list[int] | int | None = None
+    layers_pattern: list[str] | str | None = None
+    modules_to_save: list[str] | None = None
+    routing: str = "smear"
+    routing_options: dict[str, Any] | None = None
+    freeze_experts: bool = False
+    expert_names: list[str] | None = None
+    expert_descriptions: list[str] | None = None
+    expert_embeddings: list[list[float]] | None = None
+    adapter_width: int | None = None
+    adapter_reduction_factor: int | None = None
+    adapter_activation: str = "swish"
+    adapter_layer_norm: bool = False
+    ia3_feedforward_modules: list[str] | str | None = None
+    expert_options: dict[str, Any] | None = None
 
     def __init__(self, **settings: Any) -> None:
         """Every field by keyword; any other keyword is an option of an expert kind registered from outside, kept in

@@ -1,12 +1,8 @@
-"""What the layers of one SMEAR model share about the current call of the wrapped model, split by job
-(:class:`RoutingContext`): the call's masks, inputs and what is computed once per call for every layer
-(:class:`CallState`), its auxiliary losses (:class:`AuxLosses`), the routing kept for ``generate``, which layers read
-one input (and decide together), and who watches the routing. And :class:`CallRouterInputs`, what one layer hands its
-router, built from values.
-
-The tuner fills it on every call of the wrapped model; the layers read it. It deliberately outlives the call:
-gradient checkpointing re-runs layer forwards during backward, after any per-call hook is gone, and must route
-exactly as the forward did.
+"""What the layers of one SMEAR model share about the current call (:class:`RoutingContext`): its state and what is
+computed once per call (:class:`CallState`), its auxiliary losses (:class:`AuxLosses`), the routing kept for
+``generate``, which layers read one input, who watches the routing; and what a layer hands its router
+(:class:`CallRouterInputs`). It outlives the call: gradient checkpointing re-runs layer forwards during backward, after
+any per-call hook is gone, and must route exactly as the forward did.
 """
 
 from __future__ import annotations
@@ -62,13 +58,9 @@ ROUTING_MASK = CallInput(
 
 
 class HostChecks:
-    """Checks of a call's tensor values that never make the host wait for the device.
-
-    Reading a device tensor on the host waits for every kernel queued before it, a stall LoRA does not have. A check
-    is copied to the host without blocking instead, and read once the copy has landed: at once on a CPU, at the end
-    of the call or, at the latest, when the next call starts on a GPU. Compiled, it is an assertion inside the graph
-    (``torch._assert_async``, raising ``RuntimeError`` with the message's fixed part), so that it breaks no graph.
-    """
+    """Checks of a call's tensor values that never make the host wait for the device (a stall LoRA does not have):
+    copied to the host without blocking and read once the copy has landed (on a GPU, at the latest when the next call
+    starts). Compiled, an assertion inside the graph (``torch._assert_async``), which breaks no graph."""
 
     def __init__(self) -> None:
         self.pending: list[tuple[torch.Tensor, Any, Callable[[], str], bool]] = []
@@ -120,20 +112,14 @@ def prompt_mask(
     prefix_length: int | None,
     checks: HostChecks,
 ) -> torch.Tensor:
-    """The tokens of each example a causal LM's layers route on: its prompt, never its response.
+    """The tokens of each example a causal LM's layers route on, its prompt, never its response, as a bool mask of
+    ``shape`` (of the attention mask's, when given), by the first rule that applies:
 
-    The first rule that applies, per call:
-
-    1. an explicit ``routing_mask`` (``smear_routing_mask``), restricted to real tokens; a mask shorter than the
-       sequence leaves the tokens after it out;
+    1. ``routing_mask`` (``smear_routing_mask``) on real tokens (a shorter mask leaves the tokens after it out);
     2. ``prefix_length`` (``SmearConfig.routing_prefix_length``): the first ``prefix_length`` real tokens;
-    3. token ``labels``: the real tokens before the first position that has a label (``!= -100``). An example whose
-       first real token already has a label has no prompt, and that is an error, never a silent fallback to the
-       whole sequence;
+    3. token ``labels``: the real tokens before the first label (``!= -100``); an example labelled from its first
+       real token has no prompt, an error, never a silent fallback to the whole sequence;
     4. otherwise (a bare prompt, e.g. at generation) every real token.
-
-    Returns a bool mask of ``shape`` (``[batch, seq]``), or of the attention mask's shape when one is given. Its
-    checks go to ``checks``, so that they make the host wait for nothing.
     """
     if attention_mask is not None:
         real = attention_mask.bool()
@@ -196,10 +182,8 @@ def several_prompts(labels: torch.Tensor, real: torch.Tensor | None) -> torch.Te
 
 @dataclass
 class CallState:
-    """What the current call of the wrapped model (or of its encoder) says about its examples: the padding mask, the
-    token labels and ids, the layout of packed sequences, the ``smear_*`` inputs and, for the decoder of an
-    encoder-decoder, the encoder's summary; and what every layer needs of it, computed once per call (the routing
-    tokens' weights, expert dropout's draw). Per-token fields of a packed call hold the padded batch of its sequences
+    """What the current call of the wrapped model (or of its encoder) says about its examples, and what every layer
+    needs of it, computed once per call. Per-token fields of a packed call hold the padded batch of its sequences
     (``[sequences, longest]``); the layers unpack their inputs to match."""
 
     attention_mask: torch.Tensor | None = None
@@ -267,11 +251,7 @@ class CallState:
         return expand_rows(self.inputs.get(name), batch_size, name)
 
     def token_mask(self, batch_size: int, seq_len: int) -> torch.Tensor | None:
-        """The padding mask of the ``seq_len`` tokens a layer sees now.
-
-        With a KV cache the model gets the mask of cached plus new tokens while layers see only the new ones, which
-        are the trailing columns of the mask.
-        """
+        """The padding mask of the ``seq_len`` tokens a layer sees now: with a KV cache, the mask's last columns."""
         mask = self.attention_mask
         if mask is None:
             return None
@@ -283,11 +263,8 @@ class CallState:
         return mask[:, mask.shape[1] - seq_len :]
 
     def prompt_mask(self, batch_size: int, seq_len: int, prefix_length: int | None, training: bool) -> torch.Tensor:
-        """The tokens a prompt-routed layer pools over; see :func:`prompt_mask` for the rule.
-
-        Computed once per call and shared by every layer. A training call that marks no prompt at all (no labels,
-        no routing mask, no prefix length) would route on the response too, so it warns.
-        """
+        """The tokens a prompt-routed layer pools over (:func:`prompt_mask`), once per call; a training call that
+        marks no prompt at all would route on the response too, so it warns."""
         key = ("prompt", prefix_length)
         if key not in self.memo:
             routing_mask = self.inputs.get(ROUTING_MASK.name)
@@ -320,13 +297,9 @@ class CallState:
     def dropped_experts(
         self, routers: Sequence[torch.nn.Module], p: float, batch_size: int, device: torch.device
     ) -> torch.Tensor:
-        """Expert dropout for ``routers`` (``[G, batch, N]``, 0 or -inf: :func:`~peft_smear.core.smear.drop_experts`),
-        drawn once per call for every router.
-
-        The call's first draw covers the routers that drew in the last call, in their order, so that one ``uniform_``
-        draws the numbers they drew one by one (on a CPU, the very same numbers); routers it does not cover draw their
-        own. Gradient checkpointing's recomputation finds the mask its routers had.
-        """
+        """Expert dropout for ``routers`` (``[G, batch, N]``, 0 or -inf: :func:`~peft_smear.core.smear.drop_experts`).
+        One ``uniform_`` per call draws for the routers that drew in the last call, in their order (on a CPU, the
+        numbers they drew one by one); others draw their own. Recomputation finds the mask its routers had."""
         num_experts = routers[0].num_experts
         if torch.compiler.is_compiling():  # drawn where it is needed: a compiled graph orders its draws itself
             return drop_experts(torch.empty(len(routers), batch_size, num_experts, device=device).uniform_(), p)
@@ -380,10 +353,10 @@ class CallState:
 
 @dataclass
 class CallRouterInputs(RouterInputs):
-    """What one wrapped layer offers its router for one call: the routed tensor and values the layer holds, and the
-    call's state, read only when the router asks. An example is routed on its real tokens (``router_input="self"``),
-    on its prompt only (``"prompt"``, causal LMs: the response never reaches the router), or on the encoder's final
-    hidden states (``"encoder"``, decoder layers of encoder-decoders)."""
+    """What one wrapped layer offers its router for one call (:class:`~peft_smear.core.types.RouterInputs`), read from
+    the call's state only when the router asks. In a mixed batch (PEFT's ``adapter_names=``), ``routed`` holds only
+    the examples ``rows`` of the ``call_batch`` the layer sees, and the call is read for them alone, so that each is
+    routed exactly as it would be alone."""
 
     routed: torch.Tensor
     call: CallState
@@ -392,6 +365,8 @@ class CallRouterInputs(RouterInputs):
     prefix_length: int | None
     training: bool
     experts: Params
+    rows: tuple[int, ...] | None = None
+    call_batch: int = 0
 
     @property
     def batch_size(self) -> int:
@@ -403,9 +378,22 @@ class CallRouterInputs(RouterInputs):
 
     @property
     def memo(self) -> dict[Any, Any]:
-        return self.call.memo
+        return (
+            self.call.memo
+            if self.rows is None
+            else self.call.memo.setdefault(("rows", self.rows, self.call_batch), {})
+        )
 
-    def tokens(self) -> torch.Tensor:  # a padded position is routed too, and its output ignored like the rest of it
+    def _of_rows(self, value: Any) -> Any:
+        """What the call says of its examples, for the routed ones."""
+        return value if value is None or self.rows is None else value[torch.tensor(self.rows, device=value.device)]
+
+    @property
+    def _call_batch(self) -> int:
+        return self.batch_size if self.rows is None else self.call_batch
+
+    def tokens(self) -> torch.Tensor:
+        # a padded position is routed too, and its output ignored like the rest of it
         return self.routed.reshape(self.batch_size, -1, self.routed.shape[-1])
 
     def summary(self) -> torch.Tensor:
@@ -417,14 +405,14 @@ class CallRouterInputs(RouterInputs):
                     "This SMEAR layer is in the decoder of an encoder-decoder model and routes on the encoder's "
                     "output, but the decoder was called without encoder_hidden_states."
                 )
-            if summary.shape[0] != self.batch_size:
+            if summary.shape[0] != self._call_batch:
                 raise ValueError(
-                    f"Encoder states have batch {summary.shape[0]}, this decoder layer sees batch {self.batch_size}."
+                    f"Encoder states have batch {summary.shape[0]}, this decoder layer sees batch {self._call_batch}."
                 )
-            return summary
+            return self._of_rows(summary)
         if self.routed.dim() == 2:  # one row per example (e.g. BERT's pooler): the row is the summary
             return self.routed.float()
-        if torch.compiler.is_compiling():  # the compiled graph shares the pooling: no identities to trace
+        if self.rows is not None or torch.compiler.is_compiling():  # no identities to trace when compiled
             return masked_mean(self.tokens(), self.token_mask())
         key = ("summary", id(self.routed), self.routed._version, self.router_input, self.prefix_length)
         pooled = self.memo.get(key)
@@ -437,64 +425,13 @@ class CallRouterInputs(RouterInputs):
     def token_mask(self) -> torch.Tensor | None:
         if self.routed.dim() != 3:
             return None
-        batch_size, seq_len = self.routed.shape[:2]
-        if self.router_input == "prompt":
-            return self.call.prompt_mask(batch_size, seq_len, self.prefix_length, self.training)
-        return self.call.token_mask(batch_size, seq_len)
-
-    def call_input(self, name: str) -> torch.Tensor | None:
-        value = self.call.call_input(name, self.batch_size)
-        return None if value is None else value.to(self.device)
-
-    def input_ids(self) -> torch.Tensor | None:
-        return self.call.input_ids
-
-    def padding_mask(self) -> torch.Tensor | None:
-        return self.call.attention_mask
-
-    def dropped_experts(self, routers: Sequence[torch.nn.Module], p: float) -> torch.Tensor:
-        return self.call.dropped_experts(routers, p, self.batch_size, self.device)
-
-    def require(self, holds: torch.Tensor, message: Callable[[], str], wait: bool = False) -> None:
-        self.call.checks.require(holds, message, wait=wait)
-
-
-@dataclass
-class RowRouterInputs(CallRouterInputs):
-    """In a mixed batch (PEFT's ``adapter_names=``), what a layer offers the router of one adapter: ``routed`` holds
-    only the examples ``rows`` of the ``call_batch`` the layer sees, and what the call says of its examples is read for
-    them alone, so that each is routed exactly as it would be alone."""
-
-    rows: tuple[int, ...] = ()
-    call_batch: int = 0
-
-    @property
-    def memo(self) -> dict[Any, Any]:  # what a router reads once per call, read once for these rows
-        return self.call.memo.setdefault(("rows", self.rows, self.call_batch), {})
-
-    def _of_rows(self, value: Any) -> Any:
-        return None if value is None else value[torch.tensor(self.rows, device=value.device)]
-
-    def summary(self) -> torch.Tensor:
-        if self.router_input != "encoder":  # pooled for these rows alone
-            return self.routed.float() if self.routed.dim() == 2 else masked_mean(self.tokens(), self.token_mask())
-        summary = self.call.encoder_summary
-        if summary is not None and summary.shape[0] != self.call_batch:
-            raise ValueError(
-                f"Encoder states have batch {summary.shape[0]}, this decoder layer sees batch {self.call_batch}."
-            )
-        return super().summary() if summary is None else self._of_rows(summary)  # its message, without the states
-
-    def token_mask(self) -> torch.Tensor | None:
-        if self.routed.dim() != 3:
-            return None
         seq_len = self.routed.shape[1]
         if self.router_input == "prompt":
-            return self._of_rows(self.call.prompt_mask(self.call_batch, seq_len, self.prefix_length, self.training))
-        return self._of_rows(self.call.token_mask(self.call_batch, seq_len))
+            return self._of_rows(self.call.prompt_mask(self._call_batch, seq_len, self.prefix_length, self.training))
+        return self._of_rows(self.call.token_mask(self._call_batch, seq_len))
 
     def call_input(self, name: str) -> torch.Tensor | None:
-        value = self._of_rows(self.call.call_input(name, self.call_batch))
+        value = self._of_rows(self.call.call_input(name, self._call_batch))
         return None if value is None else value.to(self.device)
 
     def input_ids(self) -> torch.Tensor | None:
@@ -502,6 +439,12 @@ class RowRouterInputs(CallRouterInputs):
 
     def padding_mask(self) -> torch.Tensor | None:
         return self._of_rows(self.call.attention_mask)
+
+    def dropped_experts(self, routers: Sequence[torch.nn.Module], p: float) -> torch.Tensor:
+        return self.call.dropped_experts(routers, p, self.batch_size, self.device)
+
+    def require(self, holds: torch.Tensor, message: Callable[[], str], wait: bool = False) -> None:
+        self.call.checks.require(holds, message, wait=wait)
 
 
 class AuxLossHook(torch.autograd.Function):
@@ -539,15 +482,11 @@ def in_backward() -> bool:
 
 @dataclass
 class AuxLosses:
-    """The routers' auxiliary losses of the current call, and how they train under reentrant gradient checkpointing.
-
-    Reentrant checkpointing (torch's default, used by PEFT's ``prepare_model_for_kbit_training`` unless told
-    otherwise) runs a layer without autograd in the forward pass and again, with autograd, in backward: a loss
-    computed in the forward has no graph and would train nothing. As Megatron-LM's MoE layers do
-    (``MoEAuxLossAutoScaler``), the recomputed layer hangs its losses on its output (:class:`AuxLossHook`), with the
-    gradient the model's loss passes on to any term added to it (gradient accumulation and loss scaling included),
-    which a probe in that term records (:class:`LossGradientProbe`). Without checkpointing, losses train as usual.
-    """
+    """The routers' auxiliary losses of the current call. Reentrant checkpointing (torch's default) runs a layer
+    without autograd in the forward and again with it in backward, so a forward's loss would train nothing: as
+    Megatron-LM's ``MoEAuxLossAutoScaler`` does, the recomputed layer hangs its losses on its output
+    (:class:`AuxLossHook`) with the gradient the model's loss passes to any added term, which a probe records
+    (:class:`LossGradientProbe`)."""
 
     values: dict[str, torch.Tensor] = field(default_factory=dict)
     """The losses the layers added during the current call (already weighted), by name."""
@@ -571,6 +510,8 @@ class AuxLosses:
             return output
         compiling = torch.compiler.is_compiling()
         if not compiling and in_backward():
+            if not self.without_autograd:  # non-reentrant checkpointing: the forward's graph already trains them
+                return output
             total = sum(value for _, value in losses) + sum(load_balance(p.unsqueeze(0), w) for p, w in balanced)
             return AuxLossHook.apply(output, total, self.gradient_scale.to(total.device))
         if not torch.is_grad_enabled():

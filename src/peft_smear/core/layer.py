@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from .context import CallRouterInputs, RoutingContext, RowRouterInputs
+from .context import CallRouterInputs, RoutingContext
 from .experts import EXPERT_KINDS, ExpertKind
 from .registration import BaseTunerLayer
 from .routers import ROUTERS
@@ -37,15 +37,11 @@ def in_out_features(base_layer: nn.Module) -> tuple[int, int]:
 
 
 class SmearLinear(nn.Module, BaseTunerLayer):
-    """Wraps an ``nn.Linear`` or transformers ``Conv1D``: each example goes through the module with its own expert,
-    e.g. ``y = base(x) + merged_lora_b(x)``. Per adapter, the expert kind (``expert_kind[adapter]``) says what an
-    expert is, the router (``smear_router[adapter]``) which experts each example uses and how, and
-    ``router_input[adapter]`` what it is routed on.
-
-    Expert parameters are flat ``ParameterDict`` entries and routers flat modules, all prefixed ``smear_``: PEFT finds
-    adapter weights by that prefix and strips the adapter name only when it is one of the last two key components.
-    The layer lists its kinds' ``ParameterDict``s in its own ``adapter_layer_names``, as PEFT's LoRA variants do.
-    """
+    """Wraps an ``nn.Linear`` or transformers ``Conv1D``: each example goes through the module with its own expert.
+    Per adapter, ``expert_kind`` says what an expert is, ``smear_router`` which experts each example uses and how, and
+    ``router_input`` what it is routed on. Expert parameters are flat ``ParameterDict`` entries and routers flat
+    modules, all prefixed ``smear_``: PEFT finds adapter weights by that prefix and strips the adapter name only when
+    it is one of the last two key components."""
 
     adapter_layer_names: tuple[str, ...] = ("smear_router",)
     other_param_names = ("expert_kind", "router_input", "routing_prefix_length")
@@ -197,11 +193,9 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         decision = None if router.per_token else context.cached_decision(key, routed.shape[0])
         if fixed is not None:
             decision = RoutingDecision(weights=fixed.to(routed.device).expand(routed.shape[0], -1))
-        elif decision is None and rows is not None:  # a mixed batch: the call's inputs of these rows alone
-            inputs = self._router_inputs(adapter_name, routed, params)
-            decision = router(RowRouterInputs(**vars(inputs), rows=rows, call_batch=call_batch))
-        elif decision is None and torch.compiler.is_compiling():  # no identities to trace: each layer alone
-            decision = router(self._router_inputs(adapter_name, routed, params))
+        elif decision is None and (rows is not None or torch.compiler.is_compiling()):
+            # Alone: a mixed batch's rows (the call read for them alone); compiled (no identities to trace).
+            decision = router(self._router_inputs(adapter_name, routed, params, rows, call_batch))
         elif decision is None:
             decision = context.shared_decision(key, routed) if router.route_together else None
             if decision is None:
@@ -221,7 +215,9 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         context.observe(key, decision)
         return decision
 
-    def _router_inputs(self, adapter_name: str, routed: torch.Tensor, params: Params | None) -> CallRouterInputs:
+    def _router_inputs(
+        self, adapter_name: str, routed: torch.Tensor, params: Params | None, rows: tuple | None = None, batch: int = 0
+    ) -> CallRouterInputs:
         context = self.routing_context
         return CallRouterInputs(
             routed,
@@ -231,6 +227,8 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             self.routing_prefix_length[adapter_name],
             self.training,
             self.expert_params(adapter_name) if params is None else params,
+            rows,
+            batch,
         )
 
     def apply_experts(
@@ -241,10 +239,8 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         y: torch.Tensor,
         params: Params | None = None,
     ) -> torch.Tensor:
-        """``y`` changed by ``adapter_name``'s experts (``params``, unless read here) as ``decision`` says: their
-        outputs mixed, or each example's one expert, chosen or merged. ``x [batch, tokens, in]`` is the module's
-        input; ``y`` its output (see :meth:`ExpertKind.apply`), or its input for kinds that act on it
-        (``scales_input``)."""
+        """``y``, the module's output (its input for ``scales_input`` kinds), changed by ``adapter_name``'s experts as
+        ``decision`` says: their outputs mixed, or each example's one expert, chosen or merged."""
         kind = self.expert_kind[adapter_name]
         params = self.expert_params(adapter_name) if params is None else params
         if decision.mixture:
@@ -253,12 +249,9 @@ class SmearLinear(nn.Module, BaseTunerLayer):
 
     @staticmethod
     def _expert(kind: ExpertKind, params: Params, decision: RoutingDecision, dtype: torch.dtype) -> Expert:
-        """Each example's expert under ``decision``: the chosen one, or the merge of all by its weights (with the
-        experts of the layers whose decisions were made together with it, in one go).
-
-        Kept on the decision, so a decision reused across calls (every step of ``generate``) builds it only once, at
-        prefill: per decoded token the merge would cost a quarter of the base layer's work at N=8, r=8, width 512.
-        """
+        """Each example's expert: the chosen one, or the merge of all (with those of the layers decided together, at
+        once). Kept on the decision, so that ``generate`` merges once, at prefill: per decoded token the merge would
+        cost a quarter of the base layer's work at N=8, r=8, width 512."""
         if decision.per_example_expert is None:
             together = decision.together
             if decision.expert_index is not None:

@@ -35,9 +35,9 @@ check_peft_version(peft.__version__)
 
 # These imports are below the version check on purpose: on an unsupported PEFT they may not exist.
 from peft import mapping as _peft_mapping  # noqa: E402
-from peft.config import PeftConfig, PeftConfigMixin  # noqa: E402
+from peft.config import PeftConfig, PeftConfigMixin  # noqa: E402, F401  (PeftConfig: re-exported, as below)
 from peft.peft_model import PeftModel  # noqa: E402
-from peft.tuners.tuners_utils import (  # noqa: E402
+from peft.tuners.tuners_utils import (  # noqa: E402, F401
     BaseTuner,
     BaseTunerLayer,
     _filter_state_dict_by_key_prefixes,
@@ -48,30 +48,9 @@ from peft.utils import (  # noqa: E402
     TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING,
     TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING,
 )
-from peft.utils.other import AuxiliaryTrainingWrapper  # noqa: E402  (modules_to_save, which take adapter_names)
+from peft.utils.other import AuxiliaryTrainingWrapper  # noqa: E402, F401  (modules_to_save's, for adapter_names)
 from transformers.integrations import PeftAdapterMixin  # noqa: E402  (transformers' model.load_adapter)
 
-
-__all__ = [
-    "DEFAULT_IA3_FEEDFORWARD_MODULES",
-    "DEFAULT_IA3_TARGET_MODULES",
-    "DEFAULT_TARGET_MODULES",
-    "SUPPORTED_PEFT_RANGE",
-    "AuxiliaryTrainingWrapper",
-    "BaseTuner",
-    "BaseTunerLayer",
-    "PeftConfig",
-    "SmearPeftType",
-    "adapter_state_dict_keys",
-    "adapter_state_dict_prefixes",
-    "check_peft_version",
-    "install",
-    "keep_adapter_names",
-    "register",
-    "route_peft_method",
-    "route_peft_model_method",
-    "select_adapter_entries",
-]
 
 # LoRA experts (the default kind) wrap the same projections LoRA does, so LoRA's per-architecture defaults fit.
 DEFAULT_TARGET_MODULES: dict[str, list[str]] = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING

@@ -111,18 +111,13 @@ def drop_experts(noise: torch.Tensor, p: float) -> torch.Tensor:
 
 @register_router
 class SmearRouter(NormalisedInputRouter):
-    """SMEAR: the experts' parameters are merged by the router's distribution into one expert per example,
-    ``softmax(LN(pooled) @ LN_rows(W).T / router_temperature)`` in fp32, with expert dropout in training.
-
-    Three options against router collapse: a temperature that softens the logits, a warm-up during which every
-    example is routed uniformly (the experts differentiate under expert dropout before the router commits; the router
-    learns nothing meanwhile), and a load-balancing loss on the batch's mean routing,
-    ``router_balance_weight * (N * sum_n mean_p_n^2 - 1)`` per router (0 for an even load, N - 1 when every example
-    goes to one expert), added to the model's loss as ``router_balance``. Load balancing is on by default (0.01): it
-    beat the paper's router on the collapse benchmark (``benchmarks/RESULTS.md``); ``router_balance_weight=0.0`` with
-    the other two at their defaults is the paper's router. Other methods turn the same distribution into decisions of
-    their own (:class:`~peft_smear.core.probability.ProbabilityRouter`).
-    """
+    """SMEAR: the experts' parameters merged by ``softmax(LN(pooled) @ LN_rows(W).T / router_temperature)`` (fp32)
+    into one expert per example, with expert dropout in training. Against router collapse: the temperature, a warm-up
+    of uniform routing (the experts differentiate before the router commits), and a load-balancing loss
+    ``router_balance_weight * (N * sum_n mean_p_n^2 - 1)`` per router (``router_balance``), on by default (0.01): it
+    beat the paper's router on the collapse benchmark (``benchmarks/RESULTS.md``); ``router_balance_weight=0.0`` is
+    the paper's router. Other methods turn the same distribution into their own decisions
+    (:class:`~peft_smear.core.probability.ProbabilityRouter`)."""
 
     name = "smear"
     description = "the router's distribution averages the experts' parameters into one expert per example"
@@ -130,24 +125,11 @@ class SmearRouter(NormalisedInputRouter):
     default_expert_dropout = 0.1
     keeps_training_clock = True  # the warm-up's
     options = (
+        Option("router_temperature", 1.0, "logits divided by it; above 1 routes softer (1: the paper's)", number()),
         Option(
-            "router_temperature",
-            1.0,
-            "divide the router's logits by this before the softmax; above 1 routing is softer (1: the paper's)",
-            number(),
+            "router_warmup_steps", 0, "route uniformly for the first k training calls (0: the paper's)", integer(0)
         ),
-        Option(
-            "router_warmup_steps",
-            0,
-            "route every example uniformly (with expert dropout) for the first k training calls (0: the paper's)",
-            integer(0),
-        ),
-        Option(
-            "router_balance_weight",
-            0.01,
-            "weight of a load-balancing loss on each router's mean routing over the batch (0: the paper's)",
-            number(inclusive=True),
-        ),
+        Option("router_balance_weight", 0.01, "load-balancing loss weight (0: the paper's)", number(inclusive=True)),
     )
 
     def __init__(self, features: int, config: PeftConfig, module_name: str) -> None:
@@ -286,14 +268,13 @@ class LoraExperts(ExpertKind):
         reference implementation's); B zero, but normal with std 1e-2 for ``"smear"`` and random for ``False``."""
         lora_A = torch.empty(num_experts, self.r, self.in_features)
         lora_B = torch.empty(num_experts, self.out_features, self.r)
+        std_A = {"gaussian": 1 / self.r, "smear": 1e-2}.get(init) if isinstance(init, str) else None
         with torch.no_grad():
             for expert_A, expert_B in zip(lora_A, lora_B, strict=True):
-                if init == "gaussian":
-                    torch.nn.init.normal_(expert_A, std=1 / self.r)
-                elif init == "smear":
-                    torch.nn.init.normal_(expert_A, std=1e-2)
-                else:
+                if std_A is None:
                     torch.nn.init.kaiming_uniform_(expert_A, a=math.sqrt(5))
+                else:
+                    torch.nn.init.normal_(expert_A, std=std_A)
                 if init == "smear":
                     torch.nn.init.normal_(expert_B, std=1e-2)
                 elif init is False:

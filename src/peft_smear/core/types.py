@@ -1,6 +1,7 @@
 """The vocabulary the method's modules share: what a router reads (:class:`RouterInputs`) and decides
-(:class:`RoutingDecision`), how a setting (:class:`Option`) or a ``smear_*`` input (:class:`CallInput`) is declared,
-and how expert parameters are passed. A leaf: it imports nothing of the package but the value checks."""
+(:class:`RoutingDecision`), how a setting
+(:class:`Option`) or a ``smear_*`` input (:class:`CallInput`) is declared, and how expert parameters are passed. A
+leaf: it imports nothing of the package but the value checks."""
 
 from __future__ import annotations
 
