@@ -130,12 +130,8 @@ class SmearConfig(PeftConfig):
         for name, spec in own.items():
             default = spec.default_factory() if spec.default is MISSING else spec.default
             setattr(self, name, settings.get(name, default))
-        self.routing_options = _merged_options(
-            self.routing_options, method_options, "routing_options", "the routing method"
-        )
-        self.expert_options = _merged_options(
-            self.expert_options, given_kind_options, "expert_options", "the expert kind"
-        )
+        self._merge_options("routing_options", method_options, "the routing method")
+        self._merge_options("expert_options", given_kind_options, "the expert kind")
         self.__post_init__()
 
     def __post_init__(self) -> None:
@@ -216,8 +212,7 @@ class SmearConfig(PeftConfig):
             raise ValueError(f"expert_names must be unique, got {self.expert_names!r}.")
         if self.expert_embeddings is not None:
             rows = self.expert_embeddings
-            if hasattr(rows, "tolist"):
-                rows = rows.tolist()
+            rows = rows.tolist() if hasattr(rows, "tolist") else rows
             if (
                 not isinstance(rows, (list, tuple))
                 or len(rows) != self.num_experts
@@ -275,8 +270,6 @@ class SmearConfig(PeftConfig):
             if not owners:
                 raise ValueError(f"routing_options has {name!r}, {_no_such_setting(name)}")
             defaults = {option.default for other in owners for option in other.options if option.name == name}
-            # Older adapters stored every method's options, the others at their defaults then (anything else was
-            # refused when they were built).
             if value is None or defaults == {value} or self._saved_before_options:
                 continue
             methods = tuple(other.name for other in owners)
@@ -303,23 +296,23 @@ class SmearConfig(PeftConfig):
             )
         router.validate(self)
 
+    def _merge_options(self, where: str, given: dict[str, Any], owner: str) -> None:
+        """The options in the dict field ``where`` with the ones passed as keywords, each given once."""
+        stored = getattr(self, where)
+        if stored is not None and not (isinstance(stored, dict) and all(isinstance(name, str) for name in stored)):
+            raise ValueError(f"{where} must be a dict of {owner}'s options, {{name: value}}, got {stored!r}.")
+        merged = dict(stored or {})
+        for name, value in given.items():
+            if name in merged and merged[name] != value:
+                raise ValueError(f"{name} is given twice: {value!r}, and {merged[name]!r} in {where}.")
+            merged[name] = value
+        setattr(self, where, merged)
+
     def _kind_option(self, option: Option) -> Any:
         """The value of an expert kind's option: its field's, or from ``expert_options`` (its default if unset)."""
         if option.name in self.__dataclass_fields__:
             return getattr(self, option.name)
         return self.expert_options.get(option.name, option.default)
-
-
-def _merged_options(stored: dict[str, Any] | None, given: dict[str, Any], where: str, owner: str) -> dict[str, Any]:
-    """The options in ``stored`` (a dict field) with the ones passed as keywords, each given once."""
-    if stored is not None and not (isinstance(stored, dict) and all(isinstance(name, str) for name in stored)):
-        raise ValueError(f"{where} must be a dict of {owner}'s options, {{name: value}}, got {stored!r}.")
-    merged = dict(stored or {})
-    for name, value in given.items():
-        if name in merged and merged[name] != value:
-            raise ValueError(f"{name} is given twice: {value!r}, and {merged[name]!r} in {where}.")
-        merged[name] = value
-    return merged
 
 
 def _option_names() -> set[str]:

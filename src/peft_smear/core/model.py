@@ -16,7 +16,7 @@ from .config import SmearConfig
 from .context import ROUTING_MASK, RoutingContext
 from .experts import EXPERT_KINDS
 from .layer import MERGE_UNSUPPORTED, SmearLinear
-from .packing import PACKING_ARGUMENTS, packed_layout
+from .packing import packed_layout
 from .registration import (
     DEFAULT_TARGET_MODULES,
     AuxiliaryTrainingWrapper,
@@ -70,11 +70,9 @@ class SmearModel(BaseTuner):
     tuner_layer_cls = SmearLinear
     target_module_mapping = DEFAULT_TARGET_MODULES
     checkpoint_check: ClassVar[Callable[[nn.Module, str, dict[str, torch.Tensor]], list[str]]]
-    """Whether a checkpoint fits the adapter, before PEFT loads it (:func:`peft_smear.saving.loading.check_checkpoint`,
-    installed by ``import peft_smear``): raises where it does not, and returns the training clocks it lacks."""
+    """Raises unless a checkpoint fits the adapter (before PEFT loads it); returns the training clocks it lacks."""
     size_check: ClassVar[Callable[[nn.Module, SmearConfig, nn.Module], None]]
-    """Before anything is allocated, whether an adapter's experts and routers fit in memory
-    (:func:`peft_smear.training.memory.require_fits`, installed by ``import peft_smear``): raises where they do not."""
+    """Raises unless an adapter's experts and routers fit in memory (before anything is allocated)."""
 
     def _pre_injection_hook(self, model: nn.Module, config: SmearConfig, adapter_name: str) -> None:
         self.routing_context = RoutingContext()
@@ -93,7 +91,7 @@ class SmearModel(BaseTuner):
         if self._is_encoder_decoder:
             encoder, decoder = model.get_encoder(), model.get_decoder()
             self._decoder_prefix = next(name for name, module in model.named_modules() if module is decoder) + "."
-            self._hook(encoder, self._start_encoder_call)
+            self._hook(encoder, lambda arguments, _: self._start_context(arguments, None, None))
             self._hook(decoder, self._record_encoder_summary)
 
     def _hook(self, module: nn.Module, record: Callable[[dict[str, Any], dict[str, Any]], None]) -> None:
@@ -124,22 +122,10 @@ class SmearModel(BaseTuner):
             _check_labels(self._call_labels, tokens.shape[:2], per_token=self._generates_text)
         self.routing_context.begin()
         self.routing_context.aux.begin()
-        if self.model.training:
-            self._count_training_call()
+        if self.model.training and (clocks := [router.training_calls for router in list(self.routing_context.clocks)]):
+            torch._foreach_add_(clocks, 1)  # every scheduled router's clock, in one in-place add
         if not self._is_encoder_decoder:  # an encoder-decoder's mask is recorded when its encoder runs
-            # Only a call that names sequence boundaries can pack several sequences in a row.
-            named = {**arguments.get("kwargs", {}), **arguments}
-            packed = any(named.get(name) is not None for name in PACKING_ARGUMENTS)
-            self._start_context(arguments, arguments.get("labels"), packed_layout(arguments) if packed else None)
-
-    def _count_training_call(self) -> None:
-        """Advance the clock of every router that follows a schedule (one in-place add for all of them)."""
-        clocks = [router.training_calls for router in list(self.routing_context.clocks)]
-        if clocks:
-            torch._foreach_add_(clocks, 1)
-
-    def _start_encoder_call(self, arguments: dict[str, Any], call_inputs: dict[str, Any]) -> None:
-        self._start_context(arguments, None, None)
+            self._start_context(arguments, arguments.get("labels"), packed_layout(arguments))
 
     def _start_context(self, arguments: dict[str, Any], labels: torch.Tensor | None, packing: Any) -> None:
         per_token = {name for name, call_input in known_call_inputs().items() if call_input.per_token}
@@ -301,15 +287,14 @@ class SmearModel(BaseTuner):
     def merge_and_unload(self, *args: Any, **kwargs: Any) -> nn.Module:
         raise TypeError(MERGE_UNSUPPORTED)
 
+    merge_adapter = merge_and_unload
+
     def add_weighted_adapter(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError(
             "add_weighted_adapter combines LoRA adapters, and a SMEAR model holds none. peft_smear.merge_experts("
             "model, directory, weights=... or routing=..., combination_type=...) combines a SMEAR adapter's LoRA "
             "experts with the same PEFT merges (linear, TIES, DARE, SVD, ...) into one plain LoRA."
         )
-
-    def merge_adapter(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError(MERGE_UNSUPPORTED)
 
     def unload(self) -> nn.Module:
         """Remove every SMEAR layer and routing hook and return the unmodified base model."""

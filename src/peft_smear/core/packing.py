@@ -1,10 +1,8 @@
 """Packed and padding-free batches (TRL's ``SFTConfig(packing=True)``, transformers' ``DataCollatorWithFlattening``):
-several sequences in one row, no attention mask, each sequence's start told by ``position_ids`` restarting
-(transformers' rule: not its predecessor's plus one) or by ``cu_seq_lens_q`` / ``seq_idx``. Every sequence is routed
-as an example of its own: a wrapped layer unpacks its ``[rows, tokens, features]`` input into a padded batch with one
-sequence per row (an index gather), runs the per-example path on it unchanged, and packs the output back; the wrapped
-module itself runs on the packed rows, with no work on padding.
-"""
+several sequences in one row, no attention mask, their starts told by ``position_ids``, ``cu_seq_lens_q`` or
+``seq_idx``. Each sequence is routed as an example of its own: a wrapped layer gathers its packed input into a padded
+batch of one sequence per row, runs the per-example path on it unchanged, and packs the output back; the wrapped module
+itself runs on the packed rows, with no work on padding."""
 
 from __future__ import annotations
 
@@ -63,18 +61,14 @@ class PackedLayout:
                 f"SMEAR layer got an input of shape {tuple(x.shape)}: it cannot tell its sequences apart. Wrap only "
                 "layers that see the packed tokens, or call the model unpacked."
             )
-        unpack_index, _ = self._on(x.device)
-        tail = x.shape[2:]
-        unpacked = x.reshape(-1, *tail).index_select(0, unpack_index).view(self.num_sequences, self.max_length, *tail)
+        unpacked = self._gather(x, unpack=True)
         if shared:
             self._last_unpacked = (weakref.ref(x), x._version, unpacked)
         return unpacked
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """``[sequences, longest, ...]`` -> ``[rows, tokens, ...]``, the inverse of :meth:`unpack` on real tokens."""
-        _, pack_index = self._on(x.device)
-        tail = x.shape[2:]
-        return x.reshape(-1, *tail).index_select(0, pack_index).view(self.rows, self.row_length, *tail)
+        return self._gather(x, unpack=False)
 
     def unpack_tokens(self, values: torch.Tensor, fill: int | bool, name: str) -> torch.Tensor:
         """A per-token input of the call (``labels``, ``input_ids``, a routing mask; ``[rows, tokens]``, or fewer
@@ -84,9 +78,7 @@ class PackedLayout:
                 f"{name} has shape {tuple(values.shape)} but the packed input is [{self.rows}, {self.row_length}]."
             )
         values = F.pad(values, (0, self.row_length - values.shape[1]), value=fill)
-        unpack_index, _ = self._on(values.device)
-        unpacked = values.reshape(-1).index_select(0, unpack_index).view(self.num_sequences, self.max_length)
-        return unpacked.masked_fill(~self.mask.to(values.device), fill)
+        return self._gather(values, unpack=True).masked_fill(~self.mask.to(values.device), fill)
 
     def per_sequence(self, values: torch.Tensor, name: str) -> torch.Tensor:
         """A per-example input (``smear_task_ids``): one value per sequence as given, or one per row, which every
@@ -100,32 +92,27 @@ class PackedLayout:
             f"{self.num_sequences} sequences: give one per sequence (in order) or one per row."
         )
 
-    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if device not in self._indices:
-            self._indices[device] = (self._unpack_index.to(device), self._pack_index.to(device))
-        return self._indices[device]
+    def _gather(self, x: torch.Tensor, unpack: bool) -> torch.Tensor:
+        """``x``'s two leading dimensions from the packed layout to the padded one (``unpack``) or back: one gather."""
+        if x.device not in self._indices:
+            self._indices[x.device] = (self._unpack_index.to(x.device), self._pack_index.to(x.device))
+        index = self._indices[x.device][0 if unpack else 1]
+        shape = (self.num_sequences, self.max_length) if unpack else (self.rows, self.row_length)
+        return x.reshape(-1, *x.shape[2:]).index_select(0, index).view(*shape, *x.shape[2:])
 
 
 def packed_layout(arguments: Mapping[str, Any]) -> PackedLayout | None:
-    """The layout of a call whose rows pack several sequences, or ``None`` for an ordinary (padded) batch.
-
-    ``arguments`` are the wrapped model's call arguments. A call is packed when it has no attention mask, or an
-    all-ones one, and its ``position_ids`` (or ``cu_seq_lens_q``, or ``seq_idx``) start a new sequence inside a row.
-    A padded batch (a mask with zeros) is never treated as packed. Sources that disagree about the boundaries are an
-    error: one of them would route some sequence on another's tokens.
-    """
+    """The layout of a call (the wrapped model's arguments) whose rows pack several sequences, or ``None``: packed
+    means no attention mask, or an all-ones one, and boundaries (:data:`PACKING_ARGUMENTS`) inside a row. Sources that
+    disagree are an error: one of them would route some sequence on another's tokens."""
     arguments = {**arguments.get("kwargs", {}), **arguments}
     tokens = next((arguments[n] for n in ("input_ids", "inputs_embeds") if arguments.get(n) is not None), None)
     if tokens is None or tokens.dim() < 2 or tokens.shape[1] < 2:  # decode steps see one token: never packed
         return None
     rows, length = tokens.shape[0], tokens.shape[1]
-    sources = {}
-    for name in BOUNDARY_SOURCES:
-        value = arguments.get(name)
-        if value is None and name == "cu_seq_lens_q":
-            name, value = "cu_seq_lens_k", arguments.get("cu_seq_lens_k")
-        if isinstance(value, torch.Tensor):
-            sources[name] = value
+    sources = {name: arguments[name] for name in PACKING_ARGUMENTS if isinstance(arguments.get(name), torch.Tensor)}
+    if "cu_seq_lens_q" in sources:  # cu_seq_lens_k only stands in for a missing cu_seq_lens_q
+        sources.pop("cu_seq_lens_k", None)
     if not sources:  # decided without reading any tensor: an ordinary call costs no synchronisation (nor graph break)
         return None
     mask = arguments.get("attention_mask")
@@ -152,11 +139,9 @@ def _sequence_starts(name: str, value: torch.Tensor, rows: int, length: int) -> 
         if value.dim() != 2 or value.shape[0] not in (1, rows) or value.shape[1] != length:
             raise ValueError(f"{name} must be [batch, tokens] = [{rows}, {length}], got {tuple(value.shape)}.")
         value = value.expand(rows, length)
+        step = 1 if name == "position_ids" else 0  # transformers' rule (find_packed_sequence_indices)
         starts = torch.ones(rows, length, dtype=torch.bool, device=value.device)
-        if name == "position_ids":  # transformers' rule (find_packed_sequence_indices): not predecessor + 1
-            starts[:, 1:] = value[:, 1:] != value[:, :-1] + 1
-        else:
-            starts[:, 1:] = value[:, 1:] != value[:, :-1]
+        starts[:, 1:] = value[:, 1:] != value[:, :-1] + step  # not the predecessor (plus one, for positions)
         return starts
     # cu_seq_lens_*: cumulative lengths over the flattened batch, from 0 to rows * tokens
     cumulative = value.flatten().long()
