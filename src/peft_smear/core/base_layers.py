@@ -50,9 +50,7 @@ def bitsandbytes_layer_types() -> tuple[type, ...]:
     """bitsandbytes' quantized linear layers, if bitsandbytes is imported at all (a model quantized with it has
     imported it; no other model needs it imported)."""
     bnb = sys.modules.get("bitsandbytes")
-    if bnb is None:
-        return ()
-    return (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
+    return () if bnb is None else (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
 
 
 def check_base_layer(target: nn.Module, module_name: str, expert_type: str) -> None:
@@ -96,10 +94,7 @@ def quantization_backend(cls: type) -> str | None:
 
 
 def is_plain_float_weight(weight: torch.Tensor) -> bool:
-    """A float tensor, parameter, or a sharded one (DTensor); not a quantized tensor subclass or an integer or
-    float8 weight."""
-    plain_types: tuple[type, ...] = (torch.Tensor, nn.Parameter)
+    """A float tensor, parameter, or a sharded one (DTensor, if imported); not a quantized tensor subclass or an
+    integer or float8 weight."""
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    if dtensor is not None:
-        plain_types = (*plain_types, dtensor)
-    return type(weight) in plain_types and weight.dtype in FLOAT_WEIGHT_DTYPES
+    return type(weight) in (torch.Tensor, nn.Parameter, dtensor) and weight.dtype in FLOAT_WEIGHT_DTYPES

@@ -17,10 +17,8 @@ def is_integer(value: object) -> bool:
 
 
 SMALLEST, LARGEST = 1e-6, 1e4
-"""The range of every real-valued setting: a positive one is at least ``SMALLEST`` and any is at most ``LARGEST``.
-Beyond it SMEAR's arithmetic overflows while the value still looks like a number: a temperature of 1e-300 is zero in
-float32 and divides by it, ``router_init_std=1e30`` gives infinite router rows, a loss weight of 1e6 overflows a
-half-precision model's loss."""
+"""The range of every real-valued setting (a positive one at least ``SMALLEST``): beyond it SMEAR's arithmetic
+overflows, e.g. a temperature of 1e-300 is zero in float32, a loss weight of 1e6 overflows a half-precision loss."""
 
 
 def require_number(name: str, value: object, *, minimum: float = 0.0, inclusive: bool = False) -> None:

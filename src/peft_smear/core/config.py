@@ -18,9 +18,8 @@ from .types import ROUTER_INPUTS, Option
 
 INIT_WEIGHTS_SCHEMES = ("gaussian", "smear")
 
-# LoraConfig's settings that SmearConfig does not take, and what to do instead: users start from LoRA recipes. A
-# setting listed in LORA_NO_OPS is taken at that one value, which is what SMEAR does anyway. Every other LoraConfig
-# setting that SmearConfig lacks is refused as one with no equivalent.
+# What to do instead of a LoraConfig setting SmearConfig lacks (users start from LoRA recipes); one in LORA_NO_OPS is
+# taken at that one value, which is what SMEAR does anyway.
 LORA_INSTEAD = {
     "init_lora_weights": "SMEAR's is init_weights (True, False, 'gaussian' or 'smear')",
     "fan_in_fan_out": "SMEAR reads the weight layout of GPT-2's Conv1D itself; drop it",
@@ -228,9 +227,8 @@ class SmearConfig(PeftConfig):
                 raise ValueError("expert_embeddings must be finite numbers; they hold a NaN or an infinity.")
 
     def _validate_expert_type(self) -> None:
-        """Each kind's options belong to it alone: set for another kind, one is an error. The chosen kind's are
-        checked, and those that are no ``SmearConfig`` field are completed with their defaults in
-        ``expert_options``."""
+        """Each kind's options belong to it alone (set for another kind, one is an error); the chosen kind's are
+        checked, and those that are no field are completed with their defaults in ``expert_options``."""
         if self.expert_type not in EXPERT_KINDS:
             raise ValueError(f"expert_type must be one of {tuple(EXPERT_KINDS)}, got {self.expert_type!r}.")
         kind = EXPERT_KINDS[self.expert_type]
@@ -321,9 +319,8 @@ def _option_names() -> set[str]:
 
 
 def _refuse_unknown_keywords(settings: dict[str, Any], own: dict[str, Any]) -> None:
-    """A keyword that is neither a field nor an option is a ``TypeError``, as a dataclass (every PEFT config) raises;
-    a LoraConfig setting SMEAR takes at one value only is dropped at that value (it is what SMEAR does), and any other
-    is refused with what to do instead."""
+    """A keyword that is neither a field nor an option is a ``TypeError``, as for any dataclass (PEFT's configs); a
+    LoraConfig setting in ``LORA_NO_OPS`` is dropped at that value, any other refused with what to do instead."""
     options = _option_names()
     for name, value in list(settings.items()):
         if name in own or name in options:

@@ -58,12 +58,10 @@ def take_call_inputs(kwargs: dict[str, Any]) -> dict[str, Any]:
 class SmearModel(BaseTuner):
     """The PEFT tuner for SMEAR (``peft_type="SMEAR"``, parameter prefix ``smear_``).
 
-    Routing needs, per batch, the padding mask, the token labels (to find the prompt of a causal LM), the optional
-    ``smear_*`` inputs, and for the decoder of an encoder-decoder model the encoder's output. Forward pre-hooks on the
-    wrapped model record them into one :class:`RoutingContext` that every layer reads: hooks, because ``generate``
-    calls the wrapped model (and its encoder) directly, bypassing this class. A forward hook then lets each active
-    routing method that needs the output finish the call (``Router.finish_call``), adds the routers' auxiliary losses
-    to the output's ``loss`` and reports them as ``output.smear_aux_losses``.
+    Forward pre-hooks on the wrapped model record what routing needs per batch (padding mask, token labels, ``smear_*``
+    inputs, an encoder-decoder's encoder output) into one :class:`RoutingContext` that every layer reads: hooks,
+    because ``generate`` calls the wrapped model (and its encoder) directly, bypassing this class. A forward hook then
+    finishes the call (:meth:`_finish_call`).
     """
 
     prefix: str = "smear_"
@@ -133,9 +131,8 @@ class SmearModel(BaseTuner):
         self.routing_context.call.start(mask, labels, arguments.get("input_ids"), packing, per_token)
 
     def _finish_call(self, model: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        """Let every active routing method that needs the output finish the call, add the auxiliary losses of this
-        call's routing to ``output.loss`` (when the model computed one, i.e. it got labels) and report them as
-        ``output.smear_aux_losses``."""
+        """Let the active routing methods finish the call (``Router.finish_call``), add the auxiliary losses to
+        ``output.loss`` (when the model computed one) and report them as ``output.smear_aux_losses``."""
         if self._second_pass:
             return output
         if self.routing_context.call.adapters is not None and not self._generating:
@@ -227,8 +224,7 @@ class SmearModel(BaseTuner):
         model.generate = generate
 
     def _prepare_adapter_config(self, peft_config: SmearConfig, model_config: dict) -> SmearConfig:
-        """Default target modules come from the expert kind (e.g. IA3's keys, values and feed-forward output), then
-        from PEFT LoRA's per-architecture defaults."""
+        """Default target modules come from the expert kind (e.g. IA3's), then from PEFT LoRA's per architecture."""
         EXPERT_KINDS[peft_config.expert_type].fill_default_targets(peft_config, model_config.get("model_type"))
         return super()._prepare_adapter_config(peft_config, model_config)
 
@@ -325,8 +321,7 @@ class SmearModel(BaseTuner):
         and ignores unexpected ones, which would leave a silently half-initialised adapter."""
         remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
         missing_clocks = cls.checkpoint_check(model, adapter_name, remapped)
-        # Adapters saved before routers kept their training clock lack it: it starts at 0, as it did for them, and is
-        # put in so that PEFT does not warn that weights are missing from a checkpoint that lacks nothing it needs.
+        # Adapters saved before routers kept a training clock lack it: it starts at 0, as it did for them (no warning).
         return {**remapped, **{key: torch.zeros((), dtype=torch.long) for key in missing_clocks}}
 
 

@@ -14,17 +14,16 @@ import inspect
 from collections.abc import Callable, Mapping
 
 import peft
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 
 SUPPORTED_PEFT_RANGE = ">=0.21,<0.22"
-_PEFT_MIN, _PEFT_MAX = Version("0.21"), Version("0.22")
 
 
 def check_peft_version(version: str) -> None:
     """Refuse a PEFT outside the range whose internals this module was written against."""
-    parsed = Version(version)
-    if not (_PEFT_MIN <= Version(parsed.base_version) < _PEFT_MAX):
+    if Version(Version(version).base_version) not in SpecifierSet(SUPPORTED_PEFT_RANGE):
         raise ImportError(
             f"peft-smear supports peft{SUPPORTED_PEFT_RANGE}, but peft {version} is installed. "
             f'Install a supported release, e.g. `pip install "peft{SUPPORTED_PEFT_RANGE}"`.'
@@ -99,10 +98,8 @@ def register(config_cls: type, tuner_cls: type, prefix: str) -> None:
 
 
 def route_peft_method(owner: type, name: str, routed: Callable) -> None:
-    """Make PEFT's ``owner.<name>`` (a method, or a classmethod) call ``routed(peft_method, ...)`` with its arguments,
-    ``peft_method`` being PEFT's own (taking the instance, or the class, first). PEFT offers no hook where SMEAR needs
-    one; this is the one place that replaces its methods. Idempotent: a second call replaces the routing, never stacks
-    it."""
+    """Make PEFT's ``owner.<name>`` (a method or classmethod) call ``routed(peft_method, ...)``, ``peft_method`` being
+    PEFT's own: PEFT has no hook where SMEAR needs one. Idempotent: a second call replaces the routing."""
     attribute = inspect.getattr_static(owner, name)
     is_classmethod = isinstance(attribute, classmethod)
     current = attribute.__func__ if is_classmethod else attribute
@@ -150,13 +147,10 @@ def install(
     size_check: Callable,
     lora_conversion: object,
 ) -> None:
-    """Everything ``import peft_smear`` changes in PEFT, in one place: the ``"SMEAR"`` type in PEFT's registries;
-    the model card (``model_card`` sees every model's), SMEAR's ``push_to_hub`` and atomic ``save_pretrained`` (others
-    keep PEFT's); ``PeftModel.from_pretrained``, ``load_adapter``, ``PeftConfig.from_json_file`` and transformers'
-    ``load_adapter`` routed through ``loading`` (by name; ``routed(peft_method, ...)``); ``adapter_names=``
-    kept for the tuner; and what the SMEAR tuner and layers ask the layers above them: whether a checkpoint fits
-    (``checkpoint_check``), whether an adapter fits in memory (``size_check``) and how to answer PEFT's
-    ``convert_to_lora`` (``lora_conversion``)."""
+    """Everything ``import peft_smear`` changes in PEFT: the ``"SMEAR"`` type; the model card (``model_card`` sees
+    every model's), SMEAR's ``push_to_hub`` and atomic ``save_pretrained``; the loading methods named in ``loading``
+    (PeftModel's, ``from_json_file``, transformers' ``load_adapter``); ``adapter_names=`` kept for the tuner; and what
+    the core asks the layers above it (``checkpoint_check``, ``size_check``, PEFT's ``convert_to_lora``)."""
     register(config_cls, tuner_cls, tuner_cls.prefix)
     tuner_cls.checkpoint_check = staticmethod(checkpoint_check)
     tuner_cls.size_check = staticmethod(size_check)
