@@ -175,26 +175,40 @@ def test_a_save_into_a_directory_of_an_overlay_lower_layer(tmp_path, mounted):
 
 @AS_ROOT
 @pytest.mark.parametrize("where", ["beside the old copy", "in place"])
-def test_a_disk_with_room_for_one_more_copy_is_enough_and_a_fuller_one_loses_nothing(tmp_path, mounted, where):
+def test_a_disk_with_room_for_the_new_copy_is_enough_and_where_peft_fails_nothing_is_lost(tmp_path, mounted, where):
+    """Room for the new save beside the old one (and a few pages): saved, as PEFT's. Room for only half a copy more:
+    PEFT LoRA's own save fails too (safetensors writes a temporary file and renames it over the old one, so it needs
+    both copies at once), and here the old save loads as it was, with nothing left behind."""
     torch.manual_seed(0)
     settings = {"num_experts": 8, "r": 32, "init_weights": False, "target_modules": ["q_proj", "v_proj", "o_proj"]}
     old, new = (get_peft_model(tiny_llama(), SmearConfig(**settings, lora_alpha=a)) for a in (8, 16))
-    old.save_pretrained(tmp_path / "measure")
-    pages = sum(-(-p.stat().st_size // 4096) for p in (tmp_path / "measure").iterdir())
-    for room, fits in ((pages + 4, True), (pages // 2, False)):
-        disk = tmp_path / f"disk-{room}"
-        disk.mkdir()
-        mounted("tmpfs", disk, size=str((pages + room) * 4096))
-        target = disk if where == "in place" else disk / "adapter"
+    lora = get_peft_model(tiny_llama(), LoraConfig(r=8 * 32, target_modules=settings["target_modules"]))
+    for model, name in ((old, "smear"), (lora, "lora")):
+        model.save_pretrained(tmp_path / "measure" / name)
+    pages = {
+        name: sum(-(-p.stat().st_size // 4096) for p in (tmp_path / "measure" / name).iterdir())
+        for name in ("smear", "lora")
+    }
+    for fits in (True, False):
+        room = {name: n + 4 if fits else n // 2 for name, n in pages.items()}
+        disks = {name: tmp_path / f"disk-{name}-{fits}" for name in pages}
+        for name, disk in disks.items():
+            disk.mkdir()
+            mounted("tmpfs", disk, size=str((pages[name] + room[name]) * 4096))
+        target = disks["smear"] if where == "in place" else disks["smear"] / "adapter"
+        lora.save_pretrained(disks["lora"])
         old.save_pretrained(target)
         if fits:
+            lora.save_pretrained(disks["lora"])
             new.save_pretrained(target)
             torch.testing.assert_close(loaded_logits(target), logits(new), rtol=0, atol=0)
         else:
+            with pytest.raises(SafetensorError, match="No space left on device"):
+                lora.save_pretrained(disks["lora"])  # PEFT's own save
             with pytest.raises((OSError, SafetensorError), match="No space left on device"):
                 new.save_pretrained(target)
             torch.testing.assert_close(loaded_logits(target), logits(old), rtol=0, atol=0)  # the old save, whole
-        assert leftovers(disk) == []
+        assert leftovers(disks["smear"]) == []
 
 
 @AS_ROOT
