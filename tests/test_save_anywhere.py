@@ -469,6 +469,23 @@ def test_a_load_meeting_an_in_place_save_fails_at_once_naming_it(tmp_path, mount
         end(holder)
 
 
+@AS_ROOT
+def test_an_interrupted_in_place_save_never_overwrites_a_later_save_by_plain_peft(tmp_path, mounted):
+    """Killed while moving its files in, an in-place save leaves them for the next save to complete; but if plain PEFT
+    has saved into the directory since, completing it would put the earlier save over the later one: it is dropped."""
+    mounted("tmpfs", tmp_path)
+    smear_llama(1, lora_alpha=8).save_pretrained(tmp_path)
+    end(stopped_in(lambda: smear_llama(2, lora_alpha=16).save_pretrained(tmp_path), at="removed the configs"))
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".peft-smear-publishing-")]
+    torch.manual_seed(3)
+    lora = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
+    lora.save_pretrained(tmp_path)  # PEFT's own save: not routed through ours
+    atomic.recover(tmp_path)
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["peft_type"] == "LORA"
+    torch.testing.assert_close(loaded_logits(tmp_path), logits(lora), rtol=0, atol=0)
+    assert leftovers(tmp_path) == []
+
+
 # --- peft-smear train and export ----------------------------------------------------------------------------------
 
 
