@@ -523,11 +523,17 @@ def test_a_second_train_run_to_one_output_fails_at_once_naming_the_first(tmp_pat
 
 @AS_ROOT
 def test_train_and_export_into_a_mount_point(tmp_path, mounted, task_inputs, capsys):
+    """Into fresh volumes, one as ext4 formats it (an empty ``lost+found``, which occupies nothing of the user's)."""
     run, export = tmp_path / "run", tmp_path / "export"
     for volume in (run, export):
         volume.mkdir()
         mounted("tmpfs", volume)
+    (run / "lost+found").mkdir()
+    (tmp_path / "plain" / "lost+found").mkdir(parents=True)  # not a volume: a directory of the user's
+    assert cli.main(train_argv(task_inputs, tmp_path / "plain")) == 2
+    assert "plain exists and is not empty" in capsys.readouterr().err
     assert cli.main(train_argv(task_inputs, run)) == 0, capsys.readouterr().err
+    assert (run / "lost+found").is_dir()
     assert {"adapter_config.json", "adapter_model.safetensors", "tasks.json", "metrics.json", "README.md"} <= {
         p.name for p in run.iterdir()
     }

@@ -326,11 +326,20 @@ def _one_hot_index(p: torch.Tensor) -> int | None:
 
 def refuse_occupied(directory: Path, overwrite: bool, hint: str) -> None:
     """An existing non-empty output is only replaced when the caller said so: nothing a user saved is lost. A save's
-    own entries (its lock, an in-place save's staging) are not the user's."""
+    own entries (its lock, an in-place save's staging) are not the user's, nor a fresh volume's ``lost+found``."""
     if overwrite or not directory.exists():
         return
-    if not directory.is_dir() or any(not atomic.own_entry(entry.name) for entry in directory.iterdir()):
+    if not directory.is_dir() or not _fresh_volume(directory):
         raise FileExistsError(f"{directory} exists and is not empty; {hint}.")
+
+
+def _fresh_volume(directory: Path) -> bool:
+    """Holding nothing but a save's own entries and, at a mount point, what ``mkfs.ext4`` puts there: ``lost+found``
+    (root's, often unreadable; a save into a mount point goes in place and never touches it)."""
+    found = directory / "lost+found"
+    if any(entry != found and not atomic.own_entry(entry.name) for entry in directory.iterdir()):
+        return False
+    return not found.exists() or (os.path.ismount(directory) and found.is_dir())
 
 
 def routing_distributions(
