@@ -602,11 +602,11 @@ def test_lora_experts_add_into_the_base_output_with_scaling_and_output_scale(y_d
     autocast) against an explicit per-example computation."""
     torch.manual_seed(0)
     tokens, y = torch.randn(3, 5, 6, dtype=torch.bfloat16), torch.randn(3, 5, 4).to(y_dtype)
-    expert_A, expert_B_t = torch.randn(3, 2, 6, dtype=torch.bfloat16), torch.randn(3, 2, 4, dtype=torch.bfloat16)
+    expert_A, expert_B = torch.randn(3, 2, 6, dtype=torch.bfloat16), torch.randn(3, 4, 2, dtype=torch.bfloat16)
     output_scale = torch.tensor([1.0, 0.5, 0.0])
     base_output = y.clone()
-    result = add_per_example_experts(y, tokens, expert_A, expert_B_t, 0.25, output_scale)
+    result = add_per_example_experts(y, tokens, expert_A, expert_B, 0.25, output_scale)
     assert result.dtype == y_dtype
     for b in range(3):
-        delta = tokens[b].float() @ expert_A[b].float().T @ expert_B_t[b].float() * 0.25 * output_scale[b]
+        delta = tokens[b].float() @ expert_A[b].float().T @ expert_B[b].float().T * 0.25 * output_scale[b]
         torch.testing.assert_close(result[b].float(), base_output[b].float() + delta, atol=0.1, rtol=0.02)

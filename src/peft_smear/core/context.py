@@ -11,6 +11,7 @@ exactly as the forward did.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -498,6 +499,8 @@ class RoutingContext:
     aux: AuxLosses = field(default_factory=AuxLosses)
     routing_cache: dict[tuple[torch.nn.Module, str], RoutingDecision] | None = None
     """During ``generate``: the decision every layer made at prefill, reused for every later step."""
+    clocks: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    """The routers that count the training calls (``Router.keeps_training_clock``): a step does not walk the model."""
     observers: list[Observer] = field(default_factory=list)
     """Who watches the routing (:mod:`peft_smear.training`: recording, statistics): called for every decision a
     layer applies, but not for gradient checkpointing's recomputation of a layer."""

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from .base_layers import bitsandbytes_layer_types
 from .context import CallRouterInputs, RoutingContext, RowRouterInputs
 from .experts import EXPERT_KINDS, ExpertKind
 from .registration import BaseTunerLayer
@@ -65,8 +64,6 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         self.base_layer = base_layer
         self.module_name = module_name  # routers that need a per-layer key (a seed, a salt) take it from here
         self.in_features, self.out_features = in_out_features(self.get_base_layer())
-        # bitsandbytes' 8-bit matmul may return a view that autograd forbids changing in place
-        self.output_may_be_locked_view = isinstance(self.get_base_layer(), bitsandbytes_layer_types())
         self.routing_context = routing_context
         self.merged_adapters: list[str] = []  # own list: BaseTunerLayer's is shared at class level
         self.expert_kind: dict[str, ExpertKind] = {}
@@ -106,6 +103,8 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         features = kind.router_features if router_features is None else router_features
         router = ROUTERS[config.routing](features, config, self.module_name)
         self.smear_router[adapter_name] = router.train(self.training)  # a new module starts in training mode
+        if router.keeps_training_clock:
+            self.routing_context.clocks.add(router)
 
         self._move_adapter_to_device_of_base_layer(adapter_name)
         self.set_adapter(self.active_adapters, inference_mode=inference_mode)
@@ -132,7 +131,7 @@ class SmearLinear(nn.Module, BaseTunerLayer):
                 scaled = self.apply_experts(name, decisions[-1], tokens, tokens, params).reshape(x_each.shape)
                 inputs = packing.pack(scaled) if packing is not None else scaled
         # 1. The base output, on the rows as they came.
-        y = self._base_output(inputs, *args, **kwargs)
+        y = self.base_layer(inputs, *args, **kwargs)
         y_each = packing.unpack(y) if packing is not None else y
         out = y_each.reshape(y_each.shape[0], -1, y_each.shape[-1])  # [examples, tokens, out]
         for name in adapters:
@@ -169,7 +168,7 @@ class SmearLinear(nn.Module, BaseTunerLayer):
                 decision = self.route(name, x[index], rows=rows, call_batch=x.shape[0])
                 scaled = self.apply_experts(name, decision, tokens[index], tokens[index])
                 inputs = inputs.index_copy(0, index, scaled.reshape(x[index].shape))
-        y = self._base_output(inputs, *args, **kwargs)
+        y = self.base_layer(inputs, *args, **kwargs)
         out = y.reshape(y.shape[0], -1, y.shape[-1])
         for name, rows in groups.items():
             kind = self.expert_kind[name]
@@ -179,12 +178,6 @@ class SmearLinear(nn.Module, BaseTunerLayer):
                 decision = self.route(name, routed, rows=rows, call_batch=x.shape[0])
                 out = out.index_copy(0, index, self.apply_experts(name, decision, tokens[index], out[index]))
         return out.reshape(y.shape)
-
-    def _base_output(self, inputs: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        result = self.base_layer(inputs, *args, **kwargs)
-        if self.output_may_be_locked_view and torch.is_grad_enabled() and result._is_view():
-            result = result.clone()  # experts add into the output in place, which autograd forbids on such a view
-        return result
 
     def route(
         self,
@@ -228,7 +221,7 @@ class SmearLinear(nn.Module, BaseTunerLayer):
     ) -> torch.Tensor:
         """``y`` changed by ``adapter_name``'s experts (``params``, unless read here) as ``decision`` says: their
         outputs mixed, or each example's one expert, chosen or merged. ``x [batch, tokens, in]`` is the module's
-        input; ``y`` its output, updated in place (see :meth:`ExpertKind.apply`), or its input for kinds that act on it
+        input; ``y`` its output (see :meth:`ExpertKind.apply`), or its input for kinds that act on it
         (``scales_input``)."""
         kind = self.expert_kind[adapter_name]
         params = self.expert_params(adapter_name) if params is None else params

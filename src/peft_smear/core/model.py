@@ -34,8 +34,13 @@ ADAPTER_NAMES = "adapter_names"  # PEFT's mixed batches: each example's adapter
 
 def known_call_inputs() -> dict[str, CallInput]:
     """Every ``smear_*`` input a call may bring: the core's routing mask and those the registered routers read."""
+    return _call_inputs_of(tuple(ROUTERS.values()))
+
+
+@functools.lru_cache(maxsize=4)
+def _call_inputs_of(routers: tuple[type[Router], ...]) -> dict[str, CallInput]:
     inputs = {ROUTING_MASK.name: ROUTING_MASK}
-    for router in ROUTERS.values():
+    for router in routers:
         inputs.update((call_input.name, call_input) for call_input in router.call_inputs)
     return inputs
 
@@ -128,13 +133,7 @@ class SmearModel(BaseTuner):
 
     def _count_training_call(self) -> None:
         """Advance the clock of every router that follows a schedule (one in-place add for all of them)."""
-        clocks = [
-            router.training_calls
-            for module in self.model.modules()
-            if isinstance(module, SmearLinear)
-            for router in module.smear_router.values()
-            if router.keeps_training_clock
-        ]
+        clocks = [router.training_calls for router in list(self.routing_context.clocks)]
         if clocks:
             torch._foreach_add_(clocks, 1)
 

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .types import CallInput, Option, RouterInputs, RoutingDecision, register
@@ -114,6 +113,7 @@ def mixed(weights: torch.Tensor) -> RoutingDecision:
 
 
 def one_expert(index: torch.Tensor, num_experts: int, output_scale: torch.Tensor | None = None) -> RoutingDecision:
-    """The expert ``index [batch]`` for each example, its output times ``output_scale [batch]`` if given."""
-    weights = F.one_hot(index, num_experts).float()
+    """The expert ``index [batch]`` for each example, its output times ``output_scale [batch]`` if given; not by
+    ``F.one_hot``, which reads the indices back to check them, a host sync per layer."""
+    weights = torch.zeros(index.shape[0], num_experts, device=index.device).scatter_(1, index.unsqueeze(1), 1.0)
     return RoutingDecision(weights=weights, expert_index=index, output_scale=output_scale)

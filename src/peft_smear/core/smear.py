@@ -217,10 +217,10 @@ def merge_parameter(parameter: torch.Tensor, probs: torch.Tensor, dtype: torch.d
 def merge_lora_experts(
     lora_A: torch.Tensor, lora_B: torch.Tensor, probs: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each example's merged expert: ``sum_n p_n A_n`` as ``[batch, r, in]`` and ``(sum_n p_n B_n)^T`` as
-    ``[batch, r, out]``, from ``probs [batch, N]``, cast to ``dtype`` (the activations'). B is merged already
-    transposed, so that applying it needs no copy."""
-    return merge_parameter(lora_A, probs, dtype), merge_parameter(lora_B.transpose(1, 2), probs, dtype)
+    """Each example's merged expert: ``sum_n p_n A_n`` as ``[batch, r, in]`` and ``sum_n p_n B_n`` as
+    ``[batch, out, r]``, from ``probs [batch, N]``, cast to ``dtype`` (the activations'); B as it is stored, so that
+    merging it copies nothing (the matmul that applies it reads it transposed)."""
+    return merge_parameter(lora_A, probs, dtype), merge_parameter(lora_B, probs, dtype)
 
 
 # 4. Apply --------------------------------------------------------------------------------------------------------
@@ -230,21 +230,19 @@ def add_per_example_experts(
     y: torch.Tensor,
     tokens: torch.Tensor,
     expert_A: torch.Tensor,
-    expert_B_t: torch.Tensor,
+    expert_B: torch.Tensor,
     scaling: float,
     output_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``y [batch, tokens, out]`` plus ``tokens [batch, tokens, in]`` through each example's own expert
-    (``[batch, r, in]``, ``[batch, r, out]``), times ``scaling`` and each example's ``output_scale``: the cost of one
-    rank-r LoRA.
-
-    ``y`` is updated in place: it is the wrapped module's fresh output, which nothing else holds (a linear layer
-    keeps its input for backward, not its output). The per-example scale goes on the rank-r hidden units and the
-    second matmul accumulates into ``y`` with the scaling as its ``alpha``, so no pass over the output is left."""
+    (``[batch, r, in]``, ``[batch, out, r]``), times ``scaling`` and each example's ``output_scale``: the cost of one
+    rank-r LoRA. The per-example scale goes on the rank-r hidden units and the second matmul adds into ``y`` with the
+    scaling as its ``alpha``, so no pass over the output is left. Out of place: into a view that autograd tracks
+    (a reshaped output, bitsandbytes' locked one) an in-place add costs copies in backward."""
     hidden = scaled(torch.bmm(tokens, expert_A.transpose(1, 2)), output_scale)
     if hidden.dtype != y.dtype:  # e.g. an fp32 base output under autocast
-        return y.add_((torch.bmm(hidden, expert_B_t) * scaling).to(y.dtype))
-    return y.baddbmm_(hidden, expert_B_t, alpha=scaling)
+        return y + (torch.bmm(hidden, expert_B.transpose(1, 2)) * scaling).to(y.dtype)
+    return torch.baddbmm(y, hidden, expert_B.transpose(1, 2), alpha=scaling)
 
 
 def scaled(contribution: torch.Tensor, output_scale: torch.Tensor | None) -> torch.Tensor:
@@ -322,7 +320,7 @@ class LoraExperts(ExpertKind):
         routing costs exactly one rank-r LoRA."""
         up_index = expert_index if up_index is None else up_index
         lora_A, lora_B = params["smear_lora_A"], params["smear_lora_B"]
-        return lora_A[expert_index].to(dtype), lora_B[up_index].transpose(1, 2).to(dtype)
+        return lora_A[expert_index].to(dtype), lora_B[up_index].to(dtype)
 
     def mix(self, x: torch.Tensor, y: torch.Tensor, params: Params, weights: torch.Tensor) -> torch.Tensor:
         return add_lora_mixture(y, x, params["smear_lora_A"], params["smear_lora_B"], weights, self.scaling)
@@ -340,17 +338,17 @@ def add_lora_mixture(
     ``[batch, tokens, N]``.
 
     All experts run as one rank ``N * r`` LoRA whose rank dimensions are weighted by their expert's ``w_n``: one
-    dense matmul pair instead of N, but still N times the work of one expert. The second matmul accumulates into
-    ``y`` in place, as in :func:`add_per_example_experts`.
+    dense matmul pair instead of N, but still N times the work of one expert. Out of place, as in
+    :func:`add_per_example_experts`.
     """
     n, r, _ = lora_A.shape
     stacked_A = lora_A.reshape(n * r, -1).to(tokens.dtype)
     stacked_B = lora_B.permute(1, 0, 2).reshape(-1, n * r).to(tokens.dtype)
     hidden = tokens @ stacked_A.T * per_token(weights).repeat_interleave(r, dim=-1).to(tokens.dtype)
     if hidden.dtype != y.dtype:
-        return y.add_((hidden @ stacked_B.T * scaling).to(y.dtype))
-    y.view(-1, y.shape[-1]).addmm_(hidden.reshape(-1, n * r), stacked_B.T, alpha=scaling)
-    return y
+        return y + (hidden @ stacked_B.T * scaling).to(y.dtype)
+    flat = torch.addmm(y.reshape(-1, y.shape[-1]), hidden.reshape(-1, n * r), stacked_B.T, alpha=scaling)
+    return flat.view(y.shape)
 
 
 def per_token(weights: torch.Tensor) -> torch.Tensor:
