@@ -276,8 +276,7 @@ def counts_markdown(result: dict) -> tuple[list[str], list[tuple[str, bool, str]
     import work_counts
 
     rows = [work_counts.Row(**row) for row in result["rows"]]
-    checks = [(label, verdict.endswith(": met"), verdict) for label, verdict in work_counts.check_targets(rows)]
-    return [work_counts.markdown_table(rows)], checks
+    return [work_counts.markdown_table(rows)], work_counts.check_targets(rows)
 
 
 def part_qlora(device: str, scale: Scale) -> dict:

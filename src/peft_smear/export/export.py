@@ -329,17 +329,13 @@ def refuse_occupied(directory: Path, overwrite: bool, hint: str) -> None:
     own entries (its lock, an in-place save's staging) are not the user's, nor a fresh volume's ``lost+found``."""
     if overwrite or not directory.exists():
         return
-    if not directory.is_dir() or not _fresh_volume(directory):
+    # mkfs.ext4 puts lost+found at a volume's root (root's, often unreadable); a save into a mount point goes in place
+    # and never touches it.
+    volume = {"lost+found"} if os.path.ismount(directory) else set()
+    if not directory.is_dir() or not all(
+        atomic.own_entry(entry.name) or (entry.name in volume and entry.is_dir()) for entry in directory.iterdir()
+    ):
         raise FileExistsError(f"{directory} exists and is not empty; {hint}.")
-
-
-def _fresh_volume(directory: Path) -> bool:
-    """Holding nothing but a save's own entries and, at a mount point, what ``mkfs.ext4`` puts there: ``lost+found``
-    (root's, often unreadable; a save into a mount point goes in place and never touches it)."""
-    found = directory / "lost+found"
-    if any(entry != found and not atomic.own_entry(entry.name) for entry in directory.iterdir()):
-        return False
-    return not found.exists() or (os.path.ismount(directory) and found.is_dir())
 
 
 def routing_distributions(
