@@ -11,6 +11,9 @@ runs out of time is reported as such, and the others still run. The parts:
   in fp32, bf16 and fp16: every loss finite, and each half-precision loss close to the fp32 one;
 * ``speed``: train step, inference, generation and CUDA peak memory, SMEAR over LoRA, at a 1.1 B Llama (random
   weights) at the target shape (``speed.py --preset gpu``);
+* ``counts``: the work those times come from, counted on the GPU (``work_counts.py``): kernel-launching operations
+  per decoder layer, host syncs per call and package calls per wrapped module, SMEAR, the ensemble and ``single``
+  against LoRA, with bf16 and fp32 bases (SMEAR and LoRA in bf16 only on the CPU);
 * ``qlora``: training steps of SMEAR and LoRA on a bitsandbytes 4-bit (NF4) base: finite losses, time and memory;
 * ``serving``: per-task exports of a SMEAR model served as one mixed-task batch (PEFT's ``adapter_names=``) against
   one task at a time: the same logits and tokens, and the throughput of each;
@@ -38,17 +41,17 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from common import add_results_option, command_line, machine_description, write_results
 
 
-PARTS = ("dtypes", "speed", "qlora", "serving", "compile", "curve")
+PARTS = ("dtypes", "speed", "counts", "qlora", "serving", "compile", "curve")
 # The seconds each part may take at most out of the default budget (scaled with --budget); the last part run takes
 # whatever the others left.
-SHARES = {"dtypes": 50, "speed": 100, "qlora": 40, "serving": 40, "compile": 170, "curve": 70}
+SHARES = {"dtypes": 50, "speed": 100, "counts": 30, "qlora": 40, "serving": 40, "compile": 170, "curve": 70}
 DTYPES = ("float32", "bfloat16", "float16")
 # How far a half-precision run's losses may be from the fp32 run's, relative: the rounding of a 16-bit base model.
 LOSS_TOLERANCE = {"bfloat16": 0.02, "float16": 0.01}
@@ -258,6 +261,22 @@ def speed_markdown(result: dict) -> tuple[list[str], list[tuple[str, bool, str]]
     lines = [speed.PRESETS[result["preset"]].note, "", speed.markdown_table(result["rows"])]
     checks = [(label, verdict.startswith("met"), verdict) for label, verdict in speed.check_targets(result["rows"])]
     return lines, checks
+
+
+def part_counts(device: str, scale: Scale) -> dict:
+    import work_counts
+
+    on_gpu = device.startswith("cuda")
+    methods = work_counts.METHODS if on_gpu else ("lora", "smear")
+    dtypes = tuple(work_counts.DTYPES) if on_gpu else ("bf16",)
+    return {"rows": [asdict(row) for row in work_counts.measure(methods, dtypes, device, note)]}
+
+
+def counts_markdown(result: dict) -> tuple[list[str], list[tuple[str, bool, str]]]:
+    import work_counts
+
+    rows = [work_counts.Row(**row) for row in result["rows"]]
+    return [work_counts.markdown_table(rows)], work_counts.check_targets(rows)
 
 
 def part_qlora(device: str, scale: Scale) -> dict:
@@ -493,10 +512,18 @@ def curve_markdown(result: dict) -> tuple[list[str], list[tuple[str, bool, str]]
     return lines, []
 
 
-RUNS = {"dtypes": part_dtypes, "speed": part_speed, "qlora": part_qlora, "serving": part_serving, "curve": part_curve}
+RUNS = {
+    "dtypes": part_dtypes,
+    "speed": part_speed,
+    "counts": part_counts,
+    "qlora": part_qlora,
+    "serving": part_serving,
+    "curve": part_curve,
+}
 MARKDOWN = {
     "dtypes": dtypes_markdown,
     "speed": speed_markdown,
+    "counts": counts_markdown,
     "qlora": qlora_markdown,
     "serving": serving_markdown,
     "compile": compile_markdown,
@@ -505,6 +532,7 @@ MARKDOWN = {
 TITLES = {
     "dtypes": "fp32, bf16 and fp16 base models",
     "speed": "Speed and peak memory at 1.1 B parameters",
+    "counts": "Work counts: operations, syncs and calls per layer",
     "qlora": "QLoRA: a 4-bit base",
     "serving": "Exported experts in a mixed-task batch",
     "compile": "torch.compile",

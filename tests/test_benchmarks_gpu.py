@@ -66,6 +66,18 @@ def test_half_precision_losses_are_finite_and_close_to_fp32(run):
     assert runs["smear bfloat16"]["adapter_dtypes"] == ["torch.float32"]
 
 
+def test_the_counts_part_records_the_work_beside_the_times(run):
+    """The same counts as ``work_counts.py`` (issue 43), in the GPU run's record and section, with their targets."""
+    rows = {(row["method"], row["dtype"]): row for row in run[0]["counts"]["result"]["rows"]}
+    assert set(rows) == {("lora", "bf16"), ("smear", "bf16")}
+    for row in rows.values():
+        assert row["ops_per_layer"]["train"] > row["ops_per_layer"]["eval"] > 0
+        assert row["calls_per_module"] > 0
+    section = run[1]
+    assert "### Work counts: operations, syncs and calls per layer (`counts`" in section
+    assert "| bf16 | smear | " in section and "SMEAR train ops per layer, bf16, ≤ 1.30× LoRA's" in section
+
+
 def test_smear_trains_on_a_4bit_base(run):
     runs = run[0]["qlora"]["result"]["runs"]
     assert runs["smear"]["linear4bit"] == runs["lora"]["linear4bit"] > 0

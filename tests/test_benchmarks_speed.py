@@ -58,7 +58,10 @@ def test_outputs_have_the_documented_columns(speed, rows, tmp_path):
     table = paths["markdown"].read_text().splitlines()
     assert table[0].count("|") == 10 and "train step" in table[0] and "peak memory" in table[0]
     lora_row = next(line for line in table if "LoRA rank r |" in line)
-    assert lora_row.count("1.00×") == len(speed.FIGURES)
+    # LoRA over itself, except where its toy reading is 0 (peak memory under the RSS mark's resolution): NaN, not 1.
+    measured = next(row for row in rows if row["method"] == "lora")
+    expected = ["1.00×" if measured[name] else "nan×" for name in speed.FIGURES]
+    assert lora_row.rstrip(" |").split(" | ")[-len(speed.FIGURES) :] == expected
 
 
 def test_results_section_reports_command_machine_and_targets(speed, rows, tmp_path):

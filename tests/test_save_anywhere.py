@@ -175,26 +175,40 @@ def test_a_save_into_a_directory_of_an_overlay_lower_layer(tmp_path, mounted):
 
 @AS_ROOT
 @pytest.mark.parametrize("where", ["beside the old copy", "in place"])
-def test_a_disk_with_room_for_one_more_copy_is_enough_and_a_fuller_one_loses_nothing(tmp_path, mounted, where):
+def test_a_disk_with_room_for_the_new_copy_is_enough_and_where_peft_fails_nothing_is_lost(tmp_path, mounted, where):
+    """Room for the new save beside the old one (and a few pages): saved, as PEFT's. Room for only half a copy more:
+    PEFT LoRA's own save fails too (safetensors writes a temporary file and renames it over the old one, so it needs
+    both copies at once), and here the old save loads as it was, with nothing left behind."""
     torch.manual_seed(0)
     settings = {"num_experts": 8, "r": 32, "init_weights": False, "target_modules": ["q_proj", "v_proj", "o_proj"]}
     old, new = (get_peft_model(tiny_llama(), SmearConfig(**settings, lora_alpha=a)) for a in (8, 16))
-    old.save_pretrained(tmp_path / "measure")
-    pages = sum(-(-p.stat().st_size // 4096) for p in (tmp_path / "measure").iterdir())
-    for room, fits in ((pages + 4, True), (pages // 2, False)):
-        disk = tmp_path / f"disk-{room}"
-        disk.mkdir()
-        mounted("tmpfs", disk, size=str((pages + room) * 4096))
-        target = disk if where == "in place" else disk / "adapter"
+    lora = get_peft_model(tiny_llama(), LoraConfig(r=8 * 32, target_modules=settings["target_modules"]))
+    for model, name in ((old, "smear"), (lora, "lora")):
+        model.save_pretrained(tmp_path / "measure" / name)
+    pages = {
+        name: sum(-(-p.stat().st_size // 4096) for p in (tmp_path / "measure" / name).iterdir())
+        for name in ("smear", "lora")
+    }
+    for fits in (True, False):
+        room = {name: n + 4 if fits else n // 2 for name, n in pages.items()}
+        disks = {name: tmp_path / f"disk-{name}-{fits}" for name in pages}
+        for name, disk in disks.items():
+            disk.mkdir()
+            mounted("tmpfs", disk, size=str((pages[name] + room[name]) * 4096))
+        target = disks["smear"] if where == "in place" else disks["smear"] / "adapter"
+        lora.save_pretrained(disks["lora"])
         old.save_pretrained(target)
         if fits:
+            lora.save_pretrained(disks["lora"])
             new.save_pretrained(target)
             torch.testing.assert_close(loaded_logits(target), logits(new), rtol=0, atol=0)
         else:
+            with pytest.raises(SafetensorError, match="No space left on device"):
+                lora.save_pretrained(disks["lora"])  # PEFT's own save
             with pytest.raises((OSError, SafetensorError), match="No space left on device"):
                 new.save_pretrained(target)
             torch.testing.assert_close(loaded_logits(target), logits(old), rtol=0, atol=0)  # the old save, whole
-        assert leftovers(disk) == []
+        assert leftovers(disks["smear"]) == []
 
 
 @AS_ROOT
@@ -455,6 +469,23 @@ def test_a_load_meeting_an_in_place_save_fails_at_once_naming_it(tmp_path, mount
         end(holder)
 
 
+@AS_ROOT
+def test_an_interrupted_in_place_save_never_overwrites_a_later_save_by_plain_peft(tmp_path, mounted):
+    """Killed while moving its files in, an in-place save leaves them for the next save to complete; but if plain PEFT
+    has saved into the directory since, completing it would put the earlier save over the later one: it is dropped."""
+    mounted("tmpfs", tmp_path)
+    smear_llama(1, lora_alpha=8).save_pretrained(tmp_path)
+    end(stopped_in(lambda: smear_llama(2, lora_alpha=16).save_pretrained(tmp_path), at="removed the configs"))
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".peft-smear-publishing-")]
+    torch.manual_seed(3)
+    lora = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
+    lora.save_pretrained(tmp_path)  # PEFT's own save: not routed through ours
+    atomic.recover(tmp_path)
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["peft_type"] == "LORA"
+    torch.testing.assert_close(loaded_logits(tmp_path), logits(lora), rtol=0, atol=0)
+    assert leftovers(tmp_path) == []
+
+
 # --- peft-smear train and export ----------------------------------------------------------------------------------
 
 
@@ -492,11 +523,17 @@ def test_a_second_train_run_to_one_output_fails_at_once_naming_the_first(tmp_pat
 
 @AS_ROOT
 def test_train_and_export_into_a_mount_point(tmp_path, mounted, task_inputs, capsys):
+    """Into fresh volumes, one as ext4 formats it (an empty ``lost+found``, which occupies nothing of the user's)."""
     run, export = tmp_path / "run", tmp_path / "export"
     for volume in (run, export):
         volume.mkdir()
         mounted("tmpfs", volume)
+    (run / "lost+found").mkdir()
+    (tmp_path / "plain" / "lost+found").mkdir(parents=True)  # not a volume: a directory of the user's
+    assert cli.main(train_argv(task_inputs, tmp_path / "plain")) == 2
+    assert "plain exists and is not empty" in capsys.readouterr().err
     assert cli.main(train_argv(task_inputs, run)) == 0, capsys.readouterr().err
+    assert (run / "lost+found").is_dir()
     assert {"adapter_config.json", "adapter_model.safetensors", "tasks.json", "metrics.json", "README.md"} <= {
         p.name for p in run.iterdir()
     }

@@ -570,6 +570,8 @@ class RoutingContext:
     aux: AuxLosses = field(default_factory=AuxLosses)
     routing_cache: dict[LayerKey, RoutingDecision] | None = None
     """During ``generate``: the decision every layer made at prefill, reused for every later step."""
+    clocks: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    """The routers that count the training calls (``Router.keeps_training_clock``): a step does not walk the model."""
     observers: list[Observer] = field(default_factory=list)
     """Who watches the routing (:mod:`peft_smear.training`: recording, statistics): called for every decision a
     layer applies, but not for gradient checkpointing's recomputation of a layer."""

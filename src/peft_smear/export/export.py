@@ -326,10 +326,15 @@ def _one_hot_index(p: torch.Tensor) -> int | None:
 
 def refuse_occupied(directory: Path, overwrite: bool, hint: str) -> None:
     """An existing non-empty output is only replaced when the caller said so: nothing a user saved is lost. A save's
-    own entries (its lock, an in-place save's staging) are not the user's."""
+    own entries (its lock, an in-place save's staging) are not the user's, nor a fresh volume's ``lost+found``."""
     if overwrite or not directory.exists():
         return
-    if not directory.is_dir() or any(not atomic.own_entry(entry.name) for entry in directory.iterdir()):
+    # mkfs.ext4 puts lost+found at a volume's root (root's, often unreadable); a save into a mount point goes in place
+    # and never touches it.
+    volume = {"lost+found"} if os.path.ismount(directory) else set()
+    if not directory.is_dir() or not all(
+        atomic.own_entry(entry.name) or (entry.name in volume and entry.is_dir()) for entry in directory.iterdir()
+    ):
         raise FileExistsError(f"{directory} exists and is not empty; {hint}.")
 
 

@@ -12,8 +12,9 @@ without the new save's configs, which no loader takes for a whole save and which
    once on stderr which process holds it, and gives up after ``PEFT_SMEAR_LOCK_TIMEOUT`` seconds (default 60) with an
    error naming that process (see :mod:`peft_smear.saving.locks`, also for filesystems without ``flock``). Then what
    killed saves left is put in order: an old copy whose target is missing is renamed back (a kill inside the
-   fallback's two renames, step 4a), an interrupted in-place save is completed (step 4b), and staging directories and
-   old copies are removed. A sibling whose save is still running holds a ``flock`` on it and is left alone.
+   fallback's two renames, step 4a), an interrupted in-place save is completed (step 4b; unless another save, say plain
+   PEFT's, has written the directory since: then it is dropped), and staging directories and old copies are removed.
+   A sibling whose save is still running holds a ``flock`` on it and is left alone.
 2. **Stage.** A sibling directory ``.<name>.peft-smear-staging-<random>`` is created (same filesystem, so the swap is a
    rename) with the target's mode, owner, group and ACLs. With ``keep_others``, it first receives every entry of the
    current target that the save does not rewrite, as hard links: a checkpoint's optimizer and trainer state, a run's
@@ -382,7 +383,9 @@ def _recover(real: Path, shown: Path) -> None:
                 os.rename(max(olds)[1], real)
                 _sync_directory(real.parent)
         for path in sorted((path for path, kind, _ in siblings if kind == PUBLISHING), key=os.path.getmtime):
-            _move_in_or_say_where(path, real, shown, f"An interrupted save to {shown} left its new files in {path}")
+            if not _superseded(path, real):  # else removed below with the rest: a later save wrote the directory
+                where = f"An interrupted save to {shown} left its new files in {path}"
+                _move_in_or_say_where(path, real, shown, where)
         for path, _, _ in siblings:
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
@@ -391,6 +394,18 @@ def _recover(real: Path, shown: Path) -> None:
     finally:
         for _, _, lock in siblings:
             locks.unlock(lock)
+
+
+def _superseded(publishing: Path, real: Path) -> bool:
+    """Whether another save (plain PEFT's, say) wrote ``real`` after the interrupted in-place save in ``publishing``
+    stopped: a config it would put in place is already there and newer than that save's last move (the old ones are
+    older), so moving it in would put an earlier save over a later one."""
+    stopped = publishing.stat().st_ctime_ns
+    for config in publishing.rglob(f"*{RECORD_SUFFIX}"):
+        there = _stat_or_none(real / config.relative_to(publishing))
+        if there is not None and there.st_mtime_ns > stopped:
+            return True
+    return False
 
 
 def _kind_beside(name: str, tag: str) -> str | None:
