@@ -76,7 +76,7 @@ def test_routing_and_merging_happen_once_per_generate_from_the_prompt(monkeypatc
     on_prompt = peft_smear.get_routing_weights(model, **inputs)
     computed = []
     smear_page = peft_smear.core.smear
-    route, merge, merge_A = smear_page.route, smear_page.merge_parameter, smear_page.merge_lora_A
+    route, merge = smear_page.route, smear_page.merge_parameter
 
     def counting(*args):
         computed.append(route(*args))
@@ -85,9 +85,6 @@ def test_routing_and_merging_happen_once_per_generate_from_the_prompt(monkeypatc
     merges = []  # one per merged parameter of a layer
     monkeypatch.setattr(smear_page, "route", counting)
     monkeypatch.setattr(smear_page, "merge_parameter", lambda *a: merges.append(1) or merge(*a))
-    monkeypatch.setattr(
-        smear_page, "merge_lora_A", lambda As, *a: merges.extend([1] * (len(As) > 1) * len(As)) or merge_A(As, *a)
-    )
     with recording_routing(model) as recorded:
         generate(model, inputs, max_new_tokens=8)
     routed = sum(probs.shape[0] for _, probs in computed)  # layers that read one input route in one call

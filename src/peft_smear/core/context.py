@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .packing import PackedLayout
-from .smear import drop_experts, masked_mean, pool, token_weights
+from .smear import masked_mean, pool, token_weights
 from .types import CallInput, Params, RouterInputs, RoutingDecision
 
 
@@ -200,9 +200,6 @@ class CallState:
     adapters: list[str] | None = None
     """A mixed batch's (PEFT's ``adapter_names=``): the adapter of each example, ``"__base__"`` for none."""
     checks: HostChecks = field(default_factory=HostChecks)
-    dropout_order: dict[Any, tuple[torch.nn.Module, ...]] = field(default_factory=dict)
-    """Per expert count and dropout rate, the routers that drew expert dropout in the last call, in order: this
-    call draws for all of them at once."""
     _warned_unmarked_packing: bool = field(default=False, repr=False)
 
     def set_inputs(self, values: dict[str, torch.Tensor]) -> None:
@@ -294,32 +291,6 @@ class CallState:
             self.memo[key] = None if token_mask is None else token_weights(token_mask)
         return self.memo[key]
 
-    def dropped_experts(
-        self, routers: Sequence[torch.nn.Module], p: float, batch_size: int, device: torch.device
-    ) -> torch.Tensor:
-        """Expert dropout for ``routers`` (``[G, batch, N]``, 0 or -inf: :func:`~peft_smear.core.smear.drop_experts`).
-        One ``uniform_`` per call draws for the routers that drew in the last call, in their order (on a CPU, the
-        numbers they drew one by one); others draw their own. Recomputation finds the mask its routers had."""
-        num_experts = routers[0].num_experts
-        if torch.compiler.is_compiling():  # drawn where it is needed: a compiled graph orders its draws itself
-            return drop_experts(torch.empty(len(routers), batch_size, num_experts, device=device).uniform_(), p)
-        key = ("dropped experts", num_experts, p)
-        if key not in self.memo:
-            order = self.dropout_order.get(key, {})
-            drops = drop_experts(torch.empty(len(order), batch_size, num_experts, device=device).uniform_(), p)
-            self.memo[key] = {router: (drops, i) for i, router in enumerate(order)}
-            self.dropout_order[key] = {}
-        drawn = self.memo[key]
-        self.dropout_order[key].update(dict.fromkeys(routers))
-        if any(router not in drawn or drawn[router][0].shape[1] != batch_size for router in routers):
-            drops = drop_experts(torch.empty(len(routers), batch_size, num_experts, device=device).uniform_(), p)
-            drawn.update({router: (drops, i) for i, router in enumerate(routers)})
-        slots = [drawn[router] for router in routers]
-        drops, first = slots[0]
-        if all(slab is drops and i == first + k for k, (slab, i) in enumerate(slots)):
-            return drops[first : first + len(slots)]
-        return torch.stack([slab[i] for slab, i in slots])
-
     def _refuse_boundary_prompts(self, prompts: torch.Tensor) -> None:
         """Packing collators (TRL's, transformers' DataCollatorWithFlattening) set the label of every sequence's first
         token to -100, a boundary, not a prompt: plain-text SFT packed that way would route each sequence on its first
@@ -378,18 +349,15 @@ class CallRouterInputs(RouterInputs):
 
     @property
     def memo(self) -> dict[Any, Any]:
-        return (
-            self.call.memo
-            if self.rows is None
-            else self.call.memo.setdefault(("rows", self.rows, self.call_batch), {})
-        )
+        memo = self.call.memo
+        return memo if self.rows is None else memo.setdefault(("rows", self.rows, self.call_batch), {})
 
     def _of_rows(self, value: Any) -> Any:
         """What the call says of its examples, for the routed ones."""
         return value if value is None or self.rows is None else value[torch.tensor(self.rows, device=value.device)]
 
     @property
-    def _call_batch(self) -> int:
+    def _call_batch(self) -> int:  # the rows of the call the layer sees
         return self.batch_size if self.rows is None else self.call_batch
 
     def tokens(self) -> torch.Tensor:
@@ -439,9 +407,6 @@ class CallRouterInputs(RouterInputs):
 
     def padding_mask(self) -> torch.Tensor | None:
         return self._of_rows(self.call.attention_mask)
-
-    def dropped_experts(self, routers: Sequence[torch.nn.Module], p: float) -> torch.Tensor:
-        return self.call.dropped_experts(routers, p, self.batch_size, self.device)
 
     def require(self, holds: torch.Tensor, message: Callable[[], str], wait: bool = False) -> None:
         self.call.checks.require(holds, message, wait=wait)
@@ -578,8 +543,6 @@ class RoutingContext:
     groups: dict[LayerKey, tuple[LayerKey, ...]] = field(default_factory=dict)
     """The layers that read one input and route it alike, found in earlier calls, by their first: it decides for all
     of them (``Router.route_together``)."""
-    clocks: weakref.WeakSet = field(default_factory=weakref.WeakSet)
-    """The routers that count the training calls (``Router.keeps_training_clock``)."""
     _readers: dict[int, tuple[weakref.ref, int, list[LayerKey]]] = field(default_factory=dict)
     _shared: dict[LayerKey, tuple[weakref.ref, int, RoutingDecision]] = field(default_factory=dict)
 

@@ -7,12 +7,11 @@ each) and says how to merge them, pick one, apply one expert per example, and mi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from .types import Expert, Option, Params, RoutingDecision, register
+from .types import Expert, Option, Params, register
 
 
 if TYPE_CHECKING:
@@ -46,8 +45,8 @@ class ExpertKind:
     """Whether the router pools the wrapped module's output (the expert's input) instead of its input."""
 
     scales_input: bool = False
-    """Whether the expert acts on the module's input before the module runs (:meth:`scale_input`) rather than on its
-    output (:meth:`apply`, :meth:`mix`)."""
+    """Whether the expert acts on the module's input before the module runs rather than on its output: then
+    :meth:`apply` gets the input as ``y``."""
 
     input_dropout: float = 0.0
     """In training, the dropout probability on the module's input as the experts read it (LoRA's ``lora_dropout``);
@@ -85,14 +84,6 @@ class ExpertKind:
         """Each example's merged expert, ``sum_n probs[b, n] * theta_n`` for every parameter, cast to ``dtype``."""
         raise NotImplementedError
 
-    @classmethod
-    def merge_together(
-        cls, kinds: Sequence[ExpertKind], params: Sequence[Params], probs: torch.Tensor, dtype: torch.dtype
-    ) -> list[Expert]:
-        """The merged experts of layers that read one input (``probs [G, batch, N]``, one distribution per layer), as
-        :meth:`merge` gives each; a kind may merge them in fewer operations."""
-        return [kind.merge(p, w, dtype) for kind, p, w in zip(kinds, params, probs.unbind(0), strict=True)]
-
     def gather(
         self, params: Params, expert_index: torch.Tensor, dtype: torch.dtype, up_index: torch.Tensor | None = None
     ) -> Expert:
@@ -111,10 +102,6 @@ class ExpertKind:
     def mix(self, x: torch.Tensor, y: torch.Tensor, params: Params, weights: torch.Tensor) -> torch.Tensor:
         """The module's output with the experts' contributions mixed by ``weights [batch, N]``, or by
         ``[batch, tokens, N]`` for each token on its own; ``y`` as in :meth:`apply`."""
-        raise NotImplementedError
-
-    def scale_input(self, x: torch.Tensor, params: Params, decision: RoutingDecision) -> torch.Tensor:
-        """The module's input as the experts change it (kinds with ``scales_input`` only)."""
         raise NotImplementedError
 
 

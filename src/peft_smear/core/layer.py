@@ -205,9 +205,6 @@ class SmearLinear(nn.Module, BaseTunerLayer):
                     decisions = router.route_together([layer.smear_router[name] for layer, name in group], inputs)
                     context.share(group[1:], decisions[1:], routed)
                     decision = decisions[0]
-                    if decision.together is not None:
-                        experts = [(layer.expert_kind[n], layer.expert_params(n)) for layer, n in group]
-                        decision.together.experts = experts
                 else:
                     decision = router(inputs)
             if router.route_together:
@@ -218,18 +215,10 @@ class SmearLinear(nn.Module, BaseTunerLayer):
     def _router_inputs(
         self, adapter_name: str, routed: torch.Tensor, params: Params | None, rows: tuple | None = None, batch: int = 0
     ) -> CallRouterInputs:
-        context = self.routing_context
-        return CallRouterInputs(
-            routed,
-            context.call,
-            context.aux,
-            self.router_input[adapter_name],
-            self.routing_prefix_length[adapter_name],
-            self.training,
-            self.expert_params(adapter_name) if params is None else params,
-            rows,
-            batch,
-        )
+        call, aux, name = self.routing_context.call, self.routing_context.aux, adapter_name
+        params = self.expert_params(name) if params is None else params
+        reads = self.router_input[name], self.routing_prefix_length[name], self.training, params
+        return CallRouterInputs(routed, call, aux, *reads, rows, batch)
 
     def apply_experts(
         self,
@@ -249,19 +238,13 @@ class SmearLinear(nn.Module, BaseTunerLayer):
 
     @staticmethod
     def _expert(kind: ExpertKind, params: Params, decision: RoutingDecision, dtype: torch.dtype) -> Expert:
-        """Each example's expert: the chosen one, or the merge of all (with those of the layers decided together, at
-        once). Kept on the decision, so that ``generate`` merges once, at prefill: per decoded token the merge would
-        cost a quarter of the base layer's work at N=8, r=8, width 512."""
+        """Each example's expert: the chosen one, or the merge of all. Kept on the decision, so that ``generate``
+        merges once, at prefill: per decoded token the merge would cost a quarter of the base layer's work at N=8,
+        r=8, width 512."""
         if decision.per_example_expert is None:
-            together = decision.together
             if decision.expert_index is not None:
                 index, up_index = decision.expert_index, decision.up_expert_index
                 decision.per_example_expert = kind.gather(params, index, dtype, up_index)
-            elif together is not None and together.experts:
-                kinds, each = zip(*together.experts, strict=True)
-                experts = type(kind).merge_together(kinds, each, together.weights, dtype)
-                for member, expert in zip(together.decisions, experts, strict=True):
-                    member.per_example_expert = expert
             else:
                 decision.per_example_expert = kind.merge(params, decision.weights, dtype)
         return decision.per_example_expert

@@ -2,8 +2,8 @@
 default experts, LoRAs, in the order a model call runs them.
 
 Once per call (:class:`~peft_smear.core.context.CallState`): the tokens each example is routed on, as weights
-``w [batch, tokens]`` (``1 / count`` at each of them); expert dropout's draw for every router; and, once the layers
-have run, the load-balancing loss over every router's distribution.
+``w [batch, tokens]`` (``1 / count`` at each of them), and, once the layers have run, the load-balancing loss over
+every router's distribution.
 
 Once per distinct input ``x [batch, tokens, in]``, for the G routers of the wrapped layers that read it (Llama's q,
 k and v read one, gate and up another):
@@ -11,7 +11,7 @@ k and v read one, gate and up another):
 1. pool:  ``pooled = w @ x``                                   ``[batch, in]`` fp32
 2. route: ``p = softmax(LN(pooled) @ LN_rows(W).T)``           ``[G, batch, N]`` fp32, experts dropped in training
 
-Per wrapped layer, with its N LoRA experts ``A [N, r, in]``, ``B [N, out, r]`` (the A of a group in one go):
+Per wrapped layer, with its N LoRA experts ``A [N, r, in]``, ``B [N, out, r]``:
 
 3. merge: ``A_b = sum_n p_bn A_n``, ``B_b = sum_n p_bn B_n``     ``[batch, r, in]``, ``[batch, out, r]``
 4. apply: ``y = base(x) + (x @ A_b^T) @ B_b^T * scaling``      ``[batch, tokens, out]``
@@ -34,7 +34,7 @@ from torch import nn
 from .checks import integer, number, require_bool, require_probability
 from .experts import ExpertKind, register_expert_kind
 from .routers import NormalisedInputRouter, register_router
-from .types import Expert, Option, Params, RouterInputs, RoutingDecision, Together
+from .types import Expert, Option, Params, RouterInputs, RoutingDecision
 
 
 if TYPE_CHECKING:
@@ -151,7 +151,8 @@ class SmearRouter(NormalisedInputRouter):
         first = routers[0]
         summary = inputs.summary()  # 1. pooled: [batch, features] fp32
         dropout = first.expert_dropout if first.training else 0.0
-        drop = inputs.dropped_experts(routers, dropout) if dropout else None  # [G, batch, N], once per call
+        noise = summary.new_empty(len(routers), summary.shape[0], first.num_experts).uniform_() if dropout else None
+        drop = None if noise is None else drop_experts(noise, dropout)  # one draw for the G routers
         # Each parameter of all the routers stacked: one operation each, and none in backward.
         norm_weight, norm_bias, gain, rows = (
             torch.stack([getattr(r, name) for r in routers])
@@ -168,10 +169,6 @@ class SmearRouter(NormalisedInputRouter):
             probs = probs * (1 - warming) + uniform.softmax(dim=-1) * warming
         each = probs.unbind(0)
         decisions = [router.decide(p, n, inputs) for router, p, n in zip(routers, each, normed.unbind(0), strict=True)]
-        if len(routers) > 1 and all(d.weights is p for d, p in zip(decisions, each, strict=True)):
-            together = Together(probs, decisions)  # merges: the experts too can be merged in one go
-            for decision in decisions:
-                decision.together = together
         if first.training and first.balance_weight > 0:  # the call adds every router's load balancing at its end
             for decision, p in zip(decisions, each, strict=True):
                 decision.balance = (p, first.balance_weight)
@@ -191,16 +188,6 @@ def merge_parameter(parameter: torch.Tensor, probs: torch.Tensor, dtype: torch.d
     n = parameter.shape[0]
     merged = probs.to(parameter.dtype) @ parameter.reshape(n, -1)
     return merged.view(-1, *parameter.shape[1:]).to(dtype)
-
-
-def merge_lora_A(lora_As: Sequence[torch.Tensor], probs: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
-    """The merged A of G layers that read one input, ``[batch, r, in]`` each, from their ``[G, batch, N]``
-    distributions: one batched matmul and one cast for all of them."""
-    if len(lora_As) == 1:
-        return [merge_parameter(lora_As[0], probs[0], dtype)]
-    stacked = torch.stack(lora_As)  # [G, N, r, in]
-    merged = torch.bmm(probs.to(stacked.dtype), stacked.flatten(2)).to(dtype)
-    return [a.view(-1, *stacked.shape[2:]) for a in merged.unbind(0)]
 
 
 # 4. Apply --------------------------------------------------------------------------------------------------------
@@ -258,9 +245,7 @@ class LoraExperts(ExpertKind):
 
     @classmethod
     def describe(cls, config: PeftConfig) -> str:
-        return f"LoRA, rank r={config.r}, alpha {config.lora_alpha:g}" + (
-            ", rsLoRA scaling" if config.use_rslora else ""
-        )
+        return f"LoRA, rank r={config.r}, alpha {config.lora_alpha:g}" + ", rsLoRA scaling" * config.use_rslora
 
     def create_parameters(self, num_experts: int, init: bool | str) -> dict[str, torch.Tensor]:
         """Each expert initialised on its own, so that the experts differ (SMEAR needs distinct experts to break
@@ -286,17 +271,6 @@ class LoraExperts(ExpertKind):
     def merge(self, params: Params, probs: torch.Tensor, dtype: torch.dtype) -> Expert:
         lora_A, lora_B = params["smear_lora_A"], params["smear_lora_B"]
         return merge_parameter(lora_A, probs, dtype), merge_parameter(lora_B, probs, dtype)
-
-    @classmethod
-    def merge_together(
-        cls, kinds: Sequence[ExpertKind], params: Sequence[Params], probs: torch.Tensor, dtype: torch.dtype
-    ) -> list[Expert]:
-        """Layers that read one input merge their A in one go (their B differ in size)."""
-        lora_As = merge_lora_A([p["smear_lora_A"] for p in params], probs, dtype)
-        return [
-            (lora_A, merge_parameter(p["smear_lora_B"], probs_g, dtype))
-            for lora_A, p, probs_g in zip(lora_As, params, probs.unbind(0), strict=True)
-        ]
 
     def apply(
         self, x: torch.Tensor, y: torch.Tensor, expert: Expert, output_scale: torch.Tensor | None

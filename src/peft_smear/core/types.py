@@ -5,7 +5,7 @@ leaf: it imports nothing of the package but the value checks."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -94,20 +94,6 @@ class RoutingDecision:
     """Each example's expert (merged by ``weights``, or the chosen one), once built: kept so that a decision reused
     across calls (every step of ``generate``) builds it only once."""
 
-    together: Together | None = None
-    """For merge decisions made in one go for layers that read one input: what merges their experts in one go too."""
-
-
-@dataclass
-class Together:
-    """The merge decisions of routers in layers that read one input (``Router.route_together``): their weights stacked
-    ``[G, batch, N]``, and, once the first layer has filled it in, each layer's expert kind and parameters, so that
-    the first of them to apply its experts merges all of theirs (``ExpertKind.merge_together``)."""
-
-    weights: torch.Tensor
-    decisions: list[RoutingDecision]
-    experts: list[tuple[Any, Params]] = field(default_factory=list)
-
 
 def register(table: dict[str, type], cls: type, base: type, setting: str, registrar: str) -> None:
     """Put ``cls``, a ``base`` subclass, in ``table`` under its ``name``, the ``SmearConfig.<setting>`` value that
@@ -162,10 +148,6 @@ class RouterInputs(Protocol):
 
     def padding_mask(self) -> torch.Tensor | None:
         """``[batch, tokens]``: the call's padding mask, nonzero at real tokens (``None``: all are real)."""
-
-    def dropped_experts(self, routers: Sequence[torch.nn.Module], p: float) -> torch.Tensor:
-        """``[G, batch, N]``: expert dropout for ``routers``, 0 for a kept expert and -inf for one dropped (with
-        probability ``p``, never all of an example's), drawn once per call for every router."""
 
     def require(self, holds: torch.Tensor, message: Callable[[], str], wait: bool = False) -> None:
         """Raise ``ValueError(message())`` unless every element of the bool tensor ``holds`` is true, without making
