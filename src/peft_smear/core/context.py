@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .packing import PackedLayout
-from .smear import masked_mean, pool, token_weights
+from .smear import drop_experts, masked_mean, pool, token_weights
 from .types import CallInput, Params, RouterInputs, RoutingDecision
 
 
@@ -200,6 +200,8 @@ class CallState:
     adapters: list[str] | None = None
     """A mixed batch's (PEFT's ``adapter_names=``): the adapter of each example, ``"__base__"`` for none."""
     checks: HostChecks = field(default_factory=HostChecks)
+    dropout_order: dict[Any, dict[torch.nn.Module, None]] = field(default_factory=dict)
+    """Per expert count and rate, the routers that drew expert dropout in the last call, in order."""
     _warned_unmarked_packing: bool = field(default=False, repr=False)
 
     def set_inputs(self, values: dict[str, torch.Tensor]) -> None:
@@ -215,10 +217,8 @@ class CallState:
         packing: PackedLayout | None = None,
         per_token_inputs: frozenset[str] = frozenset({ROUTING_MASK.name}),
     ) -> None:
-        """Record the padding mask, token labels and token ids of a new call of the wrapped model (or encoder), and
-        the layout of its sequences when its rows pack several: then every per-token input (those named in
-        ``per_token_inputs`` among the ``smear_*`` inputs) is unpacked once here, and every per-example input is
-        given one row per sequence."""
+        """Record a new call's padding mask, token labels and ids, and ``packing``, the layout of rows that pack
+        several sequences: then the ``per_token_inputs`` are unpacked once here, the others given one per sequence."""
         if packing is not None:
             attention_mask = packing.mask
             if labels is not None and labels.dim() == 2:
@@ -291,11 +291,28 @@ class CallState:
             self.memo[key] = None if token_mask is None else token_weights(token_mask)
         return self.memo[key]
 
+    def dropped_experts(self, routers: Sequence[torch.nn.Module], p: float, batch: int, device: Any) -> torch.Tensor:
+        """Expert dropout for ``routers`` (``[G, batch, N]``: :func:`~peft_smear.core.smear.drop_experts`): one draw
+        per call for the routers that drew in the last call, in their order (on a CPU, the numbers they would draw
+        one by one); routers found elsewhere in the order draw their own. Recomputation finds the call's draw."""
+        key = ("dropped experts", routers[0].num_experts, p)
+        draw = lambda count: drop_experts(torch.empty(count, batch, key[1], device=device).uniform_(), p)  # noqa: E731
+        if torch.compiler.is_compiling():  # drawn where needed: a compiled graph orders its draws itself
+            return draw(len(routers))
+        if key not in self.memo:
+            order = list(self.dropout_order.get(key, ()))
+            self.memo[key], self.dropout_order[key] = (order, draw(len(order))), {}
+        order, drops = self.memo[key]
+        self.dropout_order[key].update(dict.fromkeys(routers))
+        first = order.index(routers[0]) if routers[0] in order else 0
+        if order[first : first + len(routers)] != list(routers) or drops.shape[1] != batch:
+            return draw(len(routers))
+        return drops[first : first + len(routers)]
+
     def _refuse_boundary_prompts(self, prompts: torch.Tensor) -> None:
-        """Packing collators (TRL's, transformers' DataCollatorWithFlattening) set the label of every sequence's first
-        token to -100, a boundary, not a prompt: plain-text SFT packed that way would route each sequence on its first
-        token alone, where the same data unpacked has no prompt and is refused. A packed call in which every sequence's
-        prompt is its first token alone is refused too (a one-token prompt among longer ones is a prompt)."""
+        """Packing collators (TRL's, transformers') label every sequence's first token -100, a boundary, not a prompt:
+        packed plain-text SFT would route each sequence on that token alone, where unpacked it has no prompt and is
+        refused. So is a packed call whose every prompt is its first token (one among longer ones is a prompt)."""
         self.checks.require(
             (prompts.sum(dim=1) != 1).any(),
             lambda: (
@@ -324,10 +341,9 @@ class CallState:
 
 @dataclass
 class CallRouterInputs(RouterInputs):
-    """What one wrapped layer offers its router for one call (:class:`~peft_smear.core.types.RouterInputs`), read from
-    the call's state only when the router asks. In a mixed batch (PEFT's ``adapter_names=``), ``routed`` holds only
-    the examples ``rows`` of the ``call_batch`` the layer sees, and the call is read for them alone, so that each is
-    routed exactly as it would be alone."""
+    """What one wrapped layer offers its router for one call (:class:`~peft_smear.core.types.RouterInputs`), read when
+    the router asks. In a mixed batch (``adapter_names=``), ``routed`` holds the examples ``rows`` of the layer's
+    ``call_batch``, and the call is read for them alone, so that each is routed exactly as alone."""
 
     routed: torch.Tensor
     call: CallState
@@ -408,6 +424,9 @@ class CallRouterInputs(RouterInputs):
     def padding_mask(self) -> torch.Tensor | None:
         return self._of_rows(self.call.attention_mask)
 
+    def dropped_experts(self, routers: Sequence[torch.nn.Module], p: float) -> torch.Tensor:
+        return self.call.dropped_experts(routers, p, self.batch_size, self.device)
+
     def require(self, holds: torch.Tensor, message: Callable[[], str], wait: bool = False) -> None:
         self.call.checks.require(holds, message, wait=wait)
 
@@ -447,11 +466,10 @@ def in_backward() -> bool:
 
 @dataclass
 class AuxLosses:
-    """The routers' auxiliary losses of the current call. Reentrant checkpointing (torch's default) runs a layer
-    without autograd in the forward and again with it in backward, so a forward's loss would train nothing: as
-    Megatron-LM's ``MoEAuxLossAutoScaler`` does, the recomputed layer hangs its losses on its output
-    (:class:`AuxLossHook`) with the gradient the model's loss passes to any added term, which a probe records
-    (:class:`LossGradientProbe`)."""
+    """The routers' auxiliary losses of the current call. Reentrant checkpointing runs a layer without autograd in the
+    forward and with it in backward, where a forward's loss would train nothing: as Megatron-LM's
+    ``MoEAuxLossAutoScaler``, the recomputed layer hangs its losses on its output (:class:`AuxLossHook`) with the
+    gradient the model's loss passes to an added term, which a probe records (:class:`LossGradientProbe`)."""
 
     values: dict[str, torch.Tensor] = field(default_factory=dict)
     """The losses the layers added during the current call (already weighted), by name."""

@@ -37,11 +37,10 @@ def in_out_features(base_layer: nn.Module) -> tuple[int, int]:
 
 
 class SmearLinear(nn.Module, BaseTunerLayer):
-    """Wraps an ``nn.Linear`` or transformers ``Conv1D``: each example goes through the module with its own expert.
-    Per adapter, ``expert_kind`` says what an expert is, ``smear_router`` which experts each example uses and how, and
-    ``router_input`` what it is routed on. Expert parameters are flat ``ParameterDict`` entries and routers flat
-    modules, all prefixed ``smear_``: PEFT finds adapter weights by that prefix and strips the adapter name only when
-    it is one of the last two key components."""
+    """Wraps an ``nn.Linear`` or transformers ``Conv1D``; per adapter, ``expert_kind`` says what an expert is,
+    ``smear_router`` which experts each example uses and how, ``router_input`` what it is routed on. Parameters are
+    flat and prefixed ``smear_``: PEFT finds adapter weights by that prefix and strips the adapter name only when it
+    is one of the last two key components."""
 
     adapter_layer_names: tuple[str, ...] = ("smear_router",)
     other_param_names = ("expert_kind", "router_input", "routing_prefix_length")
@@ -147,8 +146,7 @@ class SmearLinear(nn.Module, BaseTunerLayer):
 
     def _mixed_batch_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         """PEFT's ``adapter_names=``: each example through its own adapter (routed on its own rows, as alone), the
-        ``"__base__"`` ones (and those of an adapter this layer lacks) through the wrapped module alone. Whether the
-        adapter is active does not matter: the names say which runs."""
+        ``"__base__"`` ones (and those of an adapter this layer lacks) through the wrapped module alone."""
         if self.routing_context.call.packing is not None:
             raise ValueError(
                 "adapter_names= gives each example its adapter, but this batch packs several sequences per row; pass "
@@ -183,10 +181,9 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         rows: tuple[int, ...] | None = None,
         call_batch: int = 0,
     ) -> RoutingDecision:
-        """How ``adapter_name``'s experts (``params``, unless read here) apply to each example (or token) of
-        ``routed``: inside ``generate`` the decision made at prefill; else the one its group's first layer made for
-        the same input this call; else the router's decision on what it reads, for the layers of its group too
-        (``rows``: which examples of the ``call_batch`` the layer sees ``routed`` holds, in a mixed batch)."""
+        """How ``adapter_name``'s experts apply to each example of ``routed``: inside ``generate`` the decision made at
+        prefill; else the one its group's first layer made for this input; else the router's, for its group too
+        (``rows``: which examples of the ``call_batch`` ``routed`` holds, in a mixed batch)."""
         key, router, context = (self, adapter_name), self.smear_router[adapter_name], self.routing_context
         fixed = self.fixed_routing.get(adapter_name)
         # A per-token router routes every new token on itself, so nothing made at prefill is reused.

@@ -56,13 +56,9 @@ def take_call_inputs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 class SmearModel(BaseTuner):
-    """The PEFT tuner for SMEAR (``peft_type="SMEAR"``, parameter prefix ``smear_``).
-
-    Forward pre-hooks on the wrapped model record what routing needs per batch (padding mask, token labels, ``smear_*``
-    inputs, an encoder-decoder's encoder output) into one :class:`RoutingContext` that every layer reads: hooks,
-    because ``generate`` calls the wrapped model (and its encoder) directly, bypassing this class. A forward hook then
-    finishes the call (:meth:`_finish_call`).
-    """
+    """The PEFT tuner for SMEAR (``peft_type="SMEAR"``, parameter prefix ``smear_``). Forward pre-hooks on the wrapped
+    model record what routing needs per call into the :class:`RoutingContext` every layer reads (hooks, because
+    ``generate`` calls the wrapped model and its encoder directly); a forward hook finishes the call."""
 
     prefix: str = "smear_"
     tuner_layer_cls = SmearLinear

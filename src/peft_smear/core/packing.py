@@ -49,9 +49,8 @@ class PackedLayout:
 
     def unpack(self, x: torch.Tensor, shared: bool = False) -> torch.Tensor:
         """A packed layer input or output ``[rows, tokens, ...]`` as ``[sequences, longest, ...]``; padded slots
-        repeat a real token of their sequence (finite values; every mask of the call excludes them). ``shared``: a
-        layer input, which the layers that read it too (q, k and v) get unpacked once, so that they route it
-        together."""
+        repeat a real token of their sequence (finite; every mask of the call excludes them). ``shared``: a layer
+        input, unpacked once for the layers that read it too (q, k and v), so that they route it together."""
         last = self._last_unpacked
         if shared and last is not None and last[0]() is x and last[1] == x._version:
             return last[2]

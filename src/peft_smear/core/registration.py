@@ -127,10 +127,9 @@ def route_peft_model_method(name: str, smear_method: Callable) -> None:
 
 
 def keep_adapter_names(peft_init: Callable, peft_model: PeftModel, model, peft_config, *args, **kwargs) -> None:
-    """``PeftModel.__init__``, after which a SMEAR model's calls keep ``adapter_names=`` (PEFT's mixed batches) for the
-    tuner, which takes it off the wrapped model's call as it takes the ``smear_*`` inputs. PEFT removes the keyword
-    before it calls the model, and hands it to a tuner only through ``_enable_peft_forward_hooks``, a call on every
-    forward."""
+    """``PeftModel.__init__``, after which a SMEAR model's calls keep ``adapter_names=`` (mixed batches) for the tuner,
+    which takes it off the wrapped model's call like the ``smear_*`` inputs: PEFT removes it before calling the model
+    and hands it to a tuner only through ``_enable_peft_forward_hooks``, a call on every forward."""
     peft_init(peft_model, model, peft_config, *args, **kwargs)
     if peft_config.peft_type == SmearPeftType.SMEAR:
         peft_model.special_peft_forward_args = peft_model.special_peft_forward_args - {"adapter_names"}

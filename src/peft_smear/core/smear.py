@@ -2,8 +2,8 @@
 default experts, LoRAs, in the order a model call runs them.
 
 Once per call (:class:`~peft_smear.core.context.CallState`): the tokens each example is routed on, as weights
-``w [batch, tokens]`` (``1 / count`` at each of them), and, once the layers have run, the load-balancing loss over
-every router's distribution.
+``w [batch, tokens]`` (``1 / count`` at each of them); expert dropout's draw for every router; and, once the layers
+have run, the load-balancing loss over every router's distribution.
 
 Once per distinct input ``x [batch, tokens, in]``, for the G routers of the wrapped layers that read it (Llama's q,
 k and v read one, gate and up another):
@@ -46,13 +46,9 @@ if TYPE_CHECKING:
 
 def pool(hidden: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     """``[batch, tokens, features]`` -> ``[batch, features]`` fp32: each example's tokens weighted by ``weights``
-    (:func:`token_weights`), or their plain mean when ``None``.
-
-    One batched matmul: it reads the input once and, for fp32 inputs, allocates nothing of its size (half-precision
-    inputs are upcast first, so the sum accumulates in fp32). Weighted-out positions must hold finite values;
-    transformers' eager and SDPA attention keep padding finite. Compiled, it is an opaque operator
-    (:mod:`~peft_smear.core.compiled`).
-    """
+    (:func:`token_weights`), or their plain mean when ``None``. One batched matmul, in fp32 (half-precision inputs
+    upcast first, so the sum accumulates in fp32). Weighted-out positions must hold finite values, as transformers'
+    eager and SDPA attention keep padding. Compiled, an opaque operator (:mod:`~peft_smear.core.compiled`)."""
     if torch.compiler.is_compiling():
         return torch.ops.peft_smear.pool(hidden, weights)
     hidden = hidden.float()
@@ -87,9 +83,8 @@ def route(
     LayerNorm gains, ``[G, features]`` each, and the rows ``[G, N, features]``; ``drop`` ``[G, batch, N]``, expert
     dropout: 0 for a kept expert, -inf for a dropped one, so that the softmax renormalises over the rest (rescaling
     the probabilities instead gives a sharp router whose kept ones all underflow a NaN gradient, ``1/sum**2``).
-
     Normalising both sides keeps the logits from saturating the softmax; the rows' gain is learned, so routing can
-    still sharpen where that helps. Compiled, it is an opaque operator (:mod:`~peft_smear.core.compiled`)."""
+    still sharpen. Compiled, an opaque operator (:mod:`~peft_smear.core.compiled`)."""
     if torch.compiler.is_compiling():
         return torch.ops.peft_smear.route(summary, list(params), drop)
     norm_weight, norm_bias, gain, rows = (tensor.float() for tensor in params)
@@ -116,8 +111,7 @@ class SmearRouter(NormalisedInputRouter):
     of uniform routing (the experts differentiate before the router commits), and a load-balancing loss
     ``router_balance_weight * (N * sum_n mean_p_n^2 - 1)`` per router (``router_balance``), on by default (0.01): it
     beat the paper's router on the collapse benchmark (``benchmarks/RESULTS.md``); ``router_balance_weight=0.0`` is
-    the paper's router. Other methods turn the same distribution into their own decisions
-    (:class:`~peft_smear.core.probability.ProbabilityRouter`)."""
+    the paper's. Other methods turn the distribution into decisions of their own (``core/probability.py``)."""
 
     name = "smear"
     description = "the router's distribution averages the experts' parameters into one expert per example"
@@ -151,8 +145,7 @@ class SmearRouter(NormalisedInputRouter):
         first = routers[0]
         summary = inputs.summary()  # 1. pooled: [batch, features] fp32
         dropout = first.expert_dropout if first.training else 0.0
-        noise = summary.new_empty(len(routers), summary.shape[0], first.num_experts).uniform_() if dropout else None
-        drop = None if noise is None else drop_experts(noise, dropout)  # one draw for the G routers
+        drop = inputs.dropped_experts(routers, dropout) if dropout else None  # [G, batch, N], drawn once per call
         # Each parameter of all the routers stacked: one operation each, and none in backward.
         norm_weight, norm_bias, gain, rows = (
             torch.stack([getattr(r, name) for r in routers])
@@ -302,12 +295,9 @@ def add_lora_mixture(
     weights: torch.Tensor,
     scaling: float,
 ) -> torch.Tensor:
-    """``y`` plus the experts' *outputs* mixed per example, ``sum_n w_n B_n A_n x``, or per token when ``weights`` is
-    ``[batch, tokens, N]``.
-
-    All experts run as one rank ``N * r`` LoRA whose rank dimensions are weighted by their expert's ``w_n``: one
-    dense matmul pair instead of N, but still N times the work of one expert.
-    """
+    """``y`` plus the experts' *outputs* mixed per example, ``sum_n w_n B_n A_n x`` (per token for ``weights``
+    ``[batch, tokens, N]``): one rank ``N * r`` LoRA whose rank dimensions are weighted by their expert's ``w_n``,
+    one dense matmul pair instead of N, but still N times the work of one expert."""
     n, r, _ = lora_A.shape
     stacked_A = lora_A.reshape(n * r, -1).to(tokens.dtype)
     stacked_B = lora_B.permute(1, 0, 2).reshape(-1, n * r).to(tokens.dtype)
