@@ -206,8 +206,7 @@ class CallState:
 
     def set_inputs(self, values: dict[str, torch.Tensor]) -> None:
         """Record the checked ``smear_*`` inputs of a new call."""
-        self.inputs = values
-        self.memo = {}
+        self.inputs, self.memo = values, {}
 
     def start(
         self,
@@ -292,9 +291,8 @@ class CallState:
         return self.memo[key]
 
     def dropped_experts(self, routers: Sequence[torch.nn.Module], p: float, batch: int, device: Any) -> torch.Tensor:
-        """Expert dropout for ``routers`` (``[G, batch, N]``: :func:`~peft_smear.core.smear.drop_experts`): one draw
-        per call for the routers that drew in the last call, in their order (on a CPU, the numbers they would draw
-        one by one); routers found elsewhere in the order draw their own. Recomputation finds the call's draw."""
+        """Expert dropout for ``routers`` ``[G, batch, N]``: one draw per call for the routers that drew in the last
+        call, in their order (on a CPU, the numbers they would draw one by one); others draw their own."""
         key = ("dropped experts", routers[0].num_experts, p)
         draw = lambda count: drop_experts(torch.empty(count, batch, key[1], device=device).uniform_(), p)  # noqa: E731
         if torch.compiler.is_compiling():  # drawn where needed: a compiled graph orders its draws itself

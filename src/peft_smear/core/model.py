@@ -16,7 +16,7 @@ from .config import SmearConfig
 from .context import ROUTING_MASK, RoutingContext
 from .experts import EXPERT_KINDS
 from .layer import MERGE_UNSUPPORTED, SmearLinear
-from .packing import packed_layout
+from .packing import PACKING_ARGUMENTS, packed_layout
 from .registration import (
     DEFAULT_TARGET_MODULES,
     AuxiliaryTrainingWrapper,
@@ -119,7 +119,9 @@ class SmearModel(BaseTuner):
         if self.model.training and (clocks := [router.training_calls for router in list(self.routing_context.clocks)]):
             torch._foreach_add_(clocks, 1)  # every scheduled router's clock, in one in-place add
         if not self._is_encoder_decoder:  # an encoder-decoder's mask is recorded when its encoder runs
-            self._start_context(arguments, arguments.get("labels"), packed_layout(arguments))
+            named = {**arguments.get("kwargs", {}), **arguments}  # only a call naming boundaries packs sequences
+            packing = packed_layout(named) if any(named.get(n) is not None for n in PACKING_ARGUMENTS) else None
+            self._start_context(arguments, arguments.get("labels"), packing)
 
     def _start_context(self, arguments: dict[str, Any], labels: torch.Tensor | None, packing: Any) -> None:
         per_token = {name for name, call_input in known_call_inputs().items() if call_input.per_token}

@@ -146,9 +146,9 @@ class SmearRouter(NormalisedInputRouter):
         summary = inputs.summary()  # 1. pooled: [batch, features] fp32
         dropout = first.expert_dropout if first.training else 0.0
         drop = inputs.dropped_experts(routers, dropout) if dropout else None  # [G, batch, N], drawn once per call
-        # Each parameter of all the routers stacked: one operation each, and none in backward.
+        # Each parameter of all the routers stacked: one operation each (a view for one router), none in backward.
         norm_weight, norm_bias, gain, rows = (
-            torch.stack([getattr(r, name) for r in routers])
+            torch.stack([getattr(r, name) for r in routers]) if routers[1:] else getattr(first, name)[None]
             for name in ("input_norm_weight", "input_norm_bias", "row_norm_weight", "weight")
         )
         if first.temperature != 1:  # dividing the rows' gain divides the logits: the rows are normalised anyway
