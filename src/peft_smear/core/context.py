@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .packing import PackedLayout
-from .smear import drop_experts, masked_mean, pool, token_weights
+from .smear import masked_mean, pool, token_weights
 from .types import CallInput, Params, RouterInputs, RoutingDecision
 
 
@@ -200,8 +200,6 @@ class CallState:
     adapters: list[str] | None = None
     """A mixed batch's (PEFT's ``adapter_names=``): the adapter of each example, ``"__base__"`` for none."""
     checks: HostChecks = field(default_factory=HostChecks)
-    dropout_order: dict[Any, dict[torch.nn.Module, None]] = field(default_factory=dict)
-    """Per expert count and rate, the routers that drew expert dropout in the last call, in order."""
     _warned_unmarked_packing: bool = field(default=False, repr=False)
 
     def set_inputs(self, values: dict[str, torch.Tensor]) -> None:
@@ -289,23 +287,6 @@ class CallState:
             token_mask = mask()
             self.memo[key] = None if token_mask is None else token_weights(token_mask)
         return self.memo[key]
-
-    def dropped_experts(self, routers: Sequence[torch.nn.Module], p: float, batch: int, device: Any) -> torch.Tensor:
-        """Expert dropout for ``routers`` ``[G, batch, N]``: one draw per call for the routers that drew in the last
-        call, in their order (on a CPU, the numbers they would draw one by one); others draw their own."""
-        key = ("dropped experts", routers[0].num_experts, p)
-        draw = lambda count: drop_experts(torch.empty(count, batch, key[1], device=device).uniform_(), p)  # noqa: E731
-        if torch.compiler.is_compiling():  # drawn where needed: a compiled graph orders its draws itself
-            return draw(len(routers))
-        if key not in self.memo:
-            order = list(self.dropout_order.get(key, ()))
-            self.memo[key], self.dropout_order[key] = (order, draw(len(order))), {}
-        order, drops = self.memo[key]
-        self.dropout_order[key].update(dict.fromkeys(routers))
-        first = order.index(routers[0]) if routers[0] in order else 0
-        if order[first : first + len(routers)] != list(routers) or drops.shape[1] != batch:
-            return draw(len(routers))
-        return drops[first : first + len(routers)]
 
     def _refuse_boundary_prompts(self, prompts: torch.Tensor) -> None:
         """Packing collators (TRL's, transformers') label every sequence's first token -100, a boundary, not a prompt:
@@ -396,7 +377,9 @@ class CallRouterInputs(RouterInputs):
             return self.routed.float()
         if self.rows is not None or torch.compiler.is_compiling():  # no identities to trace when compiled
             return masked_mean(self.tokens(), self.token_mask())
-        key = ("summary", id(self.routed), self.routed._version, self.router_input, self.prefix_length)
+        # Checkpointing recomputes a layer from the very input the forward read: it pools anew, as the forward did.
+        backward = torch._C._current_graph_task_id()
+        key = ("summary", id(self.routed), self.routed._version, backward, self.router_input, self.prefix_length)
         pooled = self.memo.get(key)
         if pooled is None or pooled[0]() is not self.routed:  # an id is reused once its tensor is freed
             shape = tuple(self.routed.shape[:2])
@@ -421,9 +404,6 @@ class CallRouterInputs(RouterInputs):
 
     def padding_mask(self) -> torch.Tensor | None:
         return self._of_rows(self.call.attention_mask)
-
-    def dropped_experts(self, routers: Sequence[torch.nn.Module], p: float) -> torch.Tensor:
-        return self.call.dropped_experts(routers, p, self.batch_size, self.device)
 
     def require(self, holds: torch.Tensor, message: Callable[[], str], wait: bool = False) -> None:
         self.call.checks.require(holds, message, wait=wait)
@@ -575,7 +555,8 @@ class RoutingContext:
         entry = self._readers.get(id(routed))
         if entry is None or entry[0]() is not routed or entry[1] != routed._version:
             self._readers[id(routed)] = entry = (weakref.ref(routed), routed._version, [])
-        entry[2].append(key)
+        if key not in entry[2]:  # a checkpointed layer's recomputation may read the forward's very input again
+            entry[2].append(key)
 
     def share(self, keys: Sequence[LayerKey], decisions: Sequence[RoutingDecision], routed: torch.Tensor) -> None:
         """Keep the decisions a group's first layer made for the others, for the input they all read."""

@@ -45,14 +45,15 @@ class PackedLayout:
         self._unpack_index = (first_token.unsqueeze(1) + positions).reshape(-1)  # padded slot -> packed token
         self._pack_index = sequence_of_token * self.max_length + offset  # packed token -> padded slot
         self._indices = {device: (self._unpack_index, self._pack_index)}
-        self._last_unpacked: tuple[weakref.ref, int, torch.Tensor] | None = None
+        self._last_unpacked: tuple[weakref.ref, tuple[int, int], torch.Tensor] | None = None
 
     def unpack(self, x: torch.Tensor, shared: bool = False) -> torch.Tensor:
         """A packed layer input or output ``[rows, tokens, ...]`` as ``[sequences, longest, ...]``; padded slots
         repeat a real token of their sequence (finite; every mask of the call excludes them). ``shared``: a layer
         input, unpacked once for the layers that read it too (q, k and v), so that they route it together."""
         last = self._last_unpacked
-        if shared and last is not None and last[0]() is x and last[1] == x._version:
+        state = (x._version, torch._C._current_graph_task_id())  # a checkpointed recomputation unpacks anew
+        if shared and last is not None and last[0]() is x and last[1] == state:
             return last[2]
         if x.dim() < 3 or tuple(x.shape[:2]) != (self.rows, self.row_length):
             raise ValueError(
@@ -62,7 +63,7 @@ class PackedLayout:
             )
         unpacked = self._gather(x, unpack=True)
         if shared:
-            self._last_unpacked = (weakref.ref(x), x._version, unpacked)
+            self._last_unpacked = (weakref.ref(x), state, unpacked)
         return unpacked
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:

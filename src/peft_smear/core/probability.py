@@ -1,5 +1,5 @@
-"""The routers that share SMEAR's: other methods (ensemble, Top-k, ST-Gumbel, REINFORCE) turn SMEAR's distribution
-into decisions of their own (:meth:`~peft_smear.core.smear.SmearRouter.decide`)."""
+"""The routers that share SMEAR's: methods the paper compares SMEAR with turn SMEAR's distribution into decisions of
+their own (:meth:`~peft_smear.core.smear.SmearRouter.decide`)."""
 
 from __future__ import annotations
 

@@ -116,7 +116,7 @@ class Router(nn.Module):
 
 class NormalisedInputRouter(Router):
     """A linear map of ``LN(pooled)`` (no bias): ``weight [rows, features]`` and the input LayerNorm's gain and bias,
-    the parameters SMEAR's router and DSelect-k's gate share. Subclasses say what the ``rows`` are and turn the
+    the parameters SMEAR's router shares with other methods' gates. Subclasses say what the ``rows`` are and turn the
     logits into a decision."""
 
     def __init__(self, features: int, config: PeftConfig, module_name: str, rows: int | None = None) -> None:

@@ -2,8 +2,8 @@
 default experts, LoRAs, in the order a model call runs them.
 
 Once per call (:class:`~peft_smear.core.context.CallState`): the tokens each example is routed on, as weights
-``w [batch, tokens]`` (``1 / count`` at each of them); expert dropout's draw for every router; and, once the layers
-have run, the load-balancing loss over every router's distribution.
+``w [batch, tokens]`` (``1 / count`` at each of them), and, once the layers have run, the load-balancing loss over
+every router's distribution.
 
 Once per distinct input ``x [batch, tokens, in]``, for the G routers of the wrapped layers that read it (Llama's q,
 k and v read one, gate and up another):
@@ -145,7 +145,10 @@ class SmearRouter(NormalisedInputRouter):
         first = routers[0]
         summary = inputs.summary()  # 1. pooled: [batch, features] fp32
         dropout = first.expert_dropout if first.training else 0.0
-        drop = inputs.dropped_experts(routers, dropout) if dropout else None  # [G, batch, N], drawn once per call
+        # Expert dropout, drawn for the group where it routes: a checkpointed layer's recomputation draws it again
+        # from the same generator state, and on a CPU the numbers are those the routers would draw one by one.
+        noise = summary.new_empty(len(routers), summary.shape[0], first.num_experts).uniform_() if dropout else None
+        drop = None if noise is None else drop_experts(noise, dropout)  # [G, batch, N]
         # Each parameter of all the routers stacked: one operation each (a view for one router), none in backward.
         norm_weight, norm_bias, gain, rows = (
             torch.stack([getattr(r, name) for r in routers]) if routers[1:] else getattr(first, name)[None]

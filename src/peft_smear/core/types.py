@@ -5,7 +5,7 @@ leaf: it imports nothing of the package but the value checks."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -148,9 +148,6 @@ class RouterInputs(Protocol):
 
     def padding_mask(self) -> torch.Tensor | None:
         """``[batch, tokens]``: the call's padding mask, nonzero at real tokens (``None``: all are real)."""
-
-    def dropped_experts(self, routers: Sequence[torch.nn.Module], p: float) -> torch.Tensor:
-        """``[G, batch, N]``: expert dropout for ``routers`` (0 kept, -inf dropped), drawn once per call for all."""
 
     def require(self, holds: torch.Tensor, message: Callable[[], str], wait: bool = False) -> None:
         """Raise ``ValueError(message())`` unless every element of the bool tensor ``holds`` is true, without making
