@@ -172,7 +172,7 @@ def t5_cases(dtype_name: str) -> dict[str, torch.Tensor]:
         init_weights=False,
         target_modules=["q", "k", "v", "o", "wi", "wo"],
         task_type="SEQ_2_SEQ_LM",
-        expert_dropout=0.0,  # routers that read the encoder decide together across blocks: another draw order
+        expert_dropout=0.0,
     )
     model = moved(
         get_peft_model(tiny_t5(d_model=64, d_kv=16, d_ff=96, dropout_rate=0.0).to(DTYPES[dtype_name]), config)

@@ -338,3 +338,35 @@ def test_a_tensor_changed_in_place_between_two_readers_is_pooled_again():
         model.base_model.routing_context.call.start(attention_mask=None, labels=None)
         alone = model.base_model.model.second(x * -3.0)
     torch.testing.assert_close(second, alone)
+
+
+@pytest.mark.parametrize("routing", ["smear", "st_gumbel"])
+def test_a_models_first_call_computes_as_its_later_ones(routing):
+    """The layers that read one input (q, k and v) route together from a model's first call on, their groups being
+    the model's structure, not learned from calls: so a run resumed in a new process computes its first step as the
+    uninterrupted run did, bit for bit, random draws (expert dropout, Gumbel noise) included."""
+    config = {"num_experts": 4, "r": 2, "init_weights": False, "target_modules": "all-linear", "routing": routing}
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(get_peft_model(tiny_llama(), peft_smear.SmearConfig(expert_dropout=0.2, **config)))
+    warm, fresh = models
+    earlier, batch = random_batch(2, 6, seed=1), random_batch(2, 6, seed=2)
+    warm(**earlier, labels=earlier["input_ids"].index_fill(1, torch.arange(3), -100)).loss.backward()
+    warm.zero_grad(set_to_none=True)
+    fresh.load_state_dict(warm.state_dict())  # as a resumed run loads it: the schedules' clocks too
+
+    losses = []
+    for model in (warm, fresh):
+        torch.manual_seed(5)
+        losses.append(model(**batch, labels=batch["input_ids"].index_fill(1, torch.arange(3), -100)).loss)
+        losses[-1].backward()
+    assert torch.equal(*losses)
+    gradients = [{n: p.grad for n, p in model.named_parameters() if p.requires_grad} for model in (warm, fresh)]
+    assert gradients[0].keys() == gradients[1].keys()
+    different = [
+        n
+        for n, g in gradients[0].items()
+        if (g is None) != (gradients[1][n] is None) or not (g is None or torch.equal(g, gradients[1][n]))
+    ]
+    assert not different, different

@@ -537,38 +537,37 @@ class RoutingContext:
     """Who watches the routing (:mod:`peft_smear.training`: recording, statistics): called for every decision a
     layer applies, but not for gradient checkpointing's recomputation of a layer."""
     groups: dict[LayerKey, tuple[LayerKey, ...]] = field(default_factory=dict)
-    """The layers that read one input and route it alike, found in earlier calls, by their first: it decides for all
-    of them (``Router.route_together``)."""
-    _readers: dict[int, tuple[weakref.ref, int, list[LayerKey]]] = field(default_factory=dict)
-    _shared: dict[LayerKey, tuple[weakref.ref, int, RoutingDecision]] = field(default_factory=dict)
+    """Per layer and adapter, the layers of its parent that route alike, the first called on an input routing all
+    (``Router.route_together``): fixed when the layers are made, not learned from calls, so that a process's first
+    call computes as every later one (a resumed run continues exactly)."""
+    _alike: dict[LayerKey, tuple] = field(default_factory=dict)
+    _routed: dict[LayerKey, tuple[weakref.ref, int, Any]] = field(default_factory=dict)
 
     def begin(self) -> None:
-        """A new call of the wrapped model: the inputs the last one's layers read in common become groups."""
+        """A new call of the wrapped model."""
         self.call.checks.resolve(wait=True)
-        for _, _, keys in self._readers.values():
-            self.groups.update(dict.fromkeys(keys, ()))
-            self.groups[keys[0]] = tuple(keys) if len(keys) > 1 else ()
-        self._readers, self._shared = {}, {}
+        self._routed = {}
 
-    def note_reader(self, key: LayerKey, routed: torch.Tensor) -> None:
-        """``key`` routed ``routed`` alone, in a way its group may share."""
-        entry = self._readers.get(id(routed))
-        if entry is None or entry[0]() is not routed or entry[1] != routed._version:
-            self._readers[id(routed)] = entry = (weakref.ref(routed), routed._version, [])
-        if key not in entry[2]:  # a checkpointed layer's recomputation may read the forward's very input again
-            entry[2].append(key)
+    def join(self, key: LayerKey, alike: tuple | None) -> None:
+        """``key`` routes with the layers joined with its ``alike`` (parent, adapter, router kind, width and input), in
+        the order they joined (the model's); ``None``: with none."""
+        previous = self._alike.pop(key, None) if alike is None else self._alike.get(key)
+        if alike is not None:
+            self._alike[key] = alike
+        self.groups.pop(key, None)
+        for setting in {previous, alike} - {None}:
+            group = tuple(k for k, a in self._alike.items() if a == setting)
+            self.groups.update(dict.fromkeys(group, group))
 
-    def share(self, keys: Sequence[LayerKey], decisions: Sequence[RoutingDecision], routed: torch.Tensor) -> None:
-        """Keep the decisions a group's first layer made for the others, for the input they all read."""
+    def keep(self, keys: Sequence[LayerKey], parts: Sequence[Any], routed: torch.Tensor) -> None:
+        """Keep what a group's first layer routed for each of ``keys`` on ``routed``, the input it read."""
         reference = weakref.ref(routed)
-        self._shared.update((key, (reference, routed._version, d)) for key, d in zip(keys, decisions, strict=True))
+        self._routed.update((key, (reference, routed._version, part)) for key, part in zip(keys, parts, strict=True))
 
-    def shared_decision(self, key: LayerKey, routed: torch.Tensor) -> RoutingDecision | None:
-        """The decision this call's group leader made for ``key`` on ``routed``, if it is the input it read."""
-        entry = self._shared.pop(key, None)
-        if entry is None or entry[0]() is not routed or entry[1] != routed._version:
-            return None
-        return entry[2]
+    def routed_for(self, key: LayerKey, routed: torch.Tensor) -> tuple[Any, bool]:
+        """What this call's group leader routed for ``key`` (``None``: nothing yet), and whether on ``routed``."""
+        reference, version, part = self._routed.pop(key, (lambda: None, None, None))
+        return part, reference() is routed and version == routed._version
 
     def cached_decision(self, key: LayerKey, batch_size: int) -> RoutingDecision | None:
         """Inside ``generate``, the decision ``key`` (a layer and adapter) made at prefill: decode steps see only the

@@ -100,6 +100,8 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         self.smear_router[adapter_name] = router.train(self.training)  # a new module starts in training mode
         if router.keeps_training_clock:
             self.routing_context.clocks.add(router)
+        alike = (self.module_name.rpartition(".")[0], adapter_name, type(router), features, router_input)
+        self.routing_context.join((self, adapter_name), alike if router.route_together else None)
 
         self._move_adapter_to_device_of_base_layer(adapter_name)
         self.set_adapter(self.active_adapters, inference_mode=inference_mode)
@@ -182,8 +184,8 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         call_batch: int = 0,
     ) -> RoutingDecision:
         """How ``adapter_name``'s experts apply to each example of ``routed``: inside ``generate`` the decision made at
-        prefill; else the one its group's first layer made for this input; else the router's, for its group too
-        (``rows``: which examples of the ``call_batch`` ``routed`` holds, in a mixed batch)."""
+        prefill; else the router's, on what its group's first layer routed for it on this input, or routing its
+        whole group (``rows``: which examples of the ``call_batch`` ``routed`` holds, in a mixed batch)."""
         key, router, context = (self, adapter_name), self.smear_router[adapter_name], self.routing_context
         fixed = self.fixed_routing.get(adapter_name)
         # A per-token router routes every new token on itself, so nothing made at prefill is reused.
@@ -194,18 +196,19 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             # Alone: a mixed batch's rows (the call read for them alone); compiled (no identities to trace).
             decision = router(self._router_inputs(adapter_name, routed, params, rows, call_batch))
         elif decision is None:
-            decision = context.shared_decision(key, routed) if router.route_together else None
-            if decision is None:
-                group = context.groups.get(key) if router.route_together else None
-                inputs = self._router_inputs(adapter_name, routed, params)
-                if group:  # this layer leads the layers that read this input: it decides for all of them
-                    decisions = router.route_together([layer.smear_router[name] for layer, name in group], inputs)
-                    context.share(group[1:], decisions[1:], routed)
-                    decision = decisions[0]
-                else:
-                    decision = router(inputs)
-            if router.route_together:
-                context.note_reader(key, routed)
+            group = context.groups.get(key, ()) if router.route_together else ()
+            inputs = self._router_inputs(adapter_name, routed, params)
+            if not group[1:]:
+                decision = router(inputs)
+            else:
+                part, same_input = context.routed_for(key, routed)
+                if part is None:  # the first of its group on this input: it routes all of them
+                    routers = [layer.smear_router[name] for layer, name in group]
+                    context.keep(group, router.route_together(routers, inputs), routed)
+                    part, _ = context.routed_for(key, routed)
+                elif not same_input:  # its group's first read another input: alone, with what was drawn for it
+                    part = router.route_together([router], inputs, part)[0]
+                decision = router.decided(part, inputs)
         context.observe(key, decision)
         return decision
 

@@ -9,7 +9,7 @@ is one of its last two components, so a nested parameter would stay uninitialise
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -70,9 +70,10 @@ class Router(nn.Module):
     """A classmethod ``finish_call(call)`` of methods that add losses (by name, weighted) once the model's output
     exists (a :class:`~peft_smear.core.model.ModelCall`): called once per model call."""
 
-    route_together: ClassVar[Callable[[Sequence[Router], RouterInputs], list[RoutingDecision]] | None] = None
-    """A classmethod ``route_together(routers, inputs)`` of methods whose routers, in layers that read one input with
-    the same settings (Llama's q, k and v), decide in one go: what ``router(inputs)`` decides for each, in order."""
+    route_together: ClassVar[Callable[..., list] | None] = None
+    """A classmethod ``route_together(routers, inputs, drawn=None)`` of methods whose routers, in layers that read one
+    input alike (Llama's q, k and v), route in one go: a part each, which ``router.decided(part, inputs)`` turns into
+    ``router(inputs)``'s decision (``drawn``: a part made on another input, whose draws it reuses)."""
 
     exportable: ClassVar[bool] = True
     """Whether a fixed routing of the method can be written as one plain adapter (export's trait): not for a

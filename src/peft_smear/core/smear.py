@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +104,14 @@ def drop_experts(noise: torch.Tensor, p: float) -> torch.Tensor:
     return (keep | ~keep.any(dim=-1, keepdim=True)).float().log()
 
 
+class Routed(NamedTuple):
+    """One router's part of its group's routing: distribution, ``LN(summary)``, expert dropout's noise or ``None``."""
+
+    probs: torch.Tensor
+    normed: torch.Tensor
+    noise: torch.Tensor | None
+
+
 @register_router
 class SmearRouter(NormalisedInputRouter):
     """SMEAR: the experts' parameters merged by ``softmax(LN(pooled) @ LN_rows(W).T / router_temperature)`` (fp32)
@@ -130,24 +138,26 @@ class SmearRouter(NormalisedInputRouter):
         super().__init__(features, config, module_name)
         self.row_norm_weight = nn.Parameter(torch.full((features,), ROW_NORM_INIT_GAIN))
         self.expert_dropout = config.expert_dropout
-        options = config.routing_options
-        self.temperature = options["router_temperature"]
-        self.warmup_steps = options["router_warmup_steps"]
-        self.balance_weight = options["router_balance_weight"]
+        names = ("router_temperature", "router_warmup_steps", "router_balance_weight")
+        self.temperature, self.warmup_steps, self.balance_weight = (config.routing_options[name] for name in names)
 
     def forward(self, inputs: RouterInputs) -> RoutingDecision:
-        return self.route_together([self], inputs)[0]
+        return self.decided(self.route_together([self], inputs)[0], inputs)
 
     @classmethod
-    def route_together(cls, routers: Sequence[SmearRouter], inputs: RouterInputs) -> list[RoutingDecision]:
-        """The decisions of ``routers``, which read the same input with the same settings: one summary, one
-        :func:`route` for all of them."""
+    def route_together(
+        cls, routers: Sequence[SmearRouter], inputs: RouterInputs, drawn: Routed | None = None
+    ) -> list[Routed]:
+        """The distributions of ``routers``, which read one input with the same settings: one summary, one ``route``.
+        ``drawn``: a router's part made on another input, whose expert dropout it reuses (as it would draw alone)."""
         first = routers[0]
         summary = inputs.summary()  # 1. pooled: [batch, features] fp32
         dropout = first.expert_dropout if first.training else 0.0
         # Expert dropout, drawn for the group where it routes: a checkpointed layer's recomputation draws it again
         # from the same generator state, and on a CPU the numbers are those the routers would draw one by one.
-        noise = summary.new_empty(len(routers), summary.shape[0], first.num_experts).uniform_() if dropout else None
+        noise = None if drawn is None else drawn.noise
+        if dropout and drawn is None:
+            noise = summary.new_empty(len(routers), summary.shape[0], first.num_experts).uniform_()
         drop = None if noise is None else drop_experts(noise, dropout)  # [G, batch, N]
         # Each parameter of all the routers stacked: one operation each (a view for one router), none in backward.
         norm_weight, norm_bias, gain, rows = (
@@ -163,12 +173,16 @@ class SmearRouter(NormalisedInputRouter):
             uniform = torch.zeros_like(probs) if drop is None else drop
             warming = (first.training_calls <= first.warmup_steps).to(probs.dtype)
             probs = probs * (1 - warming) + uniform.softmax(dim=-1) * warming
-        each = probs.unbind(0)
-        decisions = [router.decide(p, n, inputs) for router, p, n in zip(routers, each, normed.unbind(0), strict=True)]
-        if first.training and first.balance_weight > 0:  # the call adds every router's load balancing at its end
-            for decision, p in zip(decisions, each, strict=True):
-                decision.balance = (p, first.balance_weight)
-        return decisions
+        noises = [None] * len(routers) if noise is None else noise.split(1)
+        return [Routed(*part) for part in zip(probs.unbind(0), normed.unbind(0), noises, strict=True)]
+
+    def decided(self, routed: Routed, inputs: RouterInputs) -> RoutingDecision:
+        """This router's decision on its part of a group's routing, made in its layer's turn, random draws (sampling,
+        Gumbel noise) included; the call adds every router's load balancing at its end."""
+        decision = self.decide(routed.probs, routed.normed, inputs)
+        if self.training and self.balance_weight > 0:
+            decision.balance = (routed.probs, self.balance_weight)
+        return decision
 
     def decide(self, probs: torch.Tensor, normed: torch.Tensor, inputs: RouterInputs) -> RoutingDecision:
         """SMEAR's decision: merge the experts' parameters by the distribution (3., 4. below)."""
