@@ -194,13 +194,16 @@ def test_t5_decoder_routing_equals_routing_on_the_encoder_output_by_hand():
         torch.testing.assert_close(weights[f"decoder.{name}"], expected, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("lora_dropout", [0.0, 0.2], ids=["expert_dropout", "and_lora_dropout"])
 @pytest.mark.parametrize("build", [tiny_t5, tiny_bert])
-def test_gradient_checkpointing_with_encoder_and_self_sources(build):
+def test_gradient_checkpointing_with_encoder_and_self_sources(build, lora_dropout):
+    """Checkpointed gradients equal plain ones with every random draw of a layer (expert dropout, LoRA's dropout):
+    the recomputation must draw what the forward drew, in the same order, or backward silently uses other masks."""
     batch = random_batch(3, 6, seed=7, lengths=[6, 4, 2])
     labels = torch.tensor([0, 1, 2]) if build is tiny_bert else torch.randint(2, VOCAB, (3, 4))
 
     def gradients(checkpointing: bool) -> dict[str, torch.Tensor]:
-        model = smear(build(), expert_dropout=0.3)
+        model = smear(build(), expert_dropout=0.3, lora_dropout=lora_dropout)
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
