@@ -458,11 +458,13 @@ class AuxLosses:
     """The losses the layers added during the current call (already weighted), by name."""
     without_autograd: bool = False
     """Whether a layer computed one of them with autograd disabled, as reentrant gradient checkpointing runs it."""
+    with_graph: list[torch.Tensor] = field(default_factory=list)
+    """Those computed with autograd (layers outside the checkpointed blocks, e.g. a pooler): they train directly."""
     gradient_scale: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
 
     def begin(self) -> None:
         """Forget the previous call's losses."""
-        self.values, self.without_autograd, self.gradient_scale = {}, False, torch.zeros(())
+        self.values, self.without_autograd, self.with_graph, self.gradient_scale = {}, False, [], torch.zeros(())
 
     def carry(self, output: torch.Tensor, losses: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
         """Add a layer's losses to the call's and return its output, or, recomputed in backward, hang them on it. Left
@@ -474,6 +476,8 @@ class AuxLosses:
             self.without_autograd = True
         for name, value in losses:
             self.values[name] = self.values[name] + value if name in self.values else value
+            if value.requires_grad:
+                self.with_graph.append(value)
         return output
 
     def added_to(self, loss: torch.Tensor, training: bool) -> torch.Tensor:
@@ -481,8 +485,10 @@ class AuxLosses:
         call with autograd on (reentrant checkpointing: they train when the layers are recomputed)."""
         total = sum(self.values.values())
         if self.without_autograd and training and torch.is_grad_enabled():
-            anchor = torch.zeros((), device=loss.device, requires_grad=True)
-            return loss + LossGradientProbe.apply(anchor, total.to(loss.device, loss.dtype), self.gradient_scale)
+            # The probe's term carries the value of every loss but trains none: those with a graph train through it.
+            anchor, direct = torch.zeros((), device=loss.device, requires_grad=True), sum(self.with_graph)
+            probe = LossGradientProbe.apply(anchor, total.to(loss.device, loss.dtype), self.gradient_scale)
+            return loss + probe + (direct - direct.detach() if self.with_graph else 0)
         return loss + total
 
 
