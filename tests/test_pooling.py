@@ -218,6 +218,8 @@ def test_gradient_checkpointing_with_encoder_and_self_sources(build, reentrant, 
         return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
     plain, checkpointed = gradients(False), gradients(True)
+    if build is tiny_bert:  # the case the reentrant run is for: a wrapped layer outside every checkpointed block
+        assert any(".pooler." in name and "smear_router" in name for name in plain)
     for name, grad in plain.items():
         torch.testing.assert_close(checkpointed[name], grad, atol=1e-6, rtol=1e-5, msg=name)
 

@@ -485,7 +485,8 @@ class AuxLosses:
         call with autograd on (reentrant checkpointing: they train when the layers are recomputed)."""
         total = sum(self.values.values())
         if self.without_autograd and training and torch.is_grad_enabled():
-            # The probe's term carries the value of every loss but trains none: those with a graph train through it.
+            # The probe's term carries every loss's value and trains none; the losses computed with a graph (layers
+            # outside the checkpointed blocks) get their gradient through a term worth zero.
             anchor, direct = torch.zeros((), device=loss.device, requires_grad=True), sum(self.with_graph)
             probe = LossGradientProbe.apply(anchor, total.to(loss.device, loss.dtype), self.gradient_scale)
             return loss + probe + (direct - direct.detach() if self.with_graph else 0)
