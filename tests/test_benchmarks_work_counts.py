@@ -46,3 +46,22 @@ def test_a_run_writes_its_table_and_targets(tmp_path):
     # LoRA's own row is its own reference.
     row = next(line for line in text.splitlines() if line.startswith("| fp32 | lora |"))
     assert row.count("1.00×") == 2
+
+
+def test_a_target_is_met_only_within_its_limit():
+    """The verdicts, on counts chosen by hand: a ratio at its limit is met, above it missed; a sync beyond LoRA's and
+    calls above the limit are missed."""
+
+    def row(method: str, train: int, inference: int, syncs: int, calls: float) -> work_counts.Row:
+        return work_counts.Row(method, "bf16", {"train": train, "eval": inference}, {"train": syncs, "eval": 1}, calls)
+
+    rows = [row("lora", 200, 100, 1, 3.0), row("smear", 260, 130, 2, 12.0)]
+    checks = {label: (met, value) for label, met, value in work_counts.check_targets(rows)}
+    assert checks == {
+        "SMEAR train ops per layer, bf16, ≤ 1.30× LoRA's": (True, "1.30×"),
+        "SMEAR eval ops per layer, bf16, ≤ 1.20× LoRA's": (False, "1.30×"),
+        "SMEAR host syncs beyond LoRA's, bf16, train / eval": (False, "{'train': 1, 'eval': 0}"),
+        "SMEAR package calls per wrapped module, bf16, ≤ 12": (True, "12.0"),
+    }
+    assert "SMEAR eval ops per layer, bf16, ≤ 1.20× LoRA's: 1.30×: missed" in work_counts.verdicts(rows)
+    assert "SMEAR train ops per layer, bf16, ≤ 1.30× LoRA's: 1.30×: met" in work_counts.verdicts(rows)

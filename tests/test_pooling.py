@@ -195,23 +195,31 @@ def test_t5_decoder_routing_equals_routing_on_the_encoder_output_by_hand():
 
 
 @pytest.mark.parametrize("lora_dropout", [0.0, 0.2], ids=["expert_dropout", "and_lora_dropout"])
-@pytest.mark.parametrize("build", [tiny_t5, tiny_bert])
-def test_gradient_checkpointing_with_encoder_and_self_sources(build, lora_dropout):
+@pytest.mark.parametrize(
+    "build, reentrant",
+    [(tiny_t5, False), (tiny_bert, False), (tiny_bert, True)],
+    ids=["tiny_t5-non_reentrant", "tiny_bert-non_reentrant", "tiny_bert-reentrant"],
+)
+def test_gradient_checkpointing_with_encoder_and_self_sources(build, reentrant, lora_dropout):
     """Checkpointed gradients equal plain ones with every random draw of a layer (expert dropout, LoRA's dropout):
-    the recomputation must draw what the forward drew, in the same order, or backward silently uses other masks."""
+    the recomputation must draw what the forward drew, in the same order, or backward silently uses other masks.
+    Reentrant, BERT's pooler (wrapped, not checkpointed) trains its load balancing directly, beside the probe's.
+    (T5's decoder routes on the encoder's summary, which reentrant checkpointing cannot pass back: not supported.)"""
     batch = random_batch(3, 6, seed=7, lengths=[6, 4, 2])
     labels = torch.tensor([0, 1, 2]) if build is tiny_bert else torch.randint(2, VOCAB, (3, 4))
 
     def gradients(checkpointing: bool) -> dict[str, torch.Tensor]:
         model = smear(build(), expert_dropout=0.3, lora_dropout=lora_dropout)
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
         model.train()
         torch.manual_seed(0)
         model(**batch, labels=labels).loss.backward()
         return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
     plain, checkpointed = gradients(False), gradients(True)
+    if build is tiny_bert:  # the case the reentrant run is for: a wrapped layer outside every checkpointed block
+        assert any(".pooler." in name and "smear_router" in name for name in plain)
     for name, grad in plain.items():
         torch.testing.assert_close(checkpointed[name], grad, atol=1e-6, rtol=1e-5, msg=name)
 

@@ -504,8 +504,10 @@ class AuxLosses:
         call with autograd on (reentrant checkpointing: they train when the layers are recomputed)."""
         total = sum(self.totals().values())
         if self.without_autograd and training and torch.is_grad_enabled():
+            # The probe carries the value; those with a graph (layers outside checkpointed blocks) train via a 0 term.
             anchor = torch.zeros((), device=loss.device, requires_grad=True)
-            return loss + LossGradientProbe.apply(anchor, total.to(loss.device, loss.dtype), self.gradient_scale)
+            probe = LossGradientProbe.apply(anchor, total.to(loss.device, loss.dtype), self.gradient_scale)
+            return loss + probe + (total - total.detach() if total.requires_grad else 0)
         return loss + total
 
 
@@ -554,7 +556,6 @@ class RoutingContext:
         previous = self._alike.pop(key, None) if alike is None else self._alike.get(key)
         if alike is not None:
             self._alike[key] = alike
-        self.groups.pop(key, None)
         for setting in {previous, alike} - {None}:
             group = tuple(k for k, a in self._alike.items() if a == setting)
             self.groups.update(dict.fromkeys(group, group))
