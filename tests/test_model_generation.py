@@ -74,22 +74,24 @@ def test_routing_and_merging_happen_once_per_generate_from_the_prompt(monkeypatc
     model = smear(tiny_llama(), "CAUSAL_LM")
     inputs = left_padded(prompts(2, [5, 3]))
     on_prompt = peft_smear.get_routing_weights(model, **inputs)
-    computed = []
+    computed, calls = [], []  # (the model call it ran in, its output); the model's calls (the first: the prefill)
+    model.base_model.model.register_forward_pre_hook(lambda *_: calls.append(None))
     smear_page = peft_smear.core.smear
     route, merge = smear_page.route, smear_page.merge_parameter
 
     def counting(*args):
-        computed.append(route(*args))
-        return computed[-1]
+        computed.append((len(calls), route(*args)))
+        return computed[-1][1]
 
     merges = []  # one per merged parameter of a layer
     monkeypatch.setattr(smear_page, "route", counting)
     monkeypatch.setattr(smear_page, "merge_parameter", lambda *a: merges.append(1) or merge(*a))
     with recording_routing(model) as recorded:
         generate(model, inputs, max_new_tokens=8)
-    routed = sum(probs.shape[0] for _, probs in computed)  # layers that read one input route in one call
-    assert routed == len(model.base_model.targeted_module_names), "one routing per layer, at prefill only"
-    assert len(merges) == 2 * routed, "each layer merges its A and B once, at prefill, not at every step"
+    layers = len(model.base_model.targeted_module_names)
+    assert len(calls) > 1 and {call for call, _ in computed} == {1}, "routing at prefill only"
+    assert len(merges) == 2 * layers, "each layer merges its A and B once, at prefill, not at every step"
+    assert len(recorded) == layers
     names = {module: name for name, module in model.base_model.model.named_modules()}
     for (layer, _), weights in recorded.items():
         torch.testing.assert_close(weights, on_prompt[names[layer]], atol=1e-6, rtol=1e-5)

@@ -177,8 +177,8 @@ class SmearRouter(NormalisedInputRouter):
         return [Routed(*part) for part in zip(probs.unbind(0), normed.unbind(0), noises, strict=True)]
 
     def decided(self, routed: Routed, inputs: RouterInputs) -> RoutingDecision:
-        """This router's decision on its part of a group's routing, made in its layer's turn, random draws (sampling,
-        Gumbel noise) included; the call adds every router's load balancing at its end."""
+        """This router's decision on its part of a group's routing, made in its layer's turn, random draws (a sampled
+        decision's) included; the call adds every router's load balancing at its end."""
         decision = self.decide(routed.probs, routed.normed, inputs)
         if self.training and self.balance_weight > 0:
             decision.balance = (routed.probs, self.balance_weight)
