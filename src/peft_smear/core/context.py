@@ -563,7 +563,7 @@ class RoutingContext:
     def keep(self, keys: Sequence[LayerKey], parts: Sequence[Any], routed: torch.Tensor) -> None:
         """Keep what a group's first layer routed for each of ``keys`` on ``routed``, the input it read."""
         reference = weakref.ref(routed)
-        self._routed.update((key, (reference, routed._version, part)) for key, part in zip(keys, parts, strict=True))
+        self._routed.update({key: (reference, routed._version, part) for key, part in zip(keys, parts, strict=True)})
 
     def routed_for(self, key: LayerKey, routed: torch.Tensor) -> tuple[Any, bool]:
         """What this call's group leader routed for ``key`` (``None``: nothing yet), and whether on ``routed``."""

@@ -87,7 +87,7 @@ def route(
     still sharpen. Compiled, an opaque operator (:mod:`~peft_smear.core.compiled`)."""
     if torch.compiler.is_compiling():
         return torch.ops.peft_smear.route(summary, list(params), drop)
-    norm_weight, norm_bias, gain, rows = (tensor.float() for tensor in params)
+    norm_weight, norm_bias, gain, rows = [tensor.float() for tensor in params]
     features = (summary.shape[-1],)
     # Every router normalises the same summary: once, then each router's own scale and shift.
     normed = torch.addcmul(norm_bias.unsqueeze(1), F.layer_norm(summary.float(), features), norm_weight.unsqueeze(1))
@@ -160,10 +160,10 @@ class SmearRouter(NormalisedInputRouter):
             noise = summary.new_empty(len(routers), summary.shape[0], first.num_experts).uniform_()
         drop = None if noise is None else drop_experts(noise, dropout)  # [G, batch, N]
         # Each parameter of all the routers stacked: one operation each (a view for one router), none in backward.
-        norm_weight, norm_bias, gain, rows = (
+        norm_weight, norm_bias, gain, rows = [
             torch.stack([getattr(r, name) for r in routers]) if routers[1:] else getattr(first, name)[None]
             for name in ("input_norm_weight", "input_norm_bias", "row_norm_weight", "weight")
-        )
+        ]
         if first.temperature != 1:  # dividing the rows' gain divides the logits: the rows are normalised anyway
             gain = gain / first.temperature
         normed, probs = route(summary, (norm_weight, norm_bias, gain, rows), drop)  # 2. [G, batch, *] fp32
