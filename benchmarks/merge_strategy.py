@@ -24,7 +24,7 @@ from functools import partial
 import torch
 from common import add_results_option, load_description, machine_description, write_results
 
-from peft_smear.core.smear import add_lora_mixture, add_per_example_experts, merge_parameter
+from peft_smear.core.smear import add_lora_mixture, add_per_example_experts, merge_parameters
 
 
 STRATEGIES = ("lora", "merge_then_bmm", "dense_concatenated", "ensemble")
@@ -59,7 +59,7 @@ def layer_under(strategy: str, in_features: int, num_experts: int, r: int) -> Ca
         probs = logits.expand(x.shape[0], -1).softmax(dim=-1)
         y = x @ base.T
         if strategy == "merge_then_bmm":
-            expert = merge_parameter(A, probs, x.dtype), merge_parameter(B, probs, x.dtype)
+            expert = merge_parameters((A, B), probs, x.dtype)
             return add_per_example_experts(y, x, *expert, 1.0)
         if strategy == "dense_concatenated":
             return y + dense_concatenated_delta(x, A, B, probs, 1.0)

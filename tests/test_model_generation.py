@@ -77,7 +77,7 @@ def test_routing_and_merging_happen_once_per_generate_from_the_prompt(monkeypatc
     computed, calls = [], []  # (the model call it ran in, its output); the model's calls (the first: the prefill)
     model.base_model.model.register_forward_pre_hook(lambda *_: calls.append(None))
     smear_page = peft_smear.core.smear
-    route, merge = smear_page.route, smear_page.merge_parameter
+    route, merge = smear_page.route, smear_page.merge_parameters
 
     def counting(*args):
         computed.append((len(calls), route(*args)))
@@ -85,7 +85,7 @@ def test_routing_and_merging_happen_once_per_generate_from_the_prompt(monkeypatc
 
     merges = []  # one per merged parameter of a layer
     monkeypatch.setattr(smear_page, "route", counting)
-    monkeypatch.setattr(smear_page, "merge_parameter", lambda *a: merges.append(1) or merge(*a))
+    monkeypatch.setattr(smear_page, "merge_parameters", lambda p, *a: merges.extend(p) or merge(p, *a))
     with recording_routing(model) as recorded:
         generate(model, inputs, max_new_tokens=8)
     layers = len(model.base_model.targeted_module_names)

@@ -378,13 +378,13 @@ class CallRouterInputs(RouterInputs):
         if self.rows is not None or torch.compiler.is_compiling():  # no identities to trace when compiled
             return masked_mean(self.tokens(), self.token_mask())
         # Checkpointing recomputes a layer from the very input the forward read: it pools anew, as the forward did.
-        backward = torch._C._current_graph_task_id()
+        backward, memo = torch._C._current_graph_task_id(), self.memo
         key = ("summary", id(self.routed), self.routed._version, backward, self.router_input, self.prefix_length)
-        pooled = self.memo.get(key)
+        pooled = memo.get(key)
         if pooled is None or pooled[0]() is not self.routed:  # an id is reused once its tensor is freed
             shape = tuple(self.routed.shape[:2])
             weights = self.call.token_weights(self.token_mask, (self.router_input, self.prefix_length, shape))
-            pooled = self.memo[key] = (weakref.ref(self.routed), pool(self.routed, weights))
+            pooled = memo[key] = (weakref.ref(self.routed), pool(self.routed, weights))
         return pooled[1]
 
     def token_mask(self) -> torch.Tensor | None:
@@ -437,11 +437,6 @@ class LossGradientProbe(torch.autograd.Function):
         return None, None, None
 
 
-def in_backward() -> bool:
-    """Whether autograd is running a backward pass now: gradient checkpointing re-runs layer forwards there."""
-    return torch._C._current_graph_task_id() != -1
-
-
 @dataclass
 class AuxLosses:
     """The routers' auxiliary losses of the current call. Reentrant checkpointing runs a layer without autograd in the
@@ -465,12 +460,14 @@ class AuxLosses:
         """Add the losses of a layer's decisions to the call's and return its output, or, recomputed in backward, hang
         them on it. Left out of compiled graphs (no graph break per layer): the recomputation runs eagerly even in a
         compiled model."""
-        losses = [(name, value) for decision in decisions for name, value in decision.aux_losses.items()]
-        balanced = [decision.balance for decision in decisions if decision.balance is not None]
+        losses, balanced = [], []
+        for decision in decisions:
+            losses += decision.aux_losses.items()
+            balanced += [] if decision.balance is None else [decision.balance]
         if not (losses or balanced):
             return output
         compiling = torch.compiler.is_compiling()
-        if not compiling and in_backward():
+        if not compiling and torch._C._current_graph_task_id() != -1:  # in backward: checkpointing recomputes
             if not self.without_autograd:  # non-reentrant checkpointing: the forward's graph already trains them
                 return output
             total = sum(value for _, value in losses) + sum(load_balance(p.unsqueeze(0), w) for p, w in balanced)
@@ -563,12 +560,13 @@ class RoutingContext:
     def keep(self, keys: Sequence[LayerKey], parts: Sequence[Any], routed: torch.Tensor) -> None:
         """Keep what a group's first layer routed for each of ``keys`` on ``routed``, the input it read."""
         reference = weakref.ref(routed)
-        self._routed.update({key: (reference, routed._version, part) for key, part in zip(keys, parts, strict=True)})
+        for key, part in zip(keys, parts, strict=True):
+            self._routed[key] = (reference, routed._version, part)
 
     def routed_for(self, key: LayerKey, routed: torch.Tensor) -> tuple[Any, bool]:
         """What this call's group leader routed for ``key`` (``None``: nothing yet), and whether on ``routed``."""
-        reference, version, part = self._routed.pop(key, (lambda: None, None, None))
-        return part, reference() is routed and version == routed._version
+        reference, version, part = self._routed.pop(key, (None, None, None))
+        return part, reference is not None and reference() is routed and version == routed._version
 
     def cached_decision(self, key: LayerKey, batch_size: int) -> RoutingDecision | None:
         """Inside ``generate``, the decision ``key`` (a layer and adapter) made at prefill: decode steps see only the
@@ -588,6 +586,6 @@ class RoutingContext:
         generating = self.routing_cache is not None
         if generating:
             self.routing_cache[key] = decision
-        if self.observers and not in_backward():
+        if self.observers and torch._C._current_graph_task_id() == -1:  # not in backward
             for observer in self.observers:
                 observer(*key, decision, generating)

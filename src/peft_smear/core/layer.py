@@ -112,7 +112,7 @@ class SmearLinear(nn.Module, BaseTunerLayer):
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.routing_context.call.adapters is not None and not self.disable_adapters:  # names say which runs
             return self._mixed_batch_forward(x, *args, **kwargs)
-        adapters = [name for name in self.active_adapters if name in self.expert_kind]
+        adapters = tuple(filter(self.expert_kind.__contains__, self.active_adapters))
         if self.disable_adapters or not adapters:
             return self.base_layer(x, *args, **kwargs)
         # One example per row: a packed row holds several sequences, each an example of its own.
@@ -189,36 +189,31 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         key, router, context = (self, adapter_name), self.smear_router[adapter_name], self.routing_context
         fixed = self.fixed_routing.get(adapter_name)
         # A per-token router routes every new token on itself, so nothing made at prefill is reused.
-        decision = None if router.per_token else context.cached_decision(key, routed.shape[0])
+        generating = context.routing_cache is not None
+        decision = context.cached_decision(key, routed.shape[0]) if generating and not router.per_token else None
         if fixed is not None:
             decision = RoutingDecision(weights=fixed.to(routed.device).expand(routed.shape[0], -1))
-        elif decision is None and (rows is not None or torch.compiler.is_compiling()):
-            # Alone: a mixed batch's rows (the call read for them alone); compiled (no identities to trace).
-            decision = router(self._router_inputs(adapter_name, routed, params, rows, call_batch))
         elif decision is None:
-            group = context.groups.get(key, ()) if router.route_together else ()
-            inputs = self._router_inputs(adapter_name, routed, params)
+            params = self.expert_params(adapter_name) if params is None else params
+            reads = self.router_input[adapter_name], self.routing_prefix_length[adapter_name], self.training, params
+            inputs = CallRouterInputs(routed, context.call, context.aux, *reads, rows, call_batch)
+            # Alone: a mixed batch's rows (the call read for them alone); compiled (no identities to trace).
+            alone = not router.route_together or rows is not None or torch.compiler.is_compiling()
+            group = () if alone else context.groups.get(key, ())
             if not group[1:]:
                 decision = router(inputs)
             else:
                 part, same_input = context.routed_for(key, routed)
                 if part is None:  # the first of its group on this input: it routes all of them
-                    routers = [layer.smear_router[name] for layer, name in group]
-                    context.keep(group, router.route_together(routers, inputs), routed)
-                    part, _ = context.routed_for(key, routed)
+                    parts = router.route_together([layer.smear_router[name] for layer, name in group], inputs)
+                    context.keep(group, parts, routed)
+                    part = parts[group.index(key)]
                 elif not same_input:  # its group's first read another input: alone, with what was drawn for it
                     part = router.route_together([router], inputs, part)[0]
                 decision = router.decided(part, inputs)
-        context.observe(key, decision)
+        if generating or context.observers:
+            context.observe(key, decision)
         return decision
-
-    def _router_inputs(
-        self, adapter_name: str, routed: torch.Tensor, params: Params | None, rows: tuple | None = None, batch: int = 0
-    ) -> CallRouterInputs:
-        call, aux, name = self.routing_context.call, self.routing_context.aux, adapter_name
-        params = self.expert_params(name) if params is None else params
-        reads = self.router_input[name], self.routing_prefix_length[name], self.training, params
-        return CallRouterInputs(routed, call, aux, *reads, rows, batch)
 
     def apply_experts(
         self,
@@ -251,11 +246,11 @@ class SmearLinear(nn.Module, BaseTunerLayer):
 
     def expert_params(self, adapter_name: str) -> Params:
         """``adapter_name``'s expert parameters in this layer, by parameter name, as its kind reads them."""
-        return {
-            name: getattr(self, name)[adapter_name]
-            for name in self.expert_kind[adapter_name].parameter_names
-            if adapter_name in getattr(self, name)
-        }
+        params = {}
+        for name in self.expert_kind[adapter_name].parameter_names:
+            if adapter_name in (tensors := getattr(self, name)):
+                params[name] = tensors[adapter_name]
+        return params
 
     def set_adapter(self, adapter_names: str | list[str], inference_mode: bool = False) -> None:
         """PEFT's activation, which makes every parameter of an active adapter trainable, except the experts of

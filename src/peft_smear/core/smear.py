@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -87,7 +88,7 @@ def route(
     still sharpen. Compiled, an opaque operator (:mod:`~peft_smear.core.compiled`)."""
     if torch.compiler.is_compiling():
         return torch.ops.peft_smear.route(summary, list(params), drop)
-    norm_weight, norm_bias, gain, rows = [tensor.float() for tensor in params]
+    norm_weight, norm_bias, gain, rows = map(torch.Tensor.float, params)
     features = (summary.shape[-1],)
     # Every router normalises the same summary: once, then each router's own scale and shift.
     normed = torch.addcmul(norm_bias.unsqueeze(1), F.layer_norm(summary.float(), features), norm_weight.unsqueeze(1))
@@ -160,10 +161,12 @@ class SmearRouter(NormalisedInputRouter):
             noise = summary.new_empty(len(routers), summary.shape[0], first.num_experts).uniform_()
         drop = None if noise is None else drop_experts(noise, dropout)  # [G, batch, N]
         # Each parameter of all the routers stacked: one operation each (a view for one router), none in backward.
-        norm_weight, norm_bias, gain, rows = [
-            torch.stack([getattr(r, name) for r in routers]) if routers[1:] else getattr(first, name)[None]
-            for name in ("input_norm_weight", "input_norm_bias", "row_norm_weight", "weight")
-        ]
+        params = []
+        for name in ("input_norm_weight", "input_norm_bias", "row_norm_weight", "weight"):
+            params.append(
+                torch.stack(tuple(map(attrgetter(name), routers))) if routers[1:] else getattr(first, name)[None]
+            )
+        norm_weight, norm_bias, gain, rows = params
         if first.temperature != 1:  # dividing the rows' gain divides the logits: the rows are normalised anyway
             gain = gain / first.temperature
         normed, probs = route(summary, (norm_weight, norm_bias, gain, rows), drop)  # 2. [G, batch, *] fp32
@@ -174,7 +177,7 @@ class SmearRouter(NormalisedInputRouter):
             warming = (first.training_calls <= first.warmup_steps).to(probs.dtype)
             probs = probs * (1 - warming) + uniform.softmax(dim=-1) * warming
         noises = [None] * len(routers) if noise is None else noise.split(1)
-        return [Routed(*part) for part in zip(probs.unbind(0), normed.unbind(0), noises, strict=True)]
+        return list(map(Routed._make, zip(probs.unbind(0), normed.unbind(0), noises, strict=True)))
 
     def decided(self, routed: Routed, inputs: RouterInputs) -> RoutingDecision:
         """This router's decision on its part of a group's routing, made in its layer's turn, random draws (a sampled
@@ -192,12 +195,17 @@ class SmearRouter(NormalisedInputRouter):
 # 3. Merge --------------------------------------------------------------------------------------------------------
 
 
-def merge_parameter(parameter: torch.Tensor, probs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``sum_n probs[b, n] * parameter[n]`` as ``[batch, *parameter.shape[1:]]``: one ``[batch, N] @ [N, size]``
-    matmul in the parameter's dtype (cheaper than an einsum, which permutes and copies), then cast to ``dtype``."""
-    n = parameter.shape[0]
-    merged = probs.to(parameter.dtype) @ parameter.reshape(n, -1)
-    return merged.view(-1, *parameter.shape[1:]).to(dtype)
+def merge_parameters(
+    parameters: Sequence[torch.Tensor], probs: torch.Tensor, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """``sum_n probs[b, n] * parameter[n]`` as ``[batch, *parameter.shape[1:]]`` for each parameter: one
+    ``[batch, N] @ [N, size]`` matmul in the parameter's dtype (cheaper than an einsum, which permutes and copies),
+    then cast to ``dtype``."""
+    merged = []
+    for parameter in parameters:
+        product = probs.to(parameter.dtype) @ parameter.reshape(parameter.shape[0], -1)
+        merged.append(product.view(-1, *parameter.shape[1:]).to(dtype))
+    return merged
 
 
 # 4. Apply --------------------------------------------------------------------------------------------------------
@@ -279,8 +287,7 @@ class LoraExperts(ExpertKind):
         return {"smear_lora_A": lora_A, "smear_lora_B": lora_B}
 
     def merge(self, params: Params, probs: torch.Tensor, dtype: torch.dtype) -> Expert:
-        lora_A, lora_B = params["smear_lora_A"], params["smear_lora_B"]
-        return merge_parameter(lora_A, probs, dtype), merge_parameter(lora_B, probs, dtype)
+        return tuple(merge_parameters((params["smear_lora_A"], params["smear_lora_B"]), probs, dtype))
 
     def apply(
         self, x: torch.Tensor, y: torch.Tensor, expert: Expert, output_scale: torch.Tensor | None

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..core.checks import choice, integer, require_bool
 from ..core.experts import ExpertKind, register_expert_kind
-from ..core.smear import merge_parameter, per_token, scaled
+from ..core.smear import merge_parameters, per_token, scaled
 from ..core.types import Expert, Option, Params
 
 
@@ -158,7 +158,7 @@ class BottleneckAdapterExperts(ExpertKind):
         return params
 
     def merge(self, params: Params, probs: torch.Tensor, dtype: torch.dtype) -> Expert:
-        return tuple(merge_parameter(params[name], probs, dtype) for name in self.names)
+        return tuple(merge_parameters([params[name] for name in self.names], probs, dtype))
 
     def gather(
         self, params: Params, expert_index: torch.Tensor, dtype: torch.dtype, up_index: torch.Tensor | None = None

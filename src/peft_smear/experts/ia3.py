@@ -15,7 +15,7 @@ import torch
 
 from ..core.experts import ExpertKind, register_expert_kind
 from ..core.registration import DEFAULT_IA3_FEEDFORWARD_MODULES, DEFAULT_IA3_TARGET_MODULES
-from ..core.smear import merge_parameter, per_token
+from ..core.smear import merge_parameters, per_token
 from ..core.types import Expert, Option, Params
 
 
@@ -106,7 +106,7 @@ class IA3Experts(ExpertKind):
         return {VECTOR: vectors}
 
     def merge(self, params: Params, probs: torch.Tensor, dtype: torch.dtype) -> Expert:
-        return (merge_parameter(params[VECTOR], probs, dtype),)
+        return tuple(merge_parameters([params[VECTOR]], probs, dtype))
 
     def gather(
         self, params: Params, expert_index: torch.Tensor, dtype: torch.dtype, up_index: torch.Tensor | None = None
