@@ -83,8 +83,10 @@ class LoraExport(KindExport):
 
     def weights(self, kind: ExpertKind, params: Params, distribution: torch.Tensor) -> dict[str, torch.Tensor]:
         lora_A, lora_B = params["smear_lora_A"], params["smear_lora_B"]
-        merged_A, merged_B = merge_parameters((lora_A, lora_B), distribution[None], lora_A.dtype)
-        return {"lora_A.weight": merged_A[0], "lora_B.weight": merged_B[0]}
+        return {  # each merged in its own dtype
+            "lora_A.weight": merge_parameters([lora_A], distribution[None], lora_A.dtype)[0][0],
+            "lora_B.weight": merge_parameters([lora_B], distribution[None], lora_B.dtype)[0][0],
+        }
 
     def config(
         self, config: Any, modules: Mapping[str, ExpertKind], fan_in_fan_out: bool, rank: int | None = None
