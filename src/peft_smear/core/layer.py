@@ -205,9 +205,9 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             else:
                 part, same_input = context.routed_for(key, routed)
                 if part is None:  # the first of its group on this input: it routes all of them
-                    parts = router.route_together([layer.smear_router[name] for layer, name in group], inputs)
-                    context.keep(group, parts, routed)
-                    part = parts[group.index(key)]
+                    routers = [layer.smear_router[name] for layer, name in group]
+                    context.keep(group, router.route_together(routers, inputs), routed)
+                    part, _ = context.routed_for(key, routed)  # taken, as every member takes its own
                 elif not same_input:  # its group's first read another input: alone, with what was drawn for it
                     part = router.route_together([router], inputs, part)[0]
                 decision = router.decided(part, inputs)
