@@ -198,7 +198,7 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             reads = self.router_input[adapter_name], self.routing_prefix_length[adapter_name], self.training, params
             inputs = CallRouterInputs(routed, context.call, context.aux, *reads, rows, call_batch)
             # Alone: a mixed batch's rows (the call read for them alone); compiled (no identities to trace).
-            alone = not router.route_together or rows is not None or torch.compiler.is_compiling()
+            alone = rows is not None or torch.compiler.is_compiling() or router.route_together is None
             group = () if alone else context.groups.get(key, ())
             if not group[1:]:
                 decision = router(inputs)
