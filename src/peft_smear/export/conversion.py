@@ -84,10 +84,9 @@ def fixed_routing(
 
 def fixed_distribution(router: Router, task: int | None = None) -> torch.Tensor | None:
     """``[num_experts]`` fp32: the distribution every example (of task ``task``) is routed by at inference, whatever
-    its content, where there is one, else ``None``: export's trait of a router, its ``fixed_distribution(task)``
-    where it declares one (the expert of a task id, Adamix's average), and one expert's for an adapter with one."""
-    declared = getattr(router, "fixed_distribution", None)
-    distribution = declared(task) if declared is not None else None
+    its content, where there is one, else ``None``: export's trait of a router, ``Router.fixed_distribution(task)``
+    (the expert of a task id, Adamix's average), and one expert's for an adapter with one."""
+    distribution = router.fixed_distribution(task)
     if distribution is None and task is None and router.num_experts == 1:
         return torch.ones(1)
     return distribution

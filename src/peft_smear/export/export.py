@@ -243,9 +243,9 @@ def _why_not_one_expert(routing_method: str) -> str | None:
 
 def exportable(router: type[Router]) -> bool:
     """Whether a routing method's layer output is one merged or chosen expert, which a fixed routing can export:
-    export's trait of a router, its class attribute ``exportable`` where it declares one (``False`` for output
-    mixtures and probability-scaled experts), else ``True``."""
-    return getattr(router, "exportable", True)
+    export's trait of a router, ``Router.exportable`` (``False`` for output mixtures and probability-scaled
+    experts)."""
+    return router.exportable
 
 
 @dataclass(frozen=True)

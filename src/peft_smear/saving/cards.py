@@ -263,7 +263,7 @@ def _adapter_variables(
         "hub_id": base_model if _looks_like_repo_id(base_model) else None,
         "routing": config.routing,
         "routing_words": routing_description(config),
-        "for_a_bank": getattr(router, "over_existing_adapters", False),  # the bank's trait of its routers
+        "for_a_bank": router.over_existing_adapters,
         "n": config.num_experts,
         "expert": kind.title,
         "bank_words": _bank_words(config),
@@ -312,11 +312,11 @@ def _frozen_adapter_parameters(peft_model: nn.Module, adapter_name: str, config:
 
 def _untrained_experts(layers: list[SmearLinear], adapter_name: str, config: Any) -> list[tuple[str, str]]:
     """A row naming the experts that no layer's router learned to route to (e.g. PHATGOOSE gates never trained): the
-    card's trait of a router, its method ``untrained_experts()`` where it has one."""
+    card's trait of a router (``Router.untrained_experts()``)."""
     untrained = None
     for layer in layers:
         router = layer.smear_router[adapter_name]
-        experts = set(router.untrained_experts()) if hasattr(router, "untrained_experts") else set()
+        experts = set(router.untrained_experts())
         untrained = experts if untrained is None else untrained & experts
     if not untrained:
         return []

@@ -17,10 +17,10 @@ from ..core.routers import Router
 
 
 def default_lr_ratio(router: type[Router] | Router) -> float:
-    """A routing method's router learning rate relative to the experts' when none is given: its class attribute
-    ``default_lr_ratio`` where it declares one (10 for Latent Skills' skill matrix, as in the SMEAR paper), else 1,
-    the paper's for every other method."""
-    return getattr(router, "default_lr_ratio", 1.0)
+    """A routing method's router learning rate relative to the experts' when none is given: its
+    ``Router.default_lr_ratio`` (10 for Latent Skills' skill matrix, as in the SMEAR paper; 1, the paper's, for every
+    other method)."""
+    return router.default_lr_ratio
 
 
 def create_router_optimizer(
