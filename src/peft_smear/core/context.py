@@ -463,7 +463,8 @@ class AuxLosses:
         losses, balanced = [], []
         for decision in decisions:
             losses += decision.aux_losses.items()
-            balanced += [] if decision.balance is None else [decision.balance]
+            if decision.balance is not None:
+                balanced.append(decision.balance)
         if not (losses or balanced):
             return output
         compiling = torch.compiler.is_compiling()

@@ -161,12 +161,11 @@ class SmearRouter(NormalisedInputRouter):
             noise = summary.new_empty(len(routers), summary.shape[0], first.num_experts).uniform_()
         drop = None if noise is None else drop_experts(noise, dropout)  # [G, batch, N]
         # Each parameter of all the routers stacked: one operation each (a view for one router), none in backward.
-        params = []
-        for name in ("input_norm_weight", "input_norm_bias", "row_norm_weight", "weight"):
-            params.append(
-                torch.stack(tuple(map(attrgetter(name), routers))) if routers[1:] else getattr(first, name)[None]
-            )
-        norm_weight, norm_bias, gain, rows = params
+        params = attrgetter("input_norm_weight", "input_norm_bias", "row_norm_weight", "weight")
+        if routers[1:]:
+            norm_weight, norm_bias, gain, rows = map(torch.stack, zip(*map(params, routers), strict=True))
+        else:  # torch.unsqueeze(tensor, 0) of each
+            norm_weight, norm_bias, gain, rows = map(torch.unsqueeze, params(first), (0, 0, 0, 0))
         if first.temperature != 1:  # dividing the rows' gain divides the logits: the rows are normalised anyway
             gain = gain / first.temperature
         normed, probs = route(summary, (norm_weight, norm_bias, gain, rows), drop)  # 2. [G, batch, *] fp32
@@ -196,15 +195,15 @@ class SmearRouter(NormalisedInputRouter):
 
 
 def merge_parameters(
-    parameters: Sequence[torch.Tensor], probs: torch.Tensor, dtype: torch.dtype
+    parameters: Sequence[torch.Tensor], probs: torch.Tensor, dtype: torch.dtype | None = None
 ) -> list[torch.Tensor]:
     """``sum_n probs[b, n] * parameter[n]`` as ``[batch, *parameter.shape[1:]]`` for each parameter: one
     ``[batch, N] @ [N, size]`` matmul in the parameter's dtype (cheaper than an einsum, which permutes and copies),
-    then cast to ``dtype``."""
+    then cast to ``dtype`` (``None``: left in the parameter's)."""
     merged = []
     for parameter in parameters:
         product = probs.to(parameter.dtype) @ parameter.reshape(parameter.shape[0], -1)
-        merged.append(product.view(-1, *parameter.shape[1:]).to(dtype))
+        merged.append(product.view(-1, *parameter.shape[1:]).to(dtype or parameter.dtype))
     return merged
 
 

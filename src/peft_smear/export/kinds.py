@@ -82,11 +82,8 @@ class LoraExport(KindExport):
     mean_update = "low_rank"
 
     def weights(self, kind: ExpertKind, params: Params, distribution: torch.Tensor) -> dict[str, torch.Tensor]:
-        lora_A, lora_B = params["smear_lora_A"], params["smear_lora_B"]
-        return {  # each merged in its own dtype
-            "lora_A.weight": merge_parameters([lora_A], distribution[None], lora_A.dtype)[0][0],
-            "lora_B.weight": merge_parameters([lora_B], distribution[None], lora_B.dtype)[0][0],
-        }
+        merged_A, merged_B = merge_parameters((params["smear_lora_A"], params["smear_lora_B"]), distribution[None])
+        return {"lora_A.weight": merged_A[0], "lora_B.weight": merged_B[0]}
 
     def config(
         self, config: Any, modules: Mapping[str, ExpertKind], fan_in_fan_out: bool, rank: int | None = None
@@ -127,7 +124,8 @@ class IA3Export(KindExport):
 
     def weights(self, kind: ExpertKind, params: Params, distribution: torch.Tensor) -> dict[str, torch.Tensor]:
         """PEFT IA3's ``ia3_l``: ``[1, in]`` for an input-scaling (feed-forward) module, ``[out, 1]`` otherwise."""
-        vector = merge_parameters([params["smear_ia3_l"]], distribution[None], params["smear_ia3_l"].dtype)[0][0]
+        (merged,) = merge_parameters([params["smear_ia3_l"]], distribution[None])
+        vector = merged[0]
         return {"ia3_l": vector[None] if kind.scales_input else vector[:, None]}
 
     def config(
@@ -145,9 +143,8 @@ class AdapterExport(KindExport):
 
     def weights(self, kind: ExpertKind, params: Params, distribution: torch.Tensor) -> dict[str, torch.Tensor]:
         """One expert of a single-expert SMEAR adapter: the merged parameters, with an expert dimension of 1."""
-        return {
-            name: merge_parameters([params[name]], distribution[None], params[name].dtype)[0] for name in kind.names
-        }
+        merged = merge_parameters([params[name] for name in kind.names], distribution[None])
+        return dict(zip(kind.names, merged, strict=True))
 
     def config(
         self, config: Any, modules: Mapping[str, ExpertKind], fan_in_fan_out: bool, rank: int | None = None
