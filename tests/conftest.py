@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import random
 import subprocess
 import sys
@@ -32,6 +33,17 @@ from transformers import (
 from transformers.pytorch_utils import Conv1D
 
 from peft_smear import SmearConfig
+
+
+def pytest_configure(config) -> None:
+    """Under pytest-xdist, each worker gets its share of the cores (and so do the processes its tests start): with
+    every worker's threads on every core, PyTorch's threads wait on each other and the suite runs no faster."""
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if workers:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
 
 
 VOCAB = 96

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import collections
 import warnings
-from functools import partial
+from functools import cache, partial
 
 import pytest
 import torch
@@ -75,6 +75,13 @@ def base_inputs(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {key: value for key, value in inputs.items() if key != "smear_task_ids"}
 
 
+@cache
+def base_graphs(source: str, mode: str) -> int:
+    """The base model's graph count for ``source``'s inputs in ``mode``: the same for every method compared with it."""
+    base = getattr(SOURCES[source][0](), mode)()
+    return graphs(base, base_inputs(inputs_for(source)))[0]
+
+
 @pytest.mark.parametrize(
     ("source", "kind", "routing", "options"),
     [
@@ -93,10 +100,8 @@ def base_inputs(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("mode", ["train", "eval"])
 def test_no_more_graphs_than_the_base_model(source, kind, routing, options, mode):
     model = getattr(smear_model(source, kind, routing, **options), mode)()
-    base = getattr(SOURCES[source][0](), mode)()
-    inputs = inputs_for(source)
-    base_count, _ = graphs(base, base_inputs(inputs))
-    count, reasons = graphs(model, inputs)
+    count, reasons = graphs(model, inputs_for(source))
+    base_count = base_graphs(source, mode)
     assert count <= base_count, f"{count} graphs against the base model's {base_count}: {reasons}"
 
 
@@ -280,8 +285,8 @@ def operator_inputs(hidden, token_mask, noise, p):
 def test_the_opaque_router_operators_compute_pool_and_route_and_their_gradients(
     dtype, masked, dropped, normed_in_loss
 ):
-    """What a compiled model runs for steps 1 and 2 (``peft_smear::pool``, ``peft_smear::route``; their backwards
-    are written by hand) equals a float64 computation, outputs and every input's gradient, in each input dtype: the
+    """What a compiled model runs for steps 1 and 2 (``peft_smear::pool``, ``peft_smear::route``, and their
+    backwards) equals a float64 computation, outputs and every input's gradient, in each input dtype: the
     pooled states' gradient in the hidden states' dtype, the routers' in their parameters'."""
     hidden, token_mask, params, noise, p = router_case(dtype, masked, dropped)
     weights, drop = operator_inputs(hidden, token_mask, noise, p)

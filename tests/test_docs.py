@@ -43,7 +43,7 @@ RUNNABLE = ("python", "bash")
 NOT_CODE = ("text", "yaml", "json")
 QUICKSTART_COMMANDS = [
     'pip install torch==2.13.0 && pip install -e ".[benchmark]" && peft-smear train',
-    'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -q',
+    'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -q -n auto --dist loadfile',
 ]
 FENCE = re.compile(r"^(?P<indent> *)```(?P<language>\S*)\s*$")
 DIRECTIVE = re.compile(r"^\s*<!--\s*docs-test:\s*(?P<body>.*?)\s*-->\s*$")
