@@ -285,8 +285,8 @@ def operator_inputs(hidden, token_mask, noise, p):
 def test_the_opaque_router_operators_compute_pool_and_route_and_their_gradients(
     dtype, masked, dropped, normed_in_loss
 ):
-    """What a compiled model runs for steps 1 and 2 (``peft_smear::pool``, ``peft_smear::route``, and their
-    backwards) equals a float64 computation, outputs and every input's gradient, in each input dtype: the
+    """What a compiled model runs for steps 1 and 2 (``peft_smear::pool``, ``peft_smear::route``; their backwards
+    are written by hand) equals a float64 computation, outputs and every input's gradient, in each input dtype: the
     pooled states' gradient in the hidden states' dtype, the routers' in their parameters'."""
     hidden, token_mask, params, noise, p = router_case(dtype, masked, dropped)
     weights, drop = operator_inputs(hidden, token_mask, noise, p)
