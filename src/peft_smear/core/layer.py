@@ -14,7 +14,7 @@ from .context import CallRouterInputs, RoutingContext
 from .experts import EXPERT_KINDS, ExpertKind
 from .registration import BaseTunerLayer
 from .routers import ROUTERS
-from .types import ROUTER_INPUTS, Expert, Params, RoutingDecision
+from .types import ROUTER_INPUTS, Params, RoutingDecision
 
 
 if TYPE_CHECKING:
@@ -229,20 +229,16 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         params = self.expert_params(adapter_name) if params is None else params
         if decision.mixture:
             return kind.mix(x, y, params, decision.weights)
-        return kind.apply(x, y, self._expert(kind, params, decision, y.dtype), decision.output_scale)
-
-    @staticmethod
-    def _expert(kind: ExpertKind, params: Params, decision: RoutingDecision, dtype: torch.dtype) -> Expert:
-        """Each example's expert: the chosen one, or the merge of all. Kept on the decision, so that ``generate``
-        merges once, at prefill: per decoded token the merge would cost a quarter of the base layer's work at N=8,
-        r=8, width 512."""
+        # Each example's expert, the chosen one or the merge of all, is kept on the decision, so that ``generate``
+        # merges once, at prefill: per decoded token the merge would cost a quarter of the base layer's work at N=8,
+        # r=8, width 512.
         if decision.per_example_expert is None:
             if decision.expert_index is not None:
                 index, up_index = decision.expert_index, decision.up_expert_index
-                decision.per_example_expert = kind.gather(params, index, dtype, up_index)
+                decision.per_example_expert = kind.gather(params, index, y.dtype, up_index)
             else:
-                decision.per_example_expert = kind.merge(params, decision.weights, dtype)
-        return decision.per_example_expert
+                decision.per_example_expert = kind.merge(params, decision.weights, y.dtype)
+        return kind.apply(x, y, decision.per_example_expert, decision.output_scale)
 
     def expert_params(self, adapter_name: str) -> Params:
         """``adapter_name``'s expert parameters in this layer, by parameter name, as its kind reads them."""

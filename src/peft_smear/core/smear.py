@@ -222,7 +222,9 @@ def add_per_example_experts(
     (``[batch, r, in]``, ``[batch, out, r]``), times ``scaling`` and each example's ``output_scale``: the cost of one
     rank-r LoRA. The per-example scale goes on the rank-r hidden units and the second matmul adds into ``y`` with the
     scaling as its ``alpha``, so no pass over the output is left."""
-    hidden = scaled(torch.bmm(tokens, expert_A.transpose(1, 2)), output_scale)
+    hidden = torch.bmm(tokens, expert_A.transpose(1, 2))
+    if output_scale is not None:
+        hidden = scaled(hidden, output_scale)
     if hidden.dtype != y.dtype:  # e.g. an fp32 base output under autocast
         return y + (torch.bmm(hidden, expert_B.transpose(1, 2)) * scaling).to(y.dtype)
     return torch.baddbmm(y, hidden, expert_B.transpose(1, 2), alpha=scaling)
