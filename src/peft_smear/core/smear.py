@@ -230,10 +230,8 @@ def add_per_example_experts(
     return torch.baddbmm(y, hidden, expert_B.transpose(1, 2), alpha=scaling)
 
 
-def scaled(contribution: torch.Tensor, output_scale: torch.Tensor | None) -> torch.Tensor:
-    """An expert's contribution times each example's ``output_scale [batch]``, if any."""
-    if output_scale is None:
-        return contribution
+def scaled(contribution: torch.Tensor, output_scale: torch.Tensor) -> torch.Tensor:
+    """An expert's contribution times each example's ``output_scale [batch]`` (callers skip it when there is none)."""
     return contribution * output_scale.to(contribution.dtype).view(-1, *([1] * (contribution.dim() - 1)))
 
 

@@ -179,7 +179,7 @@ class BottleneckAdapterExperts(ExpertKind):
         out = torch.baddbmm(up_bias.unsqueeze(1), hidden, up)
         if norm:
             out = F.layer_norm(out, (out.shape[-1],)) * norm[0].unsqueeze(1) + norm[1].unsqueeze(1)
-        return y + scaled(out, output_scale)
+        return y + (out if output_scale is None else scaled(out, output_scale))
 
     def mix(self, x: torch.Tensor, y: torch.Tensor, params: Params, weights: torch.Tensor) -> torch.Tensor:
         """All N adapters at once: the down projections as one dense ``[d, N * width]`` matmul. Without a LayerNorm

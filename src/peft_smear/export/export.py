@@ -34,7 +34,7 @@ from transformers.pytorch_utils import Conv1D
 from ..core.experts import EXPERT_KINDS
 from ..core.layer import SmearLinear
 from ..core.model import SmearModel
-from ..core.routers import ROUTERS, Router
+from ..core.routers import ROUTERS
 from ..saving import atomic
 from ..saving.cards import write_export_card
 from ..training.recording import get_routing_weights
@@ -85,7 +85,7 @@ def export_merged_adapter(
 
     One expert (a one-hot routing) can be exported from an adapter of any routing method: it is that expert, however
     the method routes. Other routings only from methods whose output is one merged or chosen expert
-    (:func:`exportable`): a per-token router or an output mixture has no single expert to export.
+    (``Router.exportable``): a per-token router or an output mixture has no single expert to export.
 
     The directory is replaced in one step once the new export, card included, is complete: a process killed at any
     moment leaves the old directory (or nothing, if there was none) or the complete new export, never a mix. An
@@ -236,16 +236,9 @@ def _why_not_one_expert(routing_method: str) -> str | None:
     router = ROUTERS[routing_method]
     if router.per_token:
         return "routes every token on its own and mixes the experts' outputs per token"
-    if not exportable(router):
+    if not router.exportable:
         return "mixes or scales the experts' outputs instead of merging their parameters"
     return None
-
-
-def exportable(router: type[Router]) -> bool:
-    """Whether a routing method's layer output is one merged or chosen expert, which a fixed routing can export:
-    export's trait of a router, ``Router.exportable`` (``False`` for output mixtures and probability-scaled
-    experts)."""
-    return router.exportable
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from ..export.export import DEFAULT_FORM, check_export_form, check_exportable, e
 from ..routers import TASK_IDS
 from ..saving import atomic
 from ..saving.cards import write_model_card
-from ..training.optimizer import create_router_optimizer, default_lr_ratio
+from ..training.optimizer import create_router_optimizer
 from ..training.report import RoutingReport
 from ..version import install_hint
 from .data import load_benchmark
@@ -123,7 +123,7 @@ def _train(args: argparse.Namespace, output_dir: Path, started: float) -> dict[s
     peft_model.print_trainable_parameters()
     collator = MultiTaskCollator(tokenizer)
     optimizer = None  # Trainer's own AdamW, unless the routers learn at their own rate
-    ratio = args.router_lr_ratio if args.router_lr_ratio is not None else default_lr_ratio(ROUTERS[args.routing])
+    ratio = args.router_lr_ratio if args.router_lr_ratio is not None else ROUTERS[args.routing].default_lr_ratio
     if ratio != 1:
         optimizer = create_router_optimizer(peft_model, lr=args.learning_rate, router_lr_ratio=ratio)
     # The whole run is written into a staging directory beside the output, which replaces it in one step at the end:

@@ -16,13 +16,6 @@ from ..core.checks import require_number
 from ..core.routers import Router
 
 
-def default_lr_ratio(router: type[Router] | Router) -> float:
-    """A routing method's router learning rate relative to the experts' when none is given: its
-    ``Router.default_lr_ratio`` (10 for Latent Skills' skill matrix, as in the SMEAR paper; 1, the paper's, for every
-    other method)."""
-    return router.default_lr_ratio
-
-
 def create_router_optimizer(
     model: nn.Module,
     optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
@@ -33,7 +26,7 @@ def create_router_optimizer(
 ) -> torch.optim.Optimizer:
     """``optimizer_cls`` over the trainable parameters of ``model``, the routers' at ``lr * router_lr_ratio`` and all
     others (experts, heads, ``modules_to_save``) at ``lr``; ``kwargs`` go to the optimizer (e.g. ``weight_decay``).
-    ``router_lr_ratio=None`` gives each routing method its own default (:func:`default_lr_ratio`).
+    ``router_lr_ratio=None`` gives each routing method its own default (``Router.default_lr_ratio``).
 
     A router's parameters are those of every :class:`~peft_smear.Router` module, whatever the method (SMEAR's
     weights and LayerNorms, REINFORCE's baseline, Latent Skills' logits). Pass the result to
@@ -43,7 +36,7 @@ def create_router_optimizer(
         require_number("router_lr_ratio", router_lr_ratio)
     ratios = {}
     for router in (module for module in model.modules() if isinstance(module, Router)):
-        ratio = default_lr_ratio(router) if router_lr_ratio is None else router_lr_ratio
+        ratio = router.default_lr_ratio if router_lr_ratio is None else router_lr_ratio
         ratios.update((id(parameter), ratio) for parameter in router.parameters())
     trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
     groups: dict[float, list[nn.Parameter]] = {}
