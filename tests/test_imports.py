@@ -93,9 +93,9 @@ def import_graph(runtime_only: bool = True) -> dict[str, set[str]]:
 # The layers, bottom to top, and what each may import: the PEFT method (core); the SMEAR paper's baseline routers and
 # the expert kinds besides LoRA, as plug-ins of the core; training helpers (statistics, report, optimizer), saving
 # (atomic writes, cards, the hub, loading) and export (merged experts, merges, conversion, serving) on the core; the
-# commands' argument types; the bank of existing adapters and EMoE; the `peft-smear train` application; and on top the
-# command line and the package's own namespace (``peft_smear/__init__.py`` and ``_api.py``), which only gathers
-# public names.
+# tuner PEFT runs, the core's with what those three answer; the commands' argument types; the bank of existing adapters
+# and EMoE; the `peft-smear train` application; and on top the command line and the package's own namespace
+# (``peft_smear/__init__.py`` and ``_api.py``), which only gathers public names.
 LAYER_OF_PREFIX = {
     "peft_smear.core": "core",
     "peft_smear.version": "core",
@@ -104,6 +104,7 @@ LAYER_OF_PREFIX = {
     "peft_smear.training": "training",
     "peft_smear.saving": "saving",
     "peft_smear.export": "export",
+    "peft_smear.tuner": "tuner",
     "peft_smear.arguments": "arguments",
     "peft_smear.bank": "bank",
     "peft_smear.emoe": "emoe",
@@ -117,13 +118,14 @@ BELOW = {
     "training": {"core"},
     "saving": {"core", "training"},
     "export": {"core", "training", "saving"},
+    "tuner": {"core", "training", "saving", "export"},
     "arguments": {"core", "training", "saving", "export"},
     "bank": {"core", "routers", "experts", "training", "saving", "export", "arguments"},
     "emoe": {"core", "training", "saving"},
     "application": {"core", "routers", "experts", "training", "saving", "export", "arguments", "bank", "emoe"},
 }
 BELOW["command line"] = {*BELOW["application"], "application"}
-BELOW["namespace"] = {*BELOW["command line"], "command line"}
+BELOW["namespace"] = {*BELOW["command line"], "command line", "tuner"}
 MAY_IMPORT = {name: {name, *below} for name, below in BELOW.items()}
 
 
@@ -238,6 +240,35 @@ def test_importing_peft_smear_changes_nothing_for_other_peft_models(tmp_path):
         saved[name] = {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
     assert {"adapter_config.json", "adapter_model.safetensors", "README.md"} <= set(saved["plain"])
     assert saved["with_smear"] == saved["plain"]
+
+
+def class_body_names(path: Path, class_name: str) -> set[str]:
+    """The names a class statement in ``path`` binds in its own body: its methods and its class attributes."""
+    body = next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef) and n.name == class_name)
+    names = {n.name for n in body.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)}
+    names |= {t.id for n in body.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    return names | {n.target.id for n in body.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+
+def test_nothing_is_installed_onto_the_core_tuner_or_layer_from_outside():
+    """After ``import peft_smear``, the core's SmearModel and SmearLinear hold exactly what their class statements
+    define: what the layers above answer comes in by subclassing (``peft_smear.tuner``), which PEFT runs."""
+    from peft import mapping
+
+    from peft_smear import tuner
+    from peft_smear.core import layer, model
+
+    def own(names):  # leaves out what Python itself puts in a class's namespace
+        return {name for name in names if not name.startswith("__") and name != "_abc_impl"}
+
+    for path, cls in (
+        (PACKAGE / "core" / "model.py", model.SmearModel),
+        (PACKAGE / "core" / "layer.py", layer.SmearLinear),
+    ):
+        assert own(vars(cls)) == own(class_body_names(path, cls.__name__)), cls
+    assert mapping.PEFT_TYPE_TO_TUNER_MAPPING["SMEAR"] is peft_smear.SmearModel is tuner.SmearModel
+    assert tuner.SmearModel.__bases__ == (model.SmearModel,) and tuner.SmearLinear.__bases__ == (layer.SmearLinear,)
+    assert tuner.SmearModel.tuner_layer_cls is peft_smear.SmearLinear is tuner.SmearLinear
 
 
 def test_the_core_package_stays_within_3000_lines():

@@ -7,7 +7,8 @@ replaces the target directory atomically (a kill leaves the old adapter or the n
 the routing methods the SMEAR paper compares with and the routers over a bank of adapters, as plug-ins.
 
 The package is layered: :mod:`peft_smear.core` is the PEFT method; :mod:`peft_smear.routers` (the paper's baselines),
-:mod:`peft_smear.training`, :mod:`peft_smear.saving` and :mod:`peft_smear.export` build on it;
+:mod:`peft_smear.training`, :mod:`peft_smear.saving` and :mod:`peft_smear.export` build on it, and
+:mod:`peft_smear.tuner` is the core's tuner with what those three answer (the one PEFT runs);
 :mod:`peft_smear.bank` and :mod:`peft_smear.emoe` on those; :mod:`peft_smear.multitask` (the ``peft-smear train``
 application) and :mod:`peft_smear.cli` sit on top. This module only gathers the public names: what a user needs,
 and what an author of a routing method or an expert kind builds on (from :mod:`peft_smear._api`): loaded at once,

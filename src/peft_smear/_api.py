@@ -8,13 +8,10 @@ from .bank import build_expert_bank, describe_tasks, embed_texts, train_phatgoos
 from .bank.upcycling import upcycle
 from .core.config import SmearConfig
 from .core.experts import EXPERT_KINDS, ExpertKind, register_expert_kind
-from .core.layer import SmearLinear
-from .core.model import SmearModel
 from .core.registration import SUPPORTED_PEFT_RANGE, SmearPeftType
 from .core.registration import install as _install
 from .core.routers import ROUTERS, Router, merged, mixed, one_expert, register_router
 from .core.types import CallInput, Option, RouterInputs, RoutingDecision
-from .export.conversion import LoraConversion as _LoraConversion
 from .export.conversion import fixed_routing
 from .export.export import export_merged_adapter
 from .export.merging import merge_experts
@@ -24,14 +21,13 @@ from .saving.cards import create_or_update_model_card as _create_or_update_model
 from .saving.cards import write_model_card
 from .saving.hub import push_to_hub as _push_to_hub
 from .saving.loading import ROUTED as _LOADING
-from .saving.loading import check_checkpoint as _check_checkpoint
 from .training.callbacks import SmearRoutingCallback
 from .training.collator import SmearDataCollator
-from .training.memory import require_fits as _require_fits
 from .training.optimizer import create_router_optimizer
 from .training.recording import get_routing_weights
 from .training.report import RoutingReport
 from .training.statistics import RoutingStatistics
+from .tuner import SmearLinear, SmearModel
 from .version import __version__
 
 
@@ -81,7 +77,4 @@ _install(
     _push_to_hub,
     _save_pretrained,
     _LOADING,
-    _check_checkpoint,
-    _require_fits,
-    _LoraConversion(),
 )

@@ -3,7 +3,7 @@ method)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -256,16 +256,6 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             if kind.frozen:
                 for param in self.expert_params(name).values():
                     param.requires_grad_(False)
-
-    lora_conversion: ClassVar[Any] = None
-    """PEFT's ``convert_to_lora`` / ``save_as_lora`` for a fixed routing (:mod:`peft_smear.export.conversion`,
-    installed by ``import peft_smear``): the two methods below answer through it."""
-
-    def supports_lora_conversion(self, adapter_name: str = "default") -> bool:
-        return self.lora_conversion.supports(self, adapter_name)
-
-    def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
-        return self.lora_conversion.delta_weight(self, adapter_name)
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         raise TypeError(MERGE_UNSUPPORTED)

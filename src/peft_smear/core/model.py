@@ -6,7 +6,7 @@ import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -63,10 +63,6 @@ class SmearModel(BaseTuner):
     prefix: str = "smear_"
     tuner_layer_cls = SmearLinear
     target_module_mapping = DEFAULT_TARGET_MODULES
-    checkpoint_check: ClassVar[Callable[[nn.Module, str, dict[str, torch.Tensor]], list[str]]]
-    """Raises unless a checkpoint fits the adapter (before PEFT loads it); returns the training clocks it lacks."""
-    size_check: ClassVar[Callable[[nn.Module, SmearConfig, nn.Module], None]]
-    """Raises unless an adapter's experts and routers fit in memory (before anything is allocated)."""
 
     def _pre_injection_hook(self, model: nn.Module, config: SmearConfig, adapter_name: str) -> None:
         self.routing_context = RoutingContext()
@@ -226,11 +222,6 @@ class SmearModel(BaseTuner):
         EXPERT_KINDS[peft_config.expert_type].fill_default_targets(peft_config, model_config.get("model_type"))
         return super()._prepare_adapter_config(peft_config, model_config)
 
-    def _prepare_model(self, peft_config: SmearConfig, model: nn.Module) -> None:
-        """Before anything is allocated: refuse an adapter whose experts and routers would not fit in memory."""
-        super()._prepare_model(peft_config, model)
-        self.size_check(self, peft_config, model)
-
     def _router_input(self, config: SmearConfig, key: str) -> str:
         """What the layer ``key`` routes on, from ``config.router_input`` and the architecture (see
         :data:`~peft_smear.core.types.ROUTER_INPUTS`)."""
@@ -271,7 +262,7 @@ class SmearModel(BaseTuner):
             target.update_layer(adapter_name, config, inference_mode=config.inference_mode, **routing)
             return
         check_base_layer(target, current_key, config.expert_type)
-        new_module = SmearLinear(
+        new_module = self.tuner_layer_cls(
             target, adapter_name, config, self.routing_context, module_name=current_key, **routing
         )
         if adapter_name not in self.active_adapters:
@@ -310,17 +301,6 @@ class SmearModel(BaseTuner):
         """The entries of ``state_dict`` that ``save_pretrained`` writes: PEFT's selection, but with module names that
         match the state-dict keys when FSDP1 has wrapped layers of the model (PEFT 0.21 would select none of them)."""
         return select_adapter_entries(state_dict, adapter_state_dict_prefixes(model))
-
-    @classmethod
-    def _remap_adapter_state_dict_for_load(
-        cls, model: nn.Module, config: SmearConfig, adapter_name: str, state_dict: dict[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        """PEFT's key remapping, then a strict check (:attr:`checkpoint_check`): PEFT only warns about missing keys
-        and ignores unexpected ones, which would leave a silently half-initialised adapter."""
-        remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
-        missing_clocks = cls.checkpoint_check(model, adapter_name, remapped)
-        # Adapters saved before routers kept a training clock lack it: it starts at 0, as it did for them (no warning).
-        return {**remapped, **{key: torch.zeros((), dtype=torch.long) for key in missing_clocks}}
 
 
 @dataclass

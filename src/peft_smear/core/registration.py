@@ -142,18 +142,12 @@ def install(
     push_to_hub: Callable,
     save_pretrained: Callable,
     loading: Mapping[str, Callable],
-    checkpoint_check: Callable,
-    size_check: Callable,
-    lora_conversion: object,
 ) -> None:
-    """Everything ``import peft_smear`` changes in PEFT: the ``"SMEAR"`` type; the model card (``model_card`` sees
-    every model's), SMEAR's ``push_to_hub`` and atomic ``save_pretrained``; the loading methods named in ``loading``
-    (PeftModel's, ``from_json_file``, transformers' ``load_adapter``); ``adapter_names=`` kept for the tuner; and what
-    the core asks the layers above it (``checkpoint_check``, ``size_check``, PEFT's ``convert_to_lora``)."""
+    """Everything ``import peft_smear`` changes in PEFT: the ``"SMEAR"`` type, resolved to ``tuner_cls``; the model
+    card (``model_card`` sees every model's), SMEAR's ``push_to_hub`` and atomic ``save_pretrained``; the loading
+    methods named in ``loading`` (PeftModel's, ``from_json_file``, transformers' ``load_adapter``); and
+    ``adapter_names=`` kept for the tuner."""
     register(config_cls, tuner_cls, tuner_cls.prefix)
-    tuner_cls.checkpoint_check = staticmethod(checkpoint_check)
-    tuner_cls.size_check = staticmethod(size_check)
-    tuner_cls.tuner_layer_cls.lora_conversion = lora_conversion
     route_peft_method(PeftModel, "create_or_update_model_card", model_card)
     route_peft_model_method("push_to_hub", push_to_hub)
     route_peft_model_method("save_pretrained", save_pretrained)

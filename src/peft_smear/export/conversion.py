@@ -6,8 +6,8 @@ PEFT asks every tuner layer whether it converts (``supports_lora_conversion``) a
 a fixed routing has one: an adapter with one expert, or a routing fixed by :func:`fixed_routing` (a task's batches, one
 example, a distribution per layer, or a task id for methods that route by it alone). Its update is the merged expert
 that :func:`~peft_smear.export.export_merged_adapter` writes for that routing, in each expert kind's export
-(:meth:`~peft_smear.export.kinds.KindExport.delta_weight`). The layers' two methods answer through
-:class:`LoraConversion`, which ``import peft_smear`` installs on them.
+(:meth:`~peft_smear.export.kinds.KindExport.delta_weight`). The layers' two methods
+(:class:`peft_smear.tuner.SmearLinear`) answer with :func:`converted_distribution` and :func:`lora_delta_weight`.
 """
 
 from __future__ import annotations
@@ -92,42 +92,36 @@ def fixed_distribution(router: Router, task: int | None = None) -> torch.Tensor 
     return distribution
 
 
-class LoraConversion:
-    """How a SMEAR layer answers PEFT's ``convert_to_lora``: its fixed routing's merged expert as a weight update."""
+def lora_delta_weight(layer: SmearLinear, adapter_name: str) -> torch.Tensor:
+    """The merged expert of the fixed routing as an update of the base weight, in the base weight's layout."""
+    kind = layer.expert_kind[adapter_name]
+    delta = KIND_EXPORTS[kind.name].delta_weight(
+        kind, layer.expert_params(adapter_name), converted_distribution(layer, adapter_name)
+    )
+    return delta.T if isinstance(layer.get_base_layer(), Conv1D) else delta
 
-    def supports(self, layer: SmearLinear, adapter_name: str) -> bool:
-        """Whether ``adapter_name`` converts: a fixed routing and LoRA experts; refused otherwise, saying why."""
-        self._distribution(layer, adapter_name)
-        return True
 
-    def delta_weight(self, layer: SmearLinear, adapter_name: str) -> torch.Tensor:
-        """The merged expert of the fixed routing as an update of the base weight, in the base weight's layout."""
-        kind = layer.expert_kind[adapter_name]
-        distribution = self._distribution(layer, adapter_name)
-        delta = KIND_EXPORTS[kind.name].delta_weight(kind, layer.expert_params(adapter_name), distribution)
-        return delta.T if isinstance(layer.get_base_layer(), Conv1D) else delta
-
-    @staticmethod
-    def _distribution(layer: SmearLinear, adapter_name: str) -> torch.Tensor:
-        if adapter_name not in layer.expert_kind:
-            raise ValueError(
-                f"SMEAR layer {layer.module_name!r} has no adapter {adapter_name!r} (it has "
-                f"{', '.join(map(repr, sorted(layer.expert_kind)))}): PEFT's LoRA conversion converts every adapted "
-                f"layer, and {adapter_name!r} targets other modules than another adapter of the model. Convert a "
-                f"model that holds {adapter_name!r} alone, or export it with peft_smear.export_merged_adapter."
-            )
-        kind, router = layer.expert_kind[adapter_name], layer.smear_router[adapter_name]
-        export = KIND_EXPORTS.get(kind.name)
-        if export is None or type(export).delta_weight is KindExport.delta_weight:
-            exported = f"exported as {export.exported_as}" if export is not None else "exported"
-            raise TypeError(
-                f"PEFT's LoRA conversion needs LoRA experts; {kind.title} experts are {exported} by "
-                "peft_smear.export_merged_adapter."
-            )
-        fixed = layer.fixed_routing.get(adapter_name)
-        fixed = fixed_distribution(router) if fixed is None else fixed
-        if fixed is None:
-            raise TypeError(
-                f"SMEAR adapter {adapter_name!r} routes each example by routing={router.name!r}, so " + NOT_ONE_LORA
-            )
-        return fixed
+def converted_distribution(layer: SmearLinear, adapter_name: str) -> torch.Tensor:
+    """The fixed routing that ``adapter_name`` converts with (LoRA experts only); refused otherwise, saying why."""
+    if adapter_name not in layer.expert_kind:
+        raise ValueError(
+            f"SMEAR layer {layer.module_name!r} has no adapter {adapter_name!r} (it has "
+            f"{', '.join(map(repr, sorted(layer.expert_kind)))}): PEFT's LoRA conversion converts every adapted "
+            f"layer, and {adapter_name!r} targets other modules than another adapter of the model. Convert a "
+            f"model that holds {adapter_name!r} alone, or export it with peft_smear.export_merged_adapter."
+        )
+    kind, router = layer.expert_kind[adapter_name], layer.smear_router[adapter_name]
+    export = KIND_EXPORTS.get(kind.name)
+    if export is None or type(export).delta_weight is KindExport.delta_weight:
+        exported = f"exported as {export.exported_as}" if export is not None else "exported"
+        raise TypeError(
+            f"PEFT's LoRA conversion needs LoRA experts; {kind.title} experts are {exported} by "
+            "peft_smear.export_merged_adapter."
+        )
+    fixed = layer.fixed_routing.get(adapter_name)
+    fixed = fixed_distribution(router) if fixed is None else fixed
+    if fixed is None:
+        raise TypeError(
+            f"SMEAR adapter {adapter_name!r} routes each example by routing={router.name!r}, so " + NOT_ONE_LORA
+        )
+    return fixed

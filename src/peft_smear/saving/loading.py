@@ -280,7 +280,7 @@ CLOCK_SUFFIX = ".training_calls"  # Router.keeps_training_clock's buffer
 def check_checkpoint(model: torch.nn.Module, adapter_name: str, state_dict: dict[str, torch.Tensor]) -> list[str]:
     """Raise unless ``state_dict``, a checkpoint of SMEAR adapter ``adapter_name`` as PEFT is about to load it into
     ``model``, holds finite weights that fit the adapter key for key and shape for shape; return the training clocks
-    it lacks (model keys). The tuner calls it (:attr:`~peft_smear.core.model.SmearModel.checkpoint_check`)."""
+    it lacks (model keys). The tuner calls it (:class:`peft_smear.tuner.SmearModel`)."""
     non_finite = sorted(key for key, t in state_dict.items() if t.is_floating_point() and not t.isfinite().all())
     if non_finite:
         raise AdapterFileError(

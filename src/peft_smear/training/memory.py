@@ -3,7 +3,7 @@
 ``SmearConfig(num_experts=10**9)`` or ``r=10**12`` is a valid config; injecting it would allocate terabytes (and end,
 after minutes, in ``std::bad_alloc``). The tuner counts the adapter's parameters first, one expert and one router per
 wrapped module built on the meta device (no memory), and refuses an adapter larger than the memory free where the
-model lives, naming the size. ``import peft_smear`` installs :func:`require_fits` as the tuner's ``size_check``.
+model lives, naming the size: the tuner (:class:`peft_smear.tuner.SmearModel`) calls :func:`require_fits` first.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..core.routers import ROUTERS
 
 
 if TYPE_CHECKING:
-    from .core.config import SmearConfig
+    from ..core.config import SmearConfig
 
 BYTES_PER_PARAMETER = 4  # experts and routers are created in float32
 
