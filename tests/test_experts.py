@@ -38,7 +38,7 @@ from conftest import (
 )
 from peft_smear import ROUTERS, SmearConfig, SmearLinear, cli, export_merged_adapter
 from peft_smear.core.routers import merged, mixed, one_expert
-from peft_smear.core.smear import add_per_example_experts
+from peft_smear.core.smear import MergeAndApply, add_per_example_experts, merge_parameters
 from peft_smear.experts import BottleneckAdapterExperts, IA3Experts
 
 
@@ -610,3 +610,48 @@ def test_lora_experts_add_into_the_base_output_with_scaling_and_output_scale(y_d
     for b in range(3):
         delta = tokens[b].float() @ expert_A[b].float().T @ expert_B[b].float().T * 0.25 * output_scale[b]
         torch.testing.assert_close(result[b].float(), base_output[b].float() + delta, atol=0.1, rtol=0.02)
+
+
+@pytest.mark.parametrize(
+    "dtype, param_dtype",
+    [
+        (torch.float64, torch.float32),
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.bfloat16),  # a model cast to bf16 whole, its experts included
+    ],
+)
+@pytest.mark.parametrize("trained", ["all", "experts only", "router only"])
+def test_lora_merge_and_apply_backward_equals_autograds_through_the_plain_steps(dtype, param_dtype, trained):
+    """LoRA experts' hand-written backward (``MergeAndApply``, training's path) gives the output and gradients that
+    autograd gives through ``merge_parameters`` and ``add_per_example_experts``, for each input that needs one (frozen
+    experts, a frozen router), with a LoRA scaling other than 1, each gradient in its input's dtype (the router's fp32
+    even from bf16 experts); in bf16, within its rounding."""
+    generator = torch.Generator().manual_seed(0)
+    batch, tokens, features_in, features_out, num_experts, rank = 3, 5, 12, 10, 4, 2
+
+    def random(*shape, **kwargs):
+        return torch.randn(*shape, generator=generator).to(kwargs.pop("dtype", torch.float32)).requires_grad_(**kwargs)
+
+    x, y = random(batch, tokens, features_in, dtype=dtype), random(batch, tokens, features_out, dtype=dtype)
+    lora_A = random(num_experts, rank, features_in, dtype=param_dtype, requires_grad=trained != "router only")
+    lora_B = random(num_experts, features_out, rank, dtype=param_dtype, requires_grad=trained != "router only")
+    logits = random(batch, num_experts, requires_grad=trained != "experts only")
+    grad_output = torch.randn(batch, tokens, features_out, generator=generator).to(dtype)
+    inputs = [tensor for tensor in (x, y, lora_A, lora_B, logits) if tensor.requires_grad]
+
+    def run(fused: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        probs = logits.softmax(dim=-1)
+        if fused:
+            out = MergeAndApply.apply(y, x, lora_A, lora_B, probs, 2.0)
+        else:
+            out = add_per_example_experts(y, x, *merge_parameters((lora_A, lora_B), probs, dtype), 2.0)
+        return out, torch.autograd.grad(out, inputs, grad_output)
+
+    (fused, fused_grads), (plain, plain_grads) = run(True), run(False)
+    assert torch.equal(fused, plain)
+    tolerance = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
+    for tensor, got, expected in zip(inputs, fused_grads, plain_grads, strict=True):
+        assert got.dtype == expected.dtype == tensor.dtype and got.shape == expected.shape
+        error = float((got.double() - expected.double()).norm() / expected.double().norm())
+        assert error <= tolerance, (tuple(tensor.shape), error)

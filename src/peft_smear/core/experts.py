@@ -99,6 +99,11 @@ class ExpertKind:
         ``output_scale [batch]`` multiplies the expert's contribution."""
         raise NotImplementedError
 
+    def merge_and_apply(self, x: torch.Tensor, y: torch.Tensor, params: Params, probs: torch.Tensor) -> torch.Tensor:
+        """:meth:`apply` of the experts merged by ``probs`` in training (with autograd), where nothing is kept for
+        ``generate``: a kind may do both at once, with a backward of its own."""
+        return self.apply(x, y, self.merge(params, probs, y.dtype), None)
+
     def mix(self, x: torch.Tensor, y: torch.Tensor, params: Params, weights: torch.Tensor) -> torch.Tensor:
         """The module's output with the experts' contributions mixed by ``weights [batch, N]``, or by
         ``[batch, tokens, N]`` for each token on its own; ``y`` as in :meth:`apply`."""

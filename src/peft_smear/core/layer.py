@@ -233,6 +233,8 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         # merges once, at prefill: per decoded token the merge would cost a quarter of the base layer's work at N=8,
         # r=8, width 512.
         if decision.per_example_expert is None:
+            if decision.expert_index is None and decision.output_scale is None and torch.is_grad_enabled():
+                return kind.merge_and_apply(x, y, params, decision.weights)  # training: nothing kept
             if decision.expert_index is not None:
                 index, up_index = decision.expert_index, decision.up_expert_index
                 decision.per_example_expert = kind.gather(params, index, y.dtype, up_index)
