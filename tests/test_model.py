@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import peft_smear
-from conftest import random_batch, tiny_bert, tiny_llama
+from conftest import random_batch, tiny_bert, tiny_llama, tiny_t5
 from peft_smear import SmearConfig, SmearLinear, SmearModel
 
 
@@ -256,6 +257,43 @@ def test_unexpected_adapter_weight_is_an_error(tmp_path):
     save_file(weights, tmp_path / "adapter_model.safetensors")
     with pytest.raises(ValueError, match=r"in the checkpoint but not in the model:\n  .*k_proj\.smear_lora_A"):
         PeftModel.from_pretrained(tiny_llama(), tmp_path)
+
+
+# --- copies ------------------------------------------------------------------------------------------------------
+
+
+def copy_case(architecture: str) -> tuple[torch.nn.Module, dict, dict, dict]:
+    """A SMEAR model, two batches that route differently (prompt masks for Llama; paddings for T5, whose encoder's
+    hook records them), and generate's arguments for the second."""
+    if architecture == "llama":
+        model = smear_llama(router_input="prompt").eval()
+        batch = random_batch(2, 6)
+        prompts = [torch.arange(6).expand(2, 6) < length for length in (2, 5)]
+        first, second = ({**batch, "smear_routing_mask": prompt.long()} for prompt in prompts)
+        return model, first, second, {**second, "max_new_tokens": 3, "do_sample": False}
+    model = get_peft_model(tiny_t5(), SmearConfig(num_experts=3, r=2, init_weights=False)).eval()
+    first, second = random_batch(2, 6, lengths=[6, 2]), random_batch(2, 6, lengths=[3, 6])
+    start = torch.zeros(2, 2, dtype=torch.long)
+    generation = {**second, "max_new_tokens": 3, "do_sample": False}
+    return model, {**first, "decoder_input_ids": start}, {**second, "decoder_input_ids": start}, generation
+
+
+@pytest.mark.parametrize("architecture", ["llama", "t5"])
+def test_a_deep_copy_routes_and_generates_on_its_own(architecture):
+    """``copy.deepcopy`` gives a model whose hooks and ``generate`` serve the copy: it routes each call on that call's
+    inputs whatever the original ran last, generates what the original generates, and unloading it leaves the
+    original whole. (Closures over the original's tuner made a copy route on the original's last call.)"""
+    model, first, second, generation = copy_case(architecture)
+    expected = [logits(model, first), logits(model, second)]
+    generated = model.generate(**generation)
+    twin = copy.deepcopy(model)  # made after the original's last call, on the second batch
+    for batch, logits_of_batch in ((first, expected[0]), (second, expected[1]), (first, expected[0])):
+        torch.testing.assert_close(logits(twin, batch), logits_of_batch, rtol=0, atol=0)
+        torch.testing.assert_close(logits(model, second), expected[1], rtol=0, atol=0)
+    assert torch.equal(twin.generate(**generation), generated)
+    twin.unload()
+    torch.testing.assert_close(logits(model, first), expected[0], rtol=0, atol=0)
+    assert torch.equal(model.generate(**generation), generated)
 
 
 # --- gradient checkpointing --------------------------------------------------------------------------------------

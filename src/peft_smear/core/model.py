@@ -45,6 +45,14 @@ def _call_inputs_of(routers: tuple[type[Router], ...]) -> dict[str, CallInput]:
     return inputs
 
 
+def record_call(record: Callable, signature: inspect.Signature, _: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """A forward pre-hook: ``record(arguments, call_inputs)``, the ``smear_*`` inputs taken out of the kwargs (PEFT
+    passes unknown kwargs on to the wrapped model, which must not see them)."""
+    call_inputs = take_call_inputs(kwargs)
+    record(signature.bind_partial(*args, **kwargs).arguments if args else kwargs, call_inputs)
+    return args, kwargs
+
+
 def take_call_inputs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """Take every ``smear_*`` keyword, and PEFT's ``adapter_names``, off ``kwargs`` (the wrapped model must not see
     them). The prefix is this library's: an unknown one is a typo that would otherwise be dropped without a word."""
@@ -76,25 +84,19 @@ class SmearModel(BaseTuner):
         self._generates_text = bool(getattr(model, "can_generate", lambda: False)())
         self._hook(model, self._start_call)
         self._hook_handles.append(model.register_forward_hook(self._finish_call, with_kwargs=True))
-        if self._generates_text:
-            self._wrap_generate(model)
+        if self._generates_text:  # on the wrapped model, not on this class: a plain PeftModel calls it directly
+            model.generate = functools.wraps(model.generate)(functools.partial(self._generate, model.generate))
         if self._is_encoder_decoder:
             encoder, decoder = model.get_encoder(), model.get_decoder()
             self._decoder_prefix = next(name for name, module in model.named_modules() if module is decoder) + "."
-            self._hook(encoder, lambda arguments, _: self._start_context(arguments, None, None))
+            self._hook(encoder, self._start_encoder)
             self._hook(decoder, self._record_encoder_summary)
 
-    def _hook(self, module: nn.Module, record: Callable[[dict[str, Any], dict[str, Any]], None]) -> None:
-        """Call ``record(arguments, call_inputs)`` before every forward of ``module``, taking the ``smear_*`` inputs
-        out of its kwargs: PEFT passes unknown kwargs on to the wrapped model, which must not see them."""
-        signature = inspect.signature(module.forward)
-
-        def pre_hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            call_inputs = take_call_inputs(kwargs)
-            record(signature.bind_partial(*args, **kwargs).arguments if args else kwargs, call_inputs)
-            return args, kwargs
-
-        self._hook_handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+    def _hook(self, module: nn.Module, record: Callable[..., None]) -> None:
+        """Call ``record(arguments, call_inputs)`` before every forward of ``module``. Hooks and ``generate`` are
+        bound methods (in partials), never closures: ``copy.deepcopy`` binds those to the copy."""
+        hook = functools.partial(record_call, record, inspect.signature(module.forward))
+        self._hook_handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
 
     def _start_call(self, arguments: dict[str, Any], call_inputs: dict[str, Any]) -> None:
         """A call of the wrapped model. ``smear_*`` inputs belong to the call that brings them, or to the whole
@@ -118,6 +120,9 @@ class SmearModel(BaseTuner):
             named = {**arguments.get("kwargs", {}), **arguments}  # only a call naming boundaries packs sequences
             packing = packed_layout(named) if any(named.get(n) is not None for n in PACKING_ARGUMENTS) else None
             self._start_context(arguments, arguments.get("labels"), packing)
+
+    def _start_encoder(self, arguments: dict[str, Any], call_inputs: dict[str, Any]) -> None:
+        self._start_context(arguments, None, None)
 
     def _start_context(self, arguments: dict[str, Any], labels: torch.Tensor | None, packing: Any) -> None:
         per_token = {name for name, call_input in known_call_inputs().items() if call_input.per_token}
@@ -197,25 +202,18 @@ class SmearModel(BaseTuner):
         heads = [module for module in self.model.modules() if isinstance(module, AuxiliaryTrainingWrapper)]
         self._head_hooks = [head.register_forward_pre_hook(head_names, with_kwargs=True) for head in heads]
 
-    def _wrap_generate(self, model: nn.Module) -> None:
-        """Route every sequence once, on its prompt, at prefill, and keep the ``smear_*`` inputs for every step
-        (``generate`` itself would reject them). Installed on the wrapped model, not on this class, because a plain
-        ``PeftModel`` calls the wrapped model's ``generate`` directly."""
-        original = model.generate
-
-        @functools.wraps(original)
-        def generate(*args: Any, **kwargs: Any) -> Any:
-            tokens = next((kwargs[n] for n in ("input_ids", "inputs_embeds") if kwargs.get(n) is not None), None)
-            self._set_call_inputs(take_call_inputs(kwargs), args[0] if args else tokens)
-            self._generating, self.routing_context.routing_cache = True, {}
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self._generating, self.routing_context.routing_cache = False, None
-                if self.routing_context.call.adapters is not None:
-                    self._set_adapter_names(None, None)
-
-        model.generate = generate
+    def _generate(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's ``generate``: route every sequence once, on its prompt, at prefill, and keep the
+        ``smear_*`` inputs for every step (``generate`` itself would reject them)."""
+        tokens = next((kwargs[n] for n in ("input_ids", "inputs_embeds") if kwargs.get(n) is not None), None)
+        self._set_call_inputs(take_call_inputs(kwargs), args[0] if args else tokens)
+        self._generating, self.routing_context.routing_cache = True, {}
+        try:
+            return original(*args, **kwargs)
+        finally:
+            self._generating, self.routing_context.routing_cache = False, None
+            if self.routing_context.call.adapters is not None:
+                self._set_adapter_names(None, None)
 
     def _prepare_adapter_config(self, peft_config: SmearConfig, model_config: dict) -> SmearConfig:
         """Default target modules come from the expert kind (e.g. IA3's), then from PEFT LoRA's per architecture."""
