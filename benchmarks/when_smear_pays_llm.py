@@ -1495,9 +1495,10 @@ def outcome_of(
     gain = paired_difference(smear, summaries[best]) if smear and best else None
     lora = summaries.get("lora_1x_compute")
     versus_lora = paired_difference(smear, lora) if smear and lora else None
-    upcycled = {}
+    upcycled = {}  # against those of its two references that ran (``--methods`` may leave one out)
     if UPCYCLED in summaries:
-        upcycled = {m: paired_difference(summaries[UPCYCLED], summaries[m]) for m in (SMEAR, "lora_1x_compute")}
+        references = [m for m in (SMEAR, "lora_1x_compute") if m in summaries]
+        upcycled = {m: paired_difference(summaries[UPCYCLED], summaries[m]) for m in references}
     return Outcome(
         name,
         axis,

@@ -384,6 +384,20 @@ def test_the_scheduler_adds_seeds_where_a_verdict_may_flip(study, monkeypatch):
     assert extra == {("one", "smear"), ("one", "lora_1x_compute"), ("three", "smear"), ("three", "lora_1x_compute")}
 
 
+def test_the_upcycled_method_is_compared_with_those_of_its_references_that_ran(study):
+    """``--methods upcycled`` (its references, SMEAR and LoRA 1× compute, left out or one of them) reports the
+    upcycled runs against what ran, where it raised a KeyError after its runs."""
+
+    def summary(method: str) -> object:
+        metrics = {"average": [60.0, 62.0, 61.0]}
+        return study.Summary(method, 3e-3, [0, 1, 2], metrics, 1, None, None, None)
+
+    for present in ((), ("smear",), ("smear", "lora_1x_compute")):
+        summaries = {method: summary(method) for method in (*present, "upcycled")}
+        outcome = study.outcome_of("one", "control", study.TINY, study.TINY, 96, summaries, {}, None, (1e-3,), True, 3)
+        assert set(outcome.upcycled) == set(present)
+
+
 def test_shared_answers_are_yes_or_no_and_ask_about_the_true_class_half_the_time(study):
     examples = tiny_examples(study, "shared", "tiny_parity", count=8) + tiny_examples(study, "shared", "tiny_size", 8)
     preset = study.PRESETS["tiny"]
