@@ -655,3 +655,27 @@ def test_lora_merge_and_apply_backward_equals_autograds_through_the_plain_steps(
         assert got.dtype == expected.dtype == tensor.dtype and got.shape == expected.shape
         error = float((got.double() - expected.double()).norm() / expected.double().norm())
         assert error <= tolerance, (tuple(tensor.shape), error)
+
+
+def backward_nodes(root: torch.autograd.graph.Node) -> list[str]:
+    """The names of every node of the autograd graph below ``root``, once each."""
+    seen, todo, names = set(), [root], []
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("routing, fused_modules", [("smear", 4), ("top_k", 0)])
+def test_training_merges_and_applies_lora_experts_through_the_written_backward(routing, fused_modules):
+    """A training forward runs each wrapped module's merged LoRA experts through ``MergeAndApply``: the layer's
+    dispatch, not only the function, is what saves the operations. A routing that chooses one expert per example
+    (Top-k, k=1 by default, gathers it) does not."""
+    config = SmearConfig(num_experts=3, r=2, init_weights=False, routing=routing, target_modules=["q_proj", "v_proj"])
+    model = get_peft_model(tiny_llama(), config).train()
+    output = model(**random_batch(2, 6)).logits
+    assert backward_nodes(output.grad_fn).count("MergeAndApplyBackward") == fused_modules  # q and v of 2 layers

@@ -251,8 +251,8 @@ def class_body_names(path: Path, class_name: str) -> set[str]:
 
 
 def test_nothing_is_installed_onto_the_core_tuner_or_layer_from_outside():
-    """After ``import peft_smear``, the core's SmearModel and SmearLinear hold exactly what their class statements
-    define: what the layers above answer comes in by subclassing (``peft_smear.tuner``), which PEFT runs."""
+    """After ``import peft_smear``, the core's SmearModel and SmearLinear, and the tuner's subclasses that PEFT runs,
+    hold exactly what their class statements define: what the layers above answer comes in by subclassing."""
     from peft import mapping
 
     from peft_smear import tuner
@@ -264,6 +264,8 @@ def test_nothing_is_installed_onto_the_core_tuner_or_layer_from_outside():
     for path, cls in (
         (PACKAGE / "core" / "model.py", model.SmearModel),
         (PACKAGE / "core" / "layer.py", layer.SmearLinear),
+        (PACKAGE / "tuner.py", tuner.SmearModel),
+        (PACKAGE / "tuner.py", tuner.SmearLinear),
     ):
         assert own(vars(cls)) == own(class_body_names(path, cls.__name__)), cls
     assert mapping.PEFT_TYPE_TO_TUNER_MAPPING["SMEAR"] is peft_smear.SmearModel is tuner.SmearModel
