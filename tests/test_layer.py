@@ -149,6 +149,56 @@ def test_expert_dropout_only_in_training():
     assert (layer.route("default", x).weights > 0).all()
 
 
+def test_expert_dropout_is_drawn_once_per_training_call_for_every_router():
+    """Issue 43's per-call work: one random draw before the layers run gives every router its expert dropout (a
+    draw per router was an operation, and on a GPU a launch, per layer), each router its own rows of it, so that the
+    layers drop different experts; a new call draws anew."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Draws(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Draws.count += func.overloadpacket.__name__ in ("uniform", "uniform_", "rand", "bernoulli", "bernoulli_")
+            return func(*args, **(kwargs or {}))
+
+    model = smear(tiny_llama(), expert_dropout=0.5, num_experts=6, router_input="self").train()  # 7 linears x 2
+    dropped: list[torch.Tensor] = []
+    model.base_model.routing_context.observers.append(lambda *call: dropped.append(call[2].weights == 0))
+    batch = random_batch(16, 5)
+    with Draws():
+        model(**batch, labels=batch["input_ids"])
+    assert Draws.count == 1
+    layers = len(model.base_model.targeted_module_names)
+    assert len(dropped) == layers == 14 and all(0.3 < mask.float().mean() < 0.7 for mask in dropped)
+    assert len({tuple(mask.flatten().tolist()) for mask in dropped}) == layers, "each router its own experts dropped"
+    first = dropped[0]
+    model(**batch, labels=batch["input_ids"])
+    assert not torch.equal(dropped[layers], first), "a new call draws anew"
+
+
+def test_gradient_checkpointing_repeats_the_base_models_own_dropout_beside_expert_dropout():
+    """Expert dropout is drawn before the checkpointed blocks run, so their recomputation, which restores the random
+    state the block started from, draws the base model's attention dropout again as the forward drew it: the
+    gradients equal those without checkpointing. (Drawn inside the first block's forward but not in its
+    recomputation, the two would see different dropout masks.)"""
+    batch = random_batch(3, 6, lengths=[6, 4, 2])
+
+    def gradients(checkpointing: bool) -> dict[str, torch.Tensor]:
+        model = smear(tiny_llama(attention_dropout=0.4), expert_dropout=0.3, router_input="self")
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        torch.manual_seed(5)
+        model(**batch, labels=batch["input_ids"]).loss.backward()
+        return {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+
+    plain, checkpointed = gradients(False), gradients(True)
+    assert plain.keys() == checkpointed.keys() and plain
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_lora_dropout_drops_the_experts_input_in_training_only(tmp_path):
     """LoRA's ``lora_dropout``: in training the LoRA experts read the input through dropout, while the router and the
     wrapped module read it whole (against the reference forward, given the same dropout mask); never in eval mode;

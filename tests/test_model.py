@@ -102,6 +102,26 @@ def test_add_set_and_delete_adapters():
     assert torch.equal(logits(model, batch), default_logits)
 
 
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_an_adapter_deleted_and_added_again_on_fewer_modules_routes_those_alone(mode):
+    """q, k and v route together. Deleted and added again under its name on q and k only, the adapter's v layer left
+    the group: the layers it kept route, train and drop experts on their own rows (it was a KeyError)."""
+    kwargs = {"num_experts": 3, "r": 2, "router_input": "self", "expert_dropout": 0.5}
+    model = smear_llama(target_modules=["q_proj", "k_proj", "v_proj"], **kwargs)
+    model.add_adapter("other", SmearConfig(target_modules=["q_proj", "k_proj", "v_proj"], **kwargs))
+    model.delete_adapter("other")
+    model.add_adapter("other", SmearConfig(target_modules=["q_proj", "k_proj"], **kwargs))
+    model.set_adapter("other")
+    getattr(model, mode)()
+    groups = model.base_model.routing_context.groups
+    assert sorted(len(group) for (_, name), group in groups.items() if name == "other") == [2, 2, 2, 2]
+    batch = random_batch(2, 5)
+    output = model(**batch, labels=batch["input_ids"])
+    assert torch.isfinite(output.loss)
+    routing = peft_smear.get_routing_weights(model, **batch)
+    assert sorted(routing) == [f"model.layers.{i}.self_attn.{m}_proj" for i in (0, 1) for m in ("k", "q")]
+
+
 def test_disable_adapter_gives_the_base_model():
     base_logits = logits(tiny_llama(), random_batch(2, 5))
     model = smear_llama()

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .packing import PackedLayout
-from .smear import masked_mean, pool, token_weights
+from .smear import drop_experts, masked_mean, pool, token_weights
 from .types import CallInput, Params, RouterInputs, RoutingDecision
 
 
@@ -541,12 +541,23 @@ class RoutingContext:
     (``Router.route_together``): fixed when the layers are made, not learned from calls, so that a process's first
     call computes as every later one (a resumed run continues exactly)."""
     _alike: dict[LayerKey, tuple] = field(default_factory=dict)
-    _routed: dict[LayerKey, tuple[weakref.ref, int, Any]] = field(default_factory=dict)
 
-    def begin(self) -> None:
-        """A new call of the wrapped model."""
-        self.call.checks.resolve(wait=True)
-        self._routed = {}
+    def draw_expert_dropout(self, batch_size: int, device: torch.device) -> None:
+        """Expert dropout for every active router of a training call, drawn at once before its layers run (on a CPU,
+        the numbers each group would draw in its layer's turn), so that a checkpointed layer's recomputation draws
+        nothing and the base model's own draws there repeat the forward's; per group and per router, a view each."""
+        by_setting: dict[tuple[int, float], list[list[Any]]] = {}
+        for group in dict.fromkeys(self.groups.values()):
+            routers = [layer.smear_router[name] for layer, name in group if name in layer.active_adapters]
+            if routers and routers[0].training and routers[0].expert_dropout:
+                by_setting.setdefault((routers[0].num_experts, routers[0].expert_dropout), []).append(routers)
+        for (num_experts, p), groups in by_setting.items():
+            noise = torch.empty(sum(map(len, groups)), batch_size, num_experts, device=device)
+            drop, row = drop_experts(noise.uniform_(), p), 0
+            for routers in groups:
+                self.call.memo["expert dropout", routers[0], len(routers)] = drop[row : row + len(routers)]
+                for router in routers:
+                    self.call.memo["expert dropout", router, 1], row = drop[row : row + 1], row + 1
 
     def join(self, key: LayerKey, alike: tuple | None) -> None:
         """``key`` routes with the layers joined with its ``alike`` (parent, adapter, router kind, width and input), in
@@ -554,20 +565,11 @@ class RoutingContext:
         previous = self._alike.pop(key, None) if alike is None else self._alike.get(key)
         if alike is not None:
             self._alike[key] = alike
+        else:
+            self.groups.pop(key, None)
         for setting in {previous, alike} - {None}:
             group = tuple(k for k, a in self._alike.items() if a == setting)
             self.groups.update(dict.fromkeys(group, group))
-
-    def keep(self, keys: Sequence[LayerKey], parts: Sequence[Any], routed: torch.Tensor) -> None:
-        """Keep what a group's first layer routed for each of ``keys`` on ``routed``, the input it read."""
-        reference = weakref.ref(routed)
-        for key, part in zip(keys, parts, strict=True):
-            self._routed[key] = (reference, routed._version, part)
-
-    def routed_for(self, key: LayerKey, routed: torch.Tensor) -> tuple[Any, bool]:
-        """What this call's group leader routed for ``key`` (``None``: nothing yet), and whether on ``routed``."""
-        reference, version, part = self._routed.pop(key, (None, None, None))
-        return part, reference is not None and reference() is routed and version == routed._version
 
     def cached_decision(self, key: LayerKey, batch_size: int) -> RoutingDecision | None:
         """Inside ``generate``, the decision ``key`` (a layer and adapter) made at prefill: decode steps see only the

@@ -3,6 +3,7 @@ method)."""
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -202,14 +203,14 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             group = () if alone else context.groups.get(key, ())
             if not group[1:]:
                 decision = router(inputs)
-            else:
-                part, same_input = context.routed_for(key, routed)
-                if part is None:  # the first of its group on this input: it routes all of them
-                    routers = [layer.smear_router[name] for layer, name in group]
-                    context.keep(group, router.route_together(routers, inputs), routed)
-                    part, _ = context.routed_for(key, routed)  # taken, as every member takes its own
-                elif not same_input:  # its group's first read another input: alone, with what was drawn for it
-                    part = router.route_together([router], inputs, part)[0]
+            else:  # the first of its group called in this call routes all of them, on what it reads
+                if ("routed", key) not in (memo := inputs.memo):
+                    parts = router.route_together([layer.smear_router[name] for layer, name in group], inputs)
+                    kept = (weakref.ref(routed), routed._version)
+                    memo.update({("routed", k): (*kept, part) for k, part in zip(group, parts, strict=True)})
+                reference, version, part = memo.pop(("routed", key))  # taken: each member takes its own
+                if reference() is not routed or version != routed._version:  # its group's first read another input
+                    part = router.route_together([router], inputs)[0]
                 decision = router.decided(part, inputs)
         if generating or context.observers:
             context.observe(key, decision)
@@ -258,6 +259,11 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             if kind.frozen:
                 for param in self.expert_params(name).values():
                     param.requires_grad_(False)
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        """PEFT's; the layer leaves its routing group too, which an adapter re-added under that name may not join."""
+        super().delete_adapter(adapter_name)
+        self.routing_context.join((self, adapter_name), None)
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         raise TypeError(MERGE_UNSUPPORTED)

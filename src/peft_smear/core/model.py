@@ -112,7 +112,7 @@ class SmearModel(BaseTuner):
         self._call_labels = arguments.get("labels")
         if tokens is not None and not self._is_encoder_decoder:
             _check_labels(self._call_labels, tokens.shape[:2], per_token=self._generates_text)
-        self.routing_context.begin()
+        self.routing_context.call.checks.resolve(wait=True)  # the previous call's
         self.routing_context.aux.begin()
         if self.model.training and (clocks := [router.training_calls for router in list(self.routing_context.clocks)]):
             torch._foreach_add_(clocks, 1)  # every scheduled router's clock, in one in-place add
@@ -128,6 +128,10 @@ class SmearModel(BaseTuner):
         per_token = {name for name, call_input in known_call_inputs().items() if call_input.per_token}
         mask = _padding_mask(arguments.get("attention_mask"), "attention_mask")
         self.routing_context.call.start(mask, labels, arguments.get("input_ids"), packing, per_token)
+        tokens = next((arguments[n] for n in ("input_ids", "inputs_embeds") if arguments.get(n) is not None), None)
+        if tokens is not None and not torch.compiler.is_compiling():  # each router says if it drops experts
+            examples = tokens.shape[0] if packing is None else packing.mask.shape[0]
+            self.routing_context.draw_expert_dropout(examples, tokens.device)
 
     def _finish_call(self, model: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         """Let the active routing methods finish the call (``Router.finish_call``), add the auxiliary losses to

@@ -71,9 +71,9 @@ class Router(nn.Module):
     exists (a :class:`~peft_smear.core.model.ModelCall`): called once per model call."""
 
     route_together: ClassVar[Callable[..., list] | None] = None
-    """A classmethod ``route_together(routers, inputs, drawn=None)`` of methods whose routers, in layers that read one
-    input alike (Llama's q, k and v), route in one go: a part each, which ``router.decided(part, inputs)`` turns into
-    ``router(inputs)``'s decision (``drawn``: a part made on another input, whose draws it reuses)."""
+    """A classmethod ``route_together(routers, inputs)`` of methods whose routers, in layers that read one input
+    alike (Llama's q, k and v), route in one go: a part each, which ``router.decided(part, inputs)`` turns into
+    ``router(inputs)``'s decision."""
 
     exportable: ClassVar[bool] = True
     """Whether a fixed routing of the method can be written as one plain adapter (export's trait): not for a

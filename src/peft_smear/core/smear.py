@@ -2,8 +2,8 @@
 default experts, LoRAs, in the order a model call runs them.
 
 Once per call (:class:`~peft_smear.core.context.CallState`): the tokens each example is routed on, as weights
-``w [batch, tokens]`` (``1 / count`` at each of them), and, once the layers have run, the load-balancing loss over
-every router's distribution.
+``w [batch, tokens]`` (``1 / count`` at each of them), every router's expert dropout (``drop [G, batch, N]``), and,
+once the layers have run, the load-balancing loss over every router's distribution.
 
 Once per distinct input ``x [batch, tokens, in]``, for the G routers of the wrapped layers that read it (Llama's q,
 k and v read one, gate and up another):
@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from operator import attrgetter
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -105,14 +105,6 @@ def drop_experts(noise: torch.Tensor, p: float) -> torch.Tensor:
     return (keep | ~keep.any(dim=-1, keepdim=True)).float().log()
 
 
-class Routed(NamedTuple):
-    """One router's part of its group's routing: distribution, ``LN(summary)``, expert dropout's noise or ``None``."""
-
-    probs: torch.Tensor
-    normed: torch.Tensor
-    noise: torch.Tensor | None
-
-
 @register_router
 class SmearRouter(NormalisedInputRouter):
     """SMEAR: the experts' parameters merged by ``softmax(LN(pooled) @ LN_rows(W).T / router_temperature)`` (fp32)
@@ -146,20 +138,18 @@ class SmearRouter(NormalisedInputRouter):
         return self.decided(self.route_together([self], inputs)[0], inputs)
 
     @classmethod
-    def route_together(
-        cls, routers: Sequence[SmearRouter], inputs: RouterInputs, drawn: Routed | None = None
-    ) -> list[Routed]:
-        """The distributions of ``routers``, which read one input with the same settings: one summary, one ``route``.
-        ``drawn``: a router's part made on another input, whose expert dropout it reuses (as it would draw alone)."""
+    def route_together(cls, routers: Sequence[SmearRouter], inputs: RouterInputs) -> list[tuple]:
+        """Each of ``routers``' part, its distribution and ``LN(summary)``, for routers that read one input alike: one
+        summary, one ``route``."""
         first = routers[0]
         summary = inputs.summary()  # 1. pooled: [batch, features] fp32
-        dropout = first.expert_dropout if first.training else 0.0
-        # Expert dropout, drawn for the group where it routes: a checkpointed layer's recomputation draws it again
-        # from the same generator state, and on a CPU the numbers are those the routers would draw one by one.
-        noise = None if drawn is None else drawn.noise
-        if dropout and drawn is None:
-            noise = summary.new_empty(len(routers), summary.shape[0], first.num_experts).uniform_()
-        drop = None if noise is None else drop_experts(noise, dropout)  # [G, batch, N]
+        drop = None  # expert dropout, [G, batch, N]: as the call drew it (RoutingContext.draw_expert_dropout), or now
+        if first.training and first.expert_dropout:
+            drop = None if torch.compiler.is_compiling() else inputs.memo.get(("expert dropout", first, len(routers)))
+            if drop is None or drop.shape[1] != summary.shape[0]:  # a layer called alone, a mixed batch's rows
+                noise = summary.new_empty(len(routers), summary.shape[0], first.num_experts).uniform_()
+                drop = drop_experts(noise, first.expert_dropout)
+            drop = drop.to(summary.device)
         # Each parameter of all the routers stacked: one operation each (a view for one router), none in backward.
         params = attrgetter("input_norm_weight", "input_norm_bias", "row_norm_weight", "weight")
         if routers[1:]:
@@ -175,15 +165,15 @@ class SmearRouter(NormalisedInputRouter):
             uniform = torch.zeros_like(probs) if drop is None else drop
             warming = (first.training_calls <= first.warmup_steps).to(probs.dtype)
             probs = probs * (1 - warming) + uniform.softmax(dim=-1) * warming
-        noises = [None] * len(routers) if noise is None else noise.split(1)
-        return list(map(Routed._make, zip(probs.unbind(0), normed.unbind(0), noises, strict=True)))
+        return list(zip(probs.unbind(0), normed.unbind(0), strict=True))
 
-    def decided(self, routed: Routed, inputs: RouterInputs) -> RoutingDecision:
+    def decided(self, routed: tuple[torch.Tensor, torch.Tensor], inputs: RouterInputs) -> RoutingDecision:
         """This router's decision on its part of a group's routing, made in its layer's turn, random draws (a sampled
         decision's) included; the call adds every router's load balancing at its end."""
-        decision = self.decide(routed.probs, routed.normed, inputs)
+        probs, normed = routed
+        decision = self.decide(probs, normed, inputs)
         if self.training and self.balance_weight > 0:
-            decision.balance = (routed.probs, self.balance_weight)
+            decision.balance = (probs, self.balance_weight)
         return decision
 
     def decide(self, probs: torch.Tensor, normed: torch.Tensor, inputs: RouterInputs) -> RoutingDecision:
