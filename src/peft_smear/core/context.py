@@ -562,10 +562,8 @@ class RoutingContext:
     def join(self, key: LayerKey, alike: tuple | None) -> None:
         """``key`` routes with the layers joined with its ``alike`` (parent, adapter, router kind, width and input), in
         the order they joined (the model's); ``None``: with none."""
-        previous = self._alike.pop(key, None) if alike is None else self._alike.get(key)
-        if alike is not None:
-            self._alike[key] = alike
-        else:
+        previous, self._alike[key] = self._alike.get(key), alike
+        if alike is None:
             self.groups.pop(key, None)
         for setting in {previous, alike} - {None}:
             group = tuple(k for k, a in self._alike.items() if a == setting)

@@ -190,8 +190,7 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         key, router, context = (self, adapter_name), self.smear_router[adapter_name], self.routing_context
         fixed = self.fixed_routing.get(adapter_name)
         # A per-token router routes every new token on itself, so nothing made at prefill is reused.
-        generating = context.routing_cache is not None
-        decision = context.cached_decision(key, routed.shape[0]) if generating and not router.per_token else None
+        decision = None if router.per_token else context.cached_decision(key, routed.shape[0])
         if fixed is not None:
             decision = RoutingDecision(weights=fixed.to(routed.device).expand(routed.shape[0], -1))
         elif decision is None:
@@ -212,7 +211,7 @@ class SmearLinear(nn.Module, BaseTunerLayer):
                 if reference() is not routed or version != routed._version:  # its group's first read another input
                     part = router.route_together([router], inputs)[0]
                 decision = router.decided(part, inputs)
-        if generating or context.observers:
+        if context.routing_cache is not None or context.observers:
             context.observe(key, decision)
         return decision
 

@@ -53,9 +53,7 @@ def pool(hidden: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return torch.ops.peft_smear.pool(hidden, weights)
     hidden = hidden.float()
-    if weights is None:
-        return hidden.mean(dim=1)
-    return torch.bmm(weights.unsqueeze(1), hidden).squeeze(1)
+    return hidden.mean(dim=1) if weights is None else torch.bmm(weights.unsqueeze(1), hidden).squeeze(1)
 
 
 def token_weights(token_mask: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
@@ -143,13 +141,12 @@ class SmearRouter(NormalisedInputRouter):
         summary, one ``route``."""
         first = routers[0]
         summary = inputs.summary()  # 1. pooled: [batch, features] fp32
-        drop = None  # expert dropout, [G, batch, N]: as the call drew it (RoutingContext.draw_expert_dropout), or now
-        if first.training and first.expert_dropout:
-            drop = None if torch.compiler.is_compiling() else inputs.memo.get(("expert dropout", first, len(routers)))
-            if drop is None or drop.shape[1] != summary.shape[0]:  # a layer called alone, a mixed batch's rows
-                noise = summary.new_empty(len(routers), summary.shape[0], first.num_experts).uniform_()
-                drop = drop_experts(noise, first.expert_dropout)
-            drop = drop.to(summary.device)
+        # Expert dropout [G, batch, N], as the call drew it (RoutingContext.draw_expert_dropout), else drawn here.
+        drop = None if torch.compiler.is_compiling() else inputs.memo.get(("expert dropout", first, len(routers)))
+        if first.training and first.expert_dropout and (drop is None or drop.shape[1] != summary.shape[0]):
+            noise = summary.new_empty(len(routers), summary.shape[0], first.num_experts).uniform_()
+            drop = drop_experts(noise, first.expert_dropout)  # a layer called alone, a mixed batch's rows, compiled
+        drop = None if drop is None else drop.to(summary.device)
         # Each parameter of all the routers stacked: one operation each (a view for one router), none in backward.
         params = attrgetter("input_norm_weight", "input_norm_bias", "row_norm_weight", "weight")
         if routers[1:]:
@@ -184,15 +181,20 @@ class SmearRouter(NormalisedInputRouter):
 # 3. Merge --------------------------------------------------------------------------------------------------------
 
 
+def side_by_side(parameters: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[N, sizes]``: each expert's parameters flattened and side by side, so that one matmul merges them all."""
+    return torch.cat([p.flatten(1) for p in parameters], dim=1) if parameters[1:] else parameters[0].flatten(1)
+
+
 def merge_parameters(
-    parameters: Sequence[torch.Tensor], probs: torch.Tensor, dtype: torch.dtype | None = None
+    parameters: Sequence[torch.Tensor], probs: torch.Tensor, dtype: torch.dtype, flat: torch.Tensor | None = None
 ) -> list[torch.Tensor]:
-    """``sum_n probs[b, n] * parameter[n]`` as ``[batch, *parameter.shape[1:]]`` for each parameter: one
-    ``[batch, N] @ [N, size]`` matmul in the parameter's dtype (cheaper than an einsum, which permutes and copies),
-    then cast to ``dtype`` (``None``: left in the parameter's)."""
-    return [
-        (probs.to(p.dtype) @ p.reshape(p.shape[0], -1)).view(-1, *p.shape[1:]).to(dtype or p.dtype) for p in parameters
-    ]
+    """``sum_n probs[b, n] * parameter[n]`` as ``[batch, *parameter.shape[1:]]`` for each parameter, in ``dtype``: one
+    matmul of ``[batch, N]`` and the parameters side by side (``flat``, when made already) and one cast, a view of it
+    each (an einsum per parameter permutes and copies; a matmul and a cast each launch more)."""
+    flat = side_by_side(parameters) if flat is None else flat
+    merged = (probs.to(flat.dtype) @ flat).to(dtype).split([p[0].numel() for p in parameters], dim=1)
+    return [part.view(-1, *p.shape[1:]) for part, p in zip(merged, parameters, strict=True)]
 
 
 # 4. Apply --------------------------------------------------------------------------------------------------------
@@ -220,31 +222,32 @@ def add_per_example_experts(
 
 class MergeAndApply(torch.autograd.Function):
     """Steps 3 and 4 for LoRA experts in training, with the backward written out: each gradient one matmul in the
-    layout it is used in, where autograd's transposes the merged experts' gradients, copies them into the merge's
-    layout and sums the distribution's two gradients apart (3 operations a module fewer: ``work_counts.py``)."""
+    layout it is used in, where autograd's copies the merged experts' gradients into the merge's layout and the
+    parameters' gradients (views of one matmul's) into theirs (3 operations a module fewer: ``work_counts.py``)."""
 
     @staticmethod
     def forward(ctx, y, tokens, lora_A, lora_B, probs, scaling):
-        expert_A, expert_B = merge_parameters((lora_A, lora_B), probs, tokens.dtype)
+        flat = side_by_side((lora_A, lora_B))  # [N, r * in + out * r]
+        expert_A, expert_B = merge_parameters((lora_A, lora_B), probs, tokens.dtype, flat)
         hidden = torch.bmm(tokens, expert_A.transpose(1, 2))
-        ctx.save_for_backward(tokens, lora_A, lora_B, probs, expert_A, expert_B, hidden)
+        ctx.save_for_backward(tokens, lora_A, lora_B, probs, flat, expert_A, expert_B, hidden)
         ctx.scaling = scaling
         return torch.baddbmm(y, hidden, expert_B.transpose(1, 2), alpha=scaling)
 
     @staticmethod
     def backward(ctx, grad):
-        tokens, lora_A, lora_B, probs, expert_A, expert_B, hidden = ctx.saved_tensors
+        tokens, lora_A, lora_B, probs, flat, expert_A, expert_B, hidden = ctx.saved_tensors
         scale = (lambda t: t) if ctx.scaling == 1 else (lambda t: t * ctx.scaling)  # as autograd's baddbmm
         grad_hidden = scale(torch.bmm(grad, expert_B))  # [batch, tokens, r]
         grad_tokens = torch.bmm(grad_hidden, expert_A) if ctx.needs_input_grad[1] else None
-        # The merged experts' gradients, [batch, r * in] and [batch, out * r], in the parameters' dtype.
-        grad_A = torch.bmm(grad_hidden.transpose(1, 2), tokens).to(lora_A.dtype).flatten(1)
-        grad_B = scale(torch.bmm(grad.transpose(1, 2), hidden)).to(lora_B.dtype).flatten(1)
-        needs, weights = ctx.needs_input_grad, probs.to(lora_A.dtype).T
-        grad_lora_A = (weights @ grad_A).view_as(lora_A) if needs[2] else None
-        grad_lora_B = (weights @ grad_B).view_as(lora_B) if needs[3] else None
+        # The merged experts' gradients side by side, [batch, r * in + out * r], in the parameters' dtype.
+        grad_A = torch.bmm(grad_hidden.transpose(1, 2), tokens).flatten(1)
+        grad_merged = torch.cat((grad_A, scale(torch.bmm(grad.transpose(1, 2), hidden)).flatten(1)), 1).to(flat.dtype)
+        needs, weights, size_A = ctx.needs_input_grad, probs.to(flat.dtype).T, grad_A.shape[1]
+        grad_lora_A = (weights @ grad_merged[:, :size_A]).view_as(lora_A) if needs[2] else None
+        grad_lora_B = (weights @ grad_merged[:, size_A:]).view_as(lora_B) if needs[3] else None
         # In the parameters' dtype: autograd casts a gradient to its input's (probs: fp32).
-        grad_probs = torch.addmm(grad_A @ lora_A.flatten(1).T, grad_B, lora_B.flatten(1).T) if needs[4] else None
+        grad_probs = grad_merged @ flat.T if needs[4] else None
         return grad, grad_tokens, grad_lora_A, grad_lora_B, grad_probs, None
 
 

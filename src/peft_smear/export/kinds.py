@@ -82,7 +82,8 @@ class LoraExport(KindExport):
     mean_update = "low_rank"
 
     def weights(self, kind: ExpertKind, params: Params, distribution: torch.Tensor) -> dict[str, torch.Tensor]:
-        merged_A, merged_B = merge_parameters((params["smear_lora_A"], params["smear_lora_B"]), distribution[None])
+        lora_A, lora_B = params["smear_lora_A"], params["smear_lora_B"]
+        merged_A, merged_B = merge_parameters((lora_A, lora_B), distribution[None], lora_A.dtype)
         return {"lora_A.weight": merged_A[0], "lora_B.weight": merged_B[0]}
 
     def config(
@@ -124,7 +125,7 @@ class IA3Export(KindExport):
 
     def weights(self, kind: ExpertKind, params: Params, distribution: torch.Tensor) -> dict[str, torch.Tensor]:
         """PEFT IA3's ``ia3_l``: ``[1, in]`` for an input-scaling (feed-forward) module, ``[out, 1]`` otherwise."""
-        (merged,) = merge_parameters([params["smear_ia3_l"]], distribution[None])
+        (merged,) = merge_parameters([params["smear_ia3_l"]], distribution[None], params["smear_ia3_l"].dtype)
         vector = merged[0]
         return {"ia3_l": vector[None] if kind.scales_input else vector[:, None]}
 
@@ -143,7 +144,8 @@ class AdapterExport(KindExport):
 
     def weights(self, kind: ExpertKind, params: Params, distribution: torch.Tensor) -> dict[str, torch.Tensor]:
         """One expert of a single-expert SMEAR adapter: the merged parameters, with an expert dimension of 1."""
-        merged = merge_parameters([params[name] for name in kind.names], distribution[None])
+        parameters = [params[name] for name in kind.names]
+        merged = merge_parameters(parameters, distribution[None], parameters[0].dtype)
         return dict(zip(kind.names, merged, strict=True))
 
     def config(
