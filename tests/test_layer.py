@@ -177,11 +177,12 @@ def test_expert_dropout_is_drawn_once_per_training_call_for_every_router():
     assert not torch.equal(dropped[layers], first), "a new call draws anew"
 
 
-def test_gradient_checkpointing_repeats_the_base_models_own_dropout_beside_expert_dropout():
-    """Expert dropout is drawn before the checkpointed blocks run, so their recomputation, which restores the random
-    state the block started from, draws the base model's attention dropout again as the forward drew it: the
-    gradients equal those without checkpointing. (Drawn inside the first block's forward but not in its
-    recomputation, the two would see different dropout masks.)"""
+def test_gradient_checkpointing_repeats_the_base_models_own_dropout_beside_expert_dropout(monkeypatch):
+    """Under gradient checkpointing each group of routers draws its expert dropout in its layer's turn, and the
+    layer's recomputation, from the random state it restores, draws it and the base model's attention dropout again
+    as the forward did: the gradients equal those of the same draws without checkpointing (the call's own draw left
+    out there, so that both take the random numbers in one order). (A recomputation that reused the forward's expert
+    dropout without drawing it would shift the attention dropout's numbers.)"""
     batch = random_batch(3, 6, lengths=[6, 4, 2])
 
     def gradients(checkpointing: bool) -> dict[str, torch.Tensor]:
@@ -191,6 +192,33 @@ def test_gradient_checkpointing_repeats_the_base_models_own_dropout_beside_exper
         model.train()
         torch.manual_seed(5)
         model(**batch, labels=batch["input_ids"]).loss.backward()
+        return {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+
+    checkpointed = gradients(True)
+    monkeypatch.setattr(peft_smear.core.context.RoutingContext, "draw_expert_dropout", lambda *args: None)
+    plain = gradients(False)
+    assert plain.keys() == checkpointed.keys() and plain
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_two_training_passes_before_one_backward_keep_their_own_expert_dropout_under_checkpointing(use_reentrant):
+    """Two passes of one batch, each with its own expert dropout, then one backward (R-Drop, a consistency loss):
+    under gradient checkpointing each pass's layers are recomputed with that pass's draws, as without it. (Drawn once
+    per call and read back by the recomputation, the first pass would be recomputed with the second's.)"""
+    batch = random_batch(3, 6, lengths=[6, 4, 2])
+
+    def gradients(checkpointing: bool) -> dict[str, torch.Tensor]:
+        model = smear(tiny_llama(), expert_dropout=0.5, router_input="self")
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+            model.enable_input_require_grads()
+        model.train()
+        torch.manual_seed(5)
+        first, second = (model(**batch, labels=batch["input_ids"]) for _ in range(2))
+        assert not torch.equal(first.logits, second.logits), "the passes drop different experts"
+        (first.loss + second.loss).backward()
         return {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
 
     plain, checkpointed = gradients(False), gradients(True)

@@ -234,9 +234,7 @@ class CallState:
         """The adapter of each of ``batch_size`` rows in a mixed batch: each example's, repeated per beam (or returned
         sequence) inside ``generate``."""
         if batch_size % len(self.adapters):
-            raise ValueError(
-                f"adapter_names has {len(self.adapters)} names but a module sees a batch of {batch_size}."
-            )
+            raise ValueError(f"adapter_names has {len(self.adapters)} names, but a module sees {batch_size} rows.")
         return [name for name in self.adapters for _ in range(batch_size // len(self.adapters))]
 
     def call_input(self, name: str, batch_size: int) -> torch.Tensor | None:
@@ -544,8 +542,8 @@ class RoutingContext:
 
     def draw_expert_dropout(self, batch_size: int, device: torch.device) -> None:
         """Expert dropout for every active router of a training call, drawn at once before its layers run (on a CPU,
-        the numbers each group would draw in its layer's turn), so that a checkpointed layer's recomputation draws
-        nothing and the base model's own draws there repeat the forward's; per group and per router, a view each."""
+        the numbers each group would draw in its layer's turn): one operation, not one per group. Kept per group and
+        per router (one routing alone on another input), a view each."""
         by_setting: dict[tuple[int, float], list[list[Any]]] = {}
         for group in dict.fromkeys(self.groups.values()):
             routers = [layer.smear_router[name] for layer, name in group if name in layer.active_adapters]

@@ -156,21 +156,19 @@ class SmearLinear(nn.Module, BaseTunerLayer):
                 "unpacked rows (one example each) with adapter_names."
             )
         names = self.routing_context.call.row_adapters(x.shape[0])
-        groups = {name: tuple(i for i, row in enumerate(names) if row == name) for name in dict.fromkeys(names)}
-        groups = {name: rows for name, rows in groups.items() if name in self.expert_kind}
+        rows_of = {name: tuple(i for i, row in enumerate(names) if row == name) for name in dict.fromkeys(names)}
+        groups = {a: (r, torch.tensor(r, device=x.device)) for a, r in rows_of.items() if a in self.expert_kind}
         tokens, inputs = x.reshape(x.shape[0], -1, x.shape[-1]), x
-        for name, rows in groups.items():  # kinds that act on the module's input, before it runs
+        for name, (rows, index) in groups.items():  # kinds that act on the module's input, before it runs
             if self.expert_kind[name].scales_input:
-                index = torch.tensor(rows, device=x.device)
                 decision = self.route(name, x[index], rows=rows, call_batch=x.shape[0])
                 scaled = self.apply_experts(name, decision, tokens[index], tokens[index])
                 inputs = inputs.index_copy(0, index, scaled.reshape(x[index].shape))
         y = self.base_layer(inputs, *args, **kwargs)
         out = y.reshape(y.shape[0], -1, y.shape[-1])
-        for name, rows in groups.items():
+        for name, (rows, index) in groups.items():
             kind = self.expert_kind[name]
             if not kind.scales_input:
-                index = torch.tensor(rows, device=x.device)
                 routed = y[index] if kind.routes_on_output else x[index]
                 decision = self.route(name, routed, rows=rows, call_batch=x.shape[0])
                 out = out.index_copy(0, index, self.apply_experts(name, decision, tokens[index], out[index]))

@@ -80,6 +80,7 @@ class SmearModel(BaseTuner):
         self._decoder_prefix: str | None = None
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._head_hooks: list[torch.utils.hooks.RemovableHandle] = []  # a mixed batch's, on modules_to_save
+        self._checkpointable = [module for module in model.modules() if hasattr(module, "gradient_checkpointing")]
         self._is_encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
         self._generates_text = bool(getattr(model, "can_generate", lambda: False)())
         self._hook(model, self._start_call)
@@ -128,8 +129,11 @@ class SmearModel(BaseTuner):
         per_token = {name for name, call_input in known_call_inputs().items() if call_input.per_token}
         mask = _padding_mask(arguments.get("attention_mask"), "attention_mask")
         self.routing_context.call.start(mask, labels, arguments.get("input_ids"), packing, per_token)
+        # Expert dropout drawn for the call, unless checkpointing recomputes it in each layer from the random state it
+        # restores (so that several calls before one backward keep their own draws), or a compiled graph draws it.
         tokens = next((arguments[n] for n in ("input_ids", "inputs_embeds") if arguments.get(n) is not None), None)
-        if tokens is not None and not torch.compiler.is_compiling():  # each router says if it drops experts
+        checkpointing = any(module.gradient_checkpointing for module in self._checkpointable)
+        if tokens is not None and not (checkpointing or torch.compiler.is_compiling()):
             examples = tokens.shape[0] if packing is None else packing.mask.shape[0]
             self.routing_context.draw_expert_dropout(examples, tokens.device)
 

@@ -145,7 +145,9 @@ class SmearRouter(NormalisedInputRouter):
         drop = None if torch.compiler.is_compiling() else inputs.memo.get(("expert dropout", first, len(routers)))
         if first.training and first.expert_dropout and (drop is None or drop.shape[1] != summary.shape[0]):
             noise = summary.new_empty(len(routers), summary.shape[0], first.num_experts).uniform_()
-            drop = drop_experts(noise, first.expert_dropout)  # a layer called alone, a mixed batch's rows, compiled
+            drop = drop_experts(noise, first.expert_dropout)  # no call draw: checkpointing, compiled, called alone
+            if routers[1:]:  # a member that reads another input routes alone with its row, as it would with the call's
+                inputs.memo.update({("expert dropout", r, 1): drop[i : i + 1] for i, r in enumerate(routers)})
         drop = None if drop is None else drop.to(summary.device)
         # Each parameter of all the routers stacked: one operation each (a view for one router), none in backward.
         params = attrgetter("input_norm_weight", "input_norm_bias", "row_norm_weight", "weight")
@@ -213,8 +215,7 @@ def add_per_example_experts(
     rank-r LoRA. The per-example scale goes on the rank-r hidden units and the second matmul adds into ``y`` with the
     scaling as its ``alpha``, so no pass over the output is left."""
     hidden = torch.bmm(tokens, expert_A.transpose(1, 2))
-    if output_scale is not None:
-        hidden = scaled(hidden, output_scale)
+    hidden = hidden if output_scale is None else scaled(hidden, output_scale)
     if hidden.dtype != y.dtype:  # e.g. an fp32 base output under autocast
         return y + (torch.bmm(hidden, expert_B.transpose(1, 2)) * scaling).to(y.dtype)
     return torch.baddbmm(y, hidden, expert_B.transpose(1, 2), alpha=scaling)
@@ -353,8 +354,7 @@ def add_lora_mixture(
     hidden = tokens @ stacked_A.T * per_token(weights).repeat_interleave(r, dim=-1).to(tokens.dtype)
     if hidden.dtype != y.dtype:
         return y + (hidden @ stacked_B.T * scaling).to(y.dtype)
-    flat = torch.addmm(y.reshape(-1, y.shape[-1]), hidden.reshape(-1, n * r), stacked_B.T, alpha=scaling)
-    return flat.view(y.shape)
+    return torch.addmm(y.reshape(-1, y.shape[-1]), hidden.reshape(-1, n * r), stacked_B.T, alpha=scaling).view(y.shape)
 
 
 def per_token(weights: torch.Tensor) -> torch.Tensor:
