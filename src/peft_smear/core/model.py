@@ -133,7 +133,7 @@ class SmearModel(BaseTuner):
         # restores (so that several calls before one backward keep their own draws), or a compiled graph draws it.
         tokens = next((arguments[n] for n in ("input_ids", "inputs_embeds") if arguments.get(n) is not None), None)
         checkpointing = any(module.gradient_checkpointing for module in self._checkpointable)
-        if tokens is not None and not (checkpointing or torch.compiler.is_compiling()):
+        if self.model.training and tokens is not None and not (checkpointing or torch.compiler.is_compiling()):
             examples = tokens.shape[0] if packing is None else packing.mask.shape[0]
             self.routing_context.draw_expert_dropout(examples, tokens.device)
 
