@@ -213,10 +213,10 @@ def test_auxiliary_losses_train_when_compiled_under_reentrant_checkpointing(comp
         torch.testing.assert_close(compiled[name], grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_expert_dropout_leaves_its_random_draws_to_aten():
+def test_a_compiled_training_call_draws_every_routers_expert_dropout_in_one_aten_uniform():
     """Inductor turns ``rand``/``rand_like`` into generated code with the op's seed index written into it, a kernel
-    compiled anew for every layer; ``uniform_`` it leaves to ATen's kernel. The training graph of a model with expert
-    dropout must draw its noise that way (measured by ``benchmarks/compile_speed.py``)."""
+    compiled for each; ``uniform_`` it leaves to ATen's kernel. A compiled training call draws its routers' expert
+    dropout as an eager one does, once for them all (measured by ``benchmarks/compile_speed.py``)."""
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
 
@@ -230,10 +230,27 @@ def test_expert_dropout_leaves_its_random_draws_to_aten():
         return aot_module_simplified(graph_module, example_inputs, fw_compiler=record)
 
     model = smear_model("prompt", expert_dropout=0.1).train()
+    assert len(model.base_model.targeted_module_names) > 1
     torch.compile(model, backend=forward_ops)(**inputs_for("prompt"))
-    layers = len(model.base_model.targeted_module_names)
-    assert sum(target.startswith("aten.uniform") for target in targets) == layers
+    assert sum(target.startswith("aten.uniform") for target in targets) == 1
     assert not [target for target in targets if target.startswith("aten.rand")]
+
+
+@pytest.mark.parametrize("source", ["prompt", "self"])
+def test_compiled_training_gives_each_router_the_expert_dropout_eager_mode_gives_it(source):
+    """With the same seed, a compiled (AOTAutograd, ATen's random kernels) training step drops the experts eager mode
+    drops in every layer: equal losses and gradients at a dropout that changes most routings."""
+    model = smear_model(source, expert_dropout=0.5).train()
+    results = []
+    for runner in (model, torch.compile(model, backend="aot_eager")):
+        model.zero_grad()
+        torch.manual_seed(3)
+        runner(**inputs_for(source)).loss.backward()
+        results.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+    (eager, compiled), router_grads = results, [name for name in results[0] if "smear_router" in name]
+    assert router_grads and eager.keys() == compiled.keys()
+    for name, grad in eager.items():
+        torch.testing.assert_close(compiled[name], grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
 def reference_pool_and_route(hidden, token_mask, params, noise, p):

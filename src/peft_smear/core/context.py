@@ -465,8 +465,7 @@ class AuxLosses:
                 balanced.append(decision.balance)
         if not (losses or balanced):
             return output
-        compiling = torch.compiler.is_compiling()
-        if not compiling and torch._C._current_graph_task_id() != -1:  # in backward: checkpointing recomputes
+        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:  # recomputed in backward
             if not self.without_autograd:  # non-reentrant checkpointing: the forward's graph already trains them
                 return output
             total = sum(value for _, value in losses) + sum(load_balance(p.unsqueeze(0), w) for p, w in balanced)
@@ -475,11 +474,7 @@ class AuxLosses:
             self.without_autograd = True
         for name, value in losses:
             self.add(name, value)
-        if compiling:  # a compiled graph computes each layer's where it is: no list to carry to the call's end
-            for probs, weight in balanced:
-                self.add("router_balance", load_balance(probs.unsqueeze(0), weight))
-        else:
-            self.balanced += balanced
+        self.balanced += balanced
         return output
 
     def add(self, name: str, value: torch.Tensor) -> None:

@@ -130,10 +130,10 @@ class SmearModel(BaseTuner):
         mask = _padding_mask(arguments.get("attention_mask"), "attention_mask")
         self.routing_context.call.start(mask, labels, arguments.get("input_ids"), packing, per_token)
         # Expert dropout drawn for the call, unless checkpointing recomputes it in each layer from the random state it
-        # restores (so that several calls before one backward keep their own draws), or a compiled graph draws it.
+        # restores (so that several calls before one backward keep their own draws). A compiled call draws it too.
         tokens = next((arguments[n] for n in ("input_ids", "inputs_embeds") if arguments.get(n) is not None), None)
         checkpointing = any(module.gradient_checkpointing for module in self._checkpointable)
-        if self.model.training and tokens is not None and not (checkpointing or torch.compiler.is_compiling()):
+        if self.model.training and tokens is not None and not checkpointing:
             examples = tokens.shape[0] if packing is None else packing.mask.shape[0]
             self.routing_context.draw_expert_dropout(examples, tokens.device)
 

@@ -142,10 +142,10 @@ class SmearRouter(NormalisedInputRouter):
         first = routers[0]
         summary = inputs.summary()  # 1. pooled: [batch, features] fp32
         # Expert dropout [G, batch, N], as the call drew it (RoutingContext.draw_expert_dropout), else drawn here.
-        drop = None if torch.compiler.is_compiling() else inputs.memo.get(("expert dropout", first, len(routers)))
+        drop = inputs.memo.get(("expert dropout", first, len(routers)))
         if first.training and first.expert_dropout and (drop is None or drop.shape[1] != summary.shape[0]):
             noise = summary.new_empty(len(routers), summary.shape[0], first.num_experts).uniform_()
-            drop = drop_experts(noise, first.expert_dropout)  # no call draw: checkpointing, compiled, called alone
+            drop = drop_experts(noise, first.expert_dropout)  # no call draw: checkpointing, called alone
             if routers[1:]:  # a member that reads another input routes alone with its row, as it would with the call's
                 inputs.memo.update({("expert dropout", r, 1): drop[i : i + 1] for i, r in enumerate(routers)})
         drop = None if drop is None else drop.to(summary.device)
