@@ -1399,11 +1399,15 @@ def run_study(
         return produced
 
     pending: dict[Future, tuple[str, Run]] = {}
+    taken: set[tuple[str, Run]] = set()  # two seed rules may ask for one run (SMEAR's and the upcycled method's)
     with RunPool(setup, jobs, threads) as executor:
         while ready or pending:
             while ready and len(pending) < jobs:
                 ready.sort(key=priority)
                 regime, run = ready.pop(0)
+                if (regime, run) in taken:
+                    continue
+                taken.add((regime, run))
                 produced = journalled(regime, run)
                 if produced is not None:
                     replayed += len(produced)

@@ -384,6 +384,17 @@ def test_the_scheduler_adds_seeds_where_a_verdict_may_flip(study, monkeypatch):
     assert extra == {("one", "smear"), ("one", "lora_1x_compute"), ("three", "smear"), ("three", "lora_1x_compute")}
 
 
+def test_a_run_that_two_seed_rules_ask_for_trains_once(study, monkeypatch):
+    """SMEAR's rule and the upcycled method's both ask for SMEAR's and LoRA 1× compute's extra seeds when both
+    verdicts may flip: each trains once (the Gemma study trained them twice in one process, journalling both)."""
+    flat = lambda method, rate: -abs(math.log(rate / 3e-2))  # noqa: E731
+    close = {"smear": (60.0, 50.0), "lora_1x_compute": (54.0, 54.0), "upcycled": (55.0, 55.0)}
+    _, _, trained = stubbed_study(study, monkeypatch, flat, lambda method, seed: close[method][seed % 2])
+    extra = [(regime, run.method) for regime, run in trained if run.seed >= 2]
+    assert {("one", "smear"), ("one", "lora_1x_compute"), ("one", "upcycled")} <= set(extra)
+    assert len(trained) == len(set(trained)), [run for run in trained if trained.count(run) > 1]
+
+
 def test_the_upcycled_method_is_compared_with_those_of_its_references_that_ran(study):
     """``--methods upcycled`` (its references, SMEAR and LoRA 1× compute, left out or one of them) reports the
     upcycled runs against what ran, where it raised a KeyError after its runs."""
