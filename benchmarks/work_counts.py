@@ -17,6 +17,10 @@ time it is deterministic and a CPU can count it:
   of a tensor, ``nonzero``, ``equal``, a boolean-mask index, ...), which on a GPU wait for every queued kernel. On
   the 3-layer model, per call, for the method and for LoRA. (``.tolist()`` and ``.cpu()`` of a CPU tensor dispatch
   nothing and are not seen here: the package calls neither on a call's tensors.)
+* **Compiled graph nodes per decoder layer**: the ATen operations (views included) in the forward and backward graphs
+  that AOTAutograd hands inductor for one ``torch.compile``d training step, 3-layer model minus 2-layer. Inductor
+  lowers, fuses and generates code for each, so they are the work of a cold first compiled step, which
+  ``compile_speed.py`` times (one method's varied by up to 25% between runs).
 * **Package calls per wrapped module**: every Python function call into the adapter's package (``peft_smear`` for
   the SMEAR methods, ``peft/tuners/lora`` for LoRA) during one training forward of the 2-layer model, divided by its
   14 wrapped modules, per-call work included.
@@ -139,6 +143,24 @@ def counted(model: torch.nn.Module, inputs: dict[str, torch.Tensor], mode: str) 
     return counter
 
 
+def compiled_nodes(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> int:
+    """The nodes of the forward and backward graphs of one compiled training step (AOTAutograd, no code generated)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    nodes = 0
+
+    def count(graph: torch.fx.GraphModule, _) -> Callable:
+        nonlocal nodes
+        nodes += sum(node.op == "call_function" for node in graph.graph.nodes)
+        return make_boxed_func(graph.forward)
+
+    torch._dynamo.reset()
+    step(torch.compile(model, backend=aot_autograd(fw_compiler=count, bw_compiler=count)), inputs, "train")
+    torch._dynamo.reset()
+    return nodes
+
+
 def package_of(method: str) -> str:
     if method == "lora":
         return str(Path(peft.__file__).parent / "tuners" / "lora")
@@ -172,6 +194,7 @@ class Row:
     host_reads_per_call: dict[str, int] = field(default_factory=dict)  # by mode
     calls_per_module: float = 0.0
     top_operations: dict[str, list[tuple[str, int]]] = field(default_factory=dict)  # by mode, per layer
+    compiled_nodes_per_layer: int = 0
 
 
 def measure(methods: tuple[str, ...], dtypes: tuple[str, ...], device: str, log: Callable[[str], None]) -> list[Row]:
@@ -190,9 +213,11 @@ def measure(methods: tuple[str, ...], dtypes: tuple[str, ...], device: str, log:
                 row.host_reads_per_call[mode] = sum(large.host_reads.values())
             wrapped = sum(1 for name, _ in two.named_modules() if name.split(".")[-1] in TARGET_MODULES)
             row.calls_per_module = package_calls(two, inputs, package_of(method)) / wrapped
+            row.compiled_nodes_per_layer = compiled_nodes(three, inputs) - compiled_nodes(two, inputs)
             log(
                 f"{dtype_name} {method}: ops per layer {row.ops_per_layer}, host reads per call "
-                f"{row.host_reads_per_call}, package calls per wrapped module {row.calls_per_module:.1f}"
+                f"{row.host_reads_per_call}, package calls per wrapped module {row.calls_per_module:.1f}, "
+                f"compiled graph nodes per layer {row.compiled_nodes_per_layer}"
             )
             rows.append(row)
     return rows
@@ -205,18 +230,20 @@ def lora_row(rows: list[Row], dtype: str) -> Row | None:
 def markdown_table(rows: list[Row]) -> str:
     lines = [
         "| base | method | train ops / layer | ratio | eval ops / layer | ratio | host syncs per train / eval call "
-        "(LoRA's) | package calls per wrapped module |",
-        "|---|---|---|---|---|---|---|---|",
+        "(LoRA's) | package calls per wrapped module | compiled graph nodes / layer | ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lora = lora_row(rows, row.dtype)
         ratios = [row.ops_per_layer[m] / lora.ops_per_layer[m] if lora else float("nan") for m in MODES]
+        compiled = row.compiled_nodes_per_layer / lora.compiled_nodes_per_layer if lora else float("nan")
         syncs = " / ".join(
             f"{row.host_reads_per_call[m]} ({lora.host_reads_per_call[m] if lora else '?'})" for m in MODES
         )
         lines.append(
             f"| {row.dtype} | {row.method} | {row.ops_per_layer['train']} | {ratios[0]:.2f}× | "
-            f"{row.ops_per_layer['eval']} | {ratios[1]:.2f}× | {syncs} | {row.calls_per_module:.1f} |"
+            f"{row.ops_per_layer['eval']} | {ratios[1]:.2f}× | {syncs} | {row.calls_per_module:.1f} | "
+            f"{row.compiled_nodes_per_layer} | {compiled:.2f}× |"
         )
     return "\n".join(lines)
 
@@ -273,7 +300,8 @@ def results_section(rows: list[Row], device: str, command: str, load: tuple[tupl
         f"- Wall time: {seconds:.0f} s. Counts are deterministic: they do not depend on the load or the machine.",
         "- Kernel-launching ATen operations per decoder layer (3-layer model minus 2-layer), a training step (forward "
         "and backward) and an evaluation forward; host syncs per call of the 3-layer model (LoRA's in brackets); "
-        "Python calls into the adapter's package per wrapped module in one training forward of the 2-layer model. "
+        "Python calls into the adapter's package per wrapped module in one training forward of the 2-layer model; "
+        "ATen nodes per decoder layer in the forward and backward graphs of a compiled training step (AOTAutograd). "
         "Ratios are to PEFT LoRA of rank r on the same base.",
         "",
         markdown_table(rows),

@@ -35,6 +35,14 @@ def test_package_calls_counts_the_calls_into_the_package_only():
     assert work_counts.package_calls(model, inputs, "/no/such/package") == 0
 
 
+def test_compiled_graph_nodes_grow_by_the_same_count_with_each_decoder_layer():
+    """Per layer is a difference of depths: it means something only if every layer adds the same nodes, as a fourth
+    layer shows."""
+    inputs = work_counts.batch("cpu")
+    nodes = [work_counts.compiled_nodes(work_counts.build("lora", n, torch.float32, "cpu"), inputs) for n in (2, 3, 4)]
+    assert nodes[2] - nodes[1] == nodes[1] - nodes[0] > 0
+
+
 def test_a_run_writes_its_table_and_targets(tmp_path):
     results = tmp_path / "RESULTS.md"
     lines = []
@@ -45,7 +53,7 @@ def test_a_run_writes_its_table_and_targets(tmp_path):
     assert "## Work counts" in text and "| fp32 | lora |" in text and "| fp32 | single |" in text
     # LoRA's own row is its own reference.
     row = next(line for line in text.splitlines() if line.startswith("| fp32 | lora |"))
-    assert row.count("1.00×") == 2
+    assert row.count("1.00×") == 3
 
 
 def test_a_target_is_met_only_within_its_limit():
