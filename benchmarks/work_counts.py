@@ -44,7 +44,9 @@ from pathlib import Path
 import peft
 import torch
 from common import add_results_option, command_line, load_description, machine_description, write_results
+from functorch.compile import make_boxed_func
 from peft import LoraConfig, get_peft_model
+from torch._dynamo.backends.common import aot_autograd
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -145,9 +147,6 @@ def counted(model: torch.nn.Module, inputs: dict[str, torch.Tensor], mode: str) 
 
 def compiled_nodes(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> int:
     """The nodes of the forward and backward graphs of one compiled training step (AOTAutograd, no code generated)."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
     nodes = 0
 
     def count(graph: torch.fx.GraphModule, _) -> Callable:

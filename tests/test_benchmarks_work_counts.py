@@ -37,10 +37,33 @@ def test_package_calls_counts_the_calls_into_the_package_only():
 
 def test_compiled_graph_nodes_grow_by_the_same_count_with_each_decoder_layer():
     """Per layer is a difference of depths: it means something only if every layer adds the same nodes, as a fourth
-    layer shows."""
+    layer shows. Each count is the forward's and the backward's graph together, as this test's own backend, which
+    records each graph apart, finds them."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
     inputs = work_counts.batch("cpu")
     nodes = [work_counts.compiled_nodes(work_counts.build("lora", n, torch.float32, "cpu"), inputs) for n in (2, 3, 4)]
     assert nodes[2] - nodes[1] == nodes[1] - nodes[0] > 0
+
+    graphs = {}
+
+    def recorder(kind):
+        def record(graph, _):
+            graphs[kind] = [node for node in graph.graph.nodes if node.op == "call_function"]
+            return make_boxed_func(graph.forward)
+
+        return record
+
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        work_counts.build("lora", 2, torch.float32, "cpu"),
+        backend=aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward")),
+    )
+    work_counts.step(compiled, inputs, "train")
+    torch._dynamo.reset()
+    assert graphs["forward"] and graphs["backward"]
+    assert nodes[0] == len(graphs["forward"]) + len(graphs["backward"])
 
 
 def test_a_run_writes_its_table_and_targets(tmp_path):

@@ -132,8 +132,8 @@ class SmearModel(BaseTuner):
         # Expert dropout drawn for the call, unless checkpointing recomputes it in each layer from the random state it
         # restores (so that several calls before one backward keep their own draws). A compiled call draws it too.
         tokens = next((arguments[n] for n in ("input_ids", "inputs_embeds") if arguments.get(n) is not None), None)
-        checkpointing = any(module.gradient_checkpointing for module in self._checkpointable)
-        if self.model.training and tokens is not None and not checkpointing:
+        training = self.model.training and tokens is not None  # an eval call or a generate step reads no flag
+        if training and not any(module.gradient_checkpointing for module in self._checkpointable):
             examples = tokens.shape[0] if packing is None else packing.mask.shape[0]
             self.routing_context.draw_expert_dropout(examples, tokens.device)
 
