@@ -3,6 +3,7 @@ output against an explicit per-example merge, every routing method, save and loa
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 import subprocess
@@ -655,6 +656,36 @@ def test_lora_merge_and_apply_backward_equals_autograds_through_the_plain_steps(
         assert got.dtype == expected.dtype == tensor.dtype and got.shape == expected.shape
         error = float((got.double() - expected.double()).norm() / expected.double().norm())
         assert error <= tolerance, (tuple(tensor.shape), error)
+
+
+@pytest.mark.parametrize("dtype, casts", [(torch.float32, 0), (torch.bfloat16, 1)])
+def test_lora_merge_and_apply_backward_launches_one_matmul_per_gradient_and_no_concatenation(dtype, casts):
+    """``MergeAndApply``'s backward dispatches four batched matmuls (the rank-r hidden units', the input's and the two
+    merged experts', each merged one written into its side of one buffer), three matmuls to the experts and the
+    router, the scaling's two multiplications and, for bf16 tokens over fp32 experts, one cast: no concatenation
+    and no copy, each of which launches a kernel on a GPU (``benchmarks/work_counts.py``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.operations = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if not (func.is_view or name in {"detach", "empty", "new_empty", "empty_strided"}):
+                self.operations[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    x, y = torch.randn(3, 5, 12, dtype=dtype, requires_grad=True), torch.randn(3, 5, 10, dtype=dtype)
+    lora_A, lora_B = torch.randn(4, 2, 12, requires_grad=True), torch.randn(4, 10, 2, requires_grad=True)
+    probs = torch.randn(3, 4).softmax(dim=-1).requires_grad_()
+    out = MergeAndApply.apply(y, x, lora_A, lora_B, probs, 2.0)
+    grad_output = torch.ones_like(out)
+    with Counter() as counter:
+        torch.autograd.grad(out, (x, lora_A, lora_B, probs), grad_output)
+    expected = {"bmm": 4, "mm": 3, "mul_": 2, "_to_copy": casts}
+    assert +counter.operations == +collections.Counter(expected), dict(counter.operations)
 
 
 def backward_nodes(root: torch.autograd.graph.Node) -> list[str]:

@@ -239,15 +239,14 @@ class MergeAndApply(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         tokens, lora_A, lora_B, probs, flat, expert_A, expert_B, hidden = ctx.saved_tensors
-        scale = (lambda t: t) if ctx.scaling == 1 else (lambda t: t * ctx.scaling)  # as autograd's baddbmm
-        grad_hidden = scale(torch.bmm(grad, expert_B))  # [batch, tokens, r]
-        grad_tokens = torch.bmm(grad_hidden, expert_A) if ctx.needs_input_grad[1] else None
         # The merged experts' gradients side by side, [batch, r * in + out * r]: each matmul writes its part, no cat.
         grad_merged, size_A = grad.new_empty(len(probs), flat.shape[1]), lora_A[0].numel()
-        torch.bmm(grad_hidden.transpose(1, 2), tokens, out=grad_merged[:, :size_A].view_as(expert_A))
+        grad_hidden = torch.bmm(grad, expert_B)  # [batch, tokens, r]
         grad_B = torch.bmm(grad.transpose(1, 2), hidden, out=grad_merged[:, size_A:].view_as(expert_B))
-        if ctx.scaling != 1:
-            grad_B.mul_(ctx.scaling)
+        if ctx.scaling != 1:  # after the matmuls, as autograd's baddbmm
+            grad_hidden.mul_(ctx.scaling), grad_B.mul_(ctx.scaling)
+        grad_tokens = torch.bmm(grad_hidden, expert_A) if ctx.needs_input_grad[1] else None
+        torch.bmm(grad_hidden.transpose(1, 2), tokens, out=grad_merged[:, :size_A].view_as(expert_A))
         grad_merged, needs, weights = grad_merged.to(flat.dtype), ctx.needs_input_grad, probs.to(flat.dtype).T
         grad_lora_A = (weights @ grad_merged[:, :size_A]).view_as(lora_A) if needs[2] else None
         grad_lora_B = (weights @ grad_merged[:, size_A:]).view_as(lora_B) if needs[3] else None
