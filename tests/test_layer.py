@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 from peft import PeftConfig, get_peft_model
@@ -298,6 +300,52 @@ def test_expert_dropout_on_a_sharp_router_keeps_gradients_finite():
     assert (probs[0, ::2, 0] == 0).all()
 
 
+@pytest.mark.parametrize("routers", [1, 2])
+def test_each_router_scales_inside_its_layer_norms_with_the_same_distributions_and_gradients(routers):
+    """Each router takes its input LayerNorm's scale and shift, and its rows' gain, inside its two LayerNorms: one
+    operation each, whose backwards also give those parameters' gradients, where one shared LayerNorm scaled after it
+    took an ``addcmul``, a ``mul`` and a dozen reductions and products in backward. The distributions and every
+    gradient are the unfused maths', computed here apart, router by router."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from peft_smear.core.smear import route
+
+    class Counter(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.operations = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                self.operations[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    summary = torch.randn(5, 16, requires_grad=True)
+    shapes = [(16,), (16,), (16,), (3, 16)]  # the input LayerNorm's weight and bias, the rows' gain, the rows
+    params = [[torch.randn(shape).requires_grad_() for _ in range(routers)] for shape in shapes]
+    leaves = (summary, *(p for kind in params for p in kind))
+    grad_probs = torch.randn(routers, 5, 3)
+    with Counter() as counter:
+        _, probs = route(summary, params)
+        grads = torch.autograd.grad(probs, leaves, grad_probs)
+    layer_norm = torch.nn.functional.layer_norm
+    expected = torch.stack(
+        [
+            ((layer_norm(summary, (16,)) * weight + bias) @ (layer_norm(rows, (16,)) * gain).T).softmax(dim=-1)
+            for weight, bias, gain, rows in zip(*params, strict=True)
+        ]
+    )
+    torch.testing.assert_close(probs, expected)
+    for got, want in zip(grads, torch.autograd.grad(expected, leaves, grad_probs), strict=True):
+        torch.testing.assert_close(got, want)
+    # Forward: two LayerNorms a router, the logits' matmul, the softmax (and a group's two stacks); backward: the
+    # softmax's, two matmuls, two LayerNorms' a router (and the summary's gradients added). No scaling, no reduction.
+    forward = {"native_layer_norm": 2 * routers, "bmm": 1, "_softmax": 1} | ({"stack": 2} if routers > 1 else {})
+    backward = {"_softmax_backward_data": 1, "bmm": 2, "native_layer_norm_backward": 2 * routers, "add": routers - 1}
+    assert +counter.operations == +(collections.Counter(forward) + collections.Counter(backward)), counter.operations
+
+
 def _alone_and_in_batch(model, arch, sequences, pad_left):
     """Logits of each sequence run alone, and run inside one padded batch, at the sequence's own positions."""
     longest = max(len(s) for s in sequences)
@@ -448,3 +496,36 @@ def test_a_models_first_call_computes_as_its_later_ones():
         if (g is None) != (gradients[1][n] is None) or not (g is None or torch.equal(g, gradients[1][n]))
     ]
     assert not different, different
+
+
+def test_a_training_forward_makes_few_python_calls_into_the_package_per_wrapped_module():
+    """On a GPU a step waits on the host, and each Python call into the package is host time LoRA does not spend.
+    Per wrapped module, a training forward runs the page's steps as calls (route, merge, apply, ...), but no
+    comprehension or generator: in Python 3.11 each is a call of its own, per module. Per-call work included, at
+    most 18 calls per wrapped module (issue 43's work counts)."""
+    import sys
+    from collections import Counter
+    from pathlib import Path
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(tiny_llama(), peft_smear.SmearConfig(target_modules=targets, task_type="CAUSAL_LM"))
+    batch = random_batch(2, 6)
+    batch["labels"] = batch["input_ids"].masked_fill(torch.arange(6) < 3, -100)
+    model.train()
+    model(**batch)  # once before: nothing built lazily is counted
+    package, calls = str(Path(peft_smear.__file__).parent), Counter()
+
+    def profile(frame, event, _) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(package):
+            calls[frame.f_code.co_filename, frame.f_code.co_firstlineno, frame.f_code.co_name] += 1
+
+    sys.setprofile(profile)
+    try:
+        model(**batch)
+    finally:
+        sys.setprofile(None)
+    modules = len(model.base_model.targeted_module_names)
+    per_module = [name for (_, _, name), count in calls.items() if count >= modules]
+    assert modules == 7 * model.config.num_hidden_layers and "forward" in per_module, per_module
+    assert not [name for name in per_module if name.startswith("<")], per_module
+    assert sum(calls.values()) <= 18 * modules, (sum(calls.values()) / modules, calls.most_common(12))

@@ -277,15 +277,6 @@ class CallState:
             )
         return mask
 
-    def token_weights(self, mask: Callable[[], torch.Tensor | None], key: tuple) -> torch.Tensor | None:
-        """The weights of the routing tokens that ``mask()`` marks (:func:`~peft_smear.core.smear.token_weights`),
-        computed once per call for every layer that routes by the same rule (``key``)."""
-        key = ("weights", *key)
-        if key not in self.memo:
-            token_mask = mask()
-            self.memo[key] = None if token_mask is None else token_weights(token_mask)
-        return self.memo[key]
-
     def _refuse_boundary_prompts(self, prompts: torch.Tensor) -> None:
         """Packing collators (TRL's, transformers') label every sequence's first token -100, a boundary, not a prompt:
         packed plain-text SFT would route each sequence on that token alone, where unpacked it has no prompt and is
@@ -329,6 +320,7 @@ class CallRouterInputs(RouterInputs):
     prefix_length: int | None
     training: bool
     experts: Params
+    memo: dict[Any, Any]  # the call's, or in a mixed batch the rows' own: resolved once by the layer
     rows: tuple[int, ...] | None = None
     call_batch: int = 0
 
@@ -339,11 +331,6 @@ class CallRouterInputs(RouterInputs):
     @property
     def device(self) -> torch.device:
         return self.routed.device
-
-    @property
-    def memo(self) -> dict[Any, Any]:
-        memo = self.call.memo
-        return memo if self.rows is None else memo.setdefault(("rows", self.rows, self.call_batch), {})
 
     def _of_rows(self, value: Any) -> Any:
         """What the call says of its examples, for the routed ones."""
@@ -358,7 +345,8 @@ class CallRouterInputs(RouterInputs):
         return self.routed.reshape(self.batch_size, -1, self.routed.shape[-1])
 
     def summary(self) -> torch.Tensor:
-        """Pooled once per call for every layer that reads the same tensor by the same rule."""
+        """Pooled once per call for every layer that reads the same tensor by the same rule, on the token weights
+        (:func:`~peft_smear.core.smear.token_weights`) of every layer that routes by the same rule."""
         if self.router_input == "encoder":
             summary = self.call.encoder_summary
             if summary is None:
@@ -380,9 +368,10 @@ class CallRouterInputs(RouterInputs):
         key = ("summary", id(self.routed), self.routed._version, backward, self.router_input, self.prefix_length)
         pooled = memo.get(key)
         if pooled is None or pooled[0]() is not self.routed:  # an id is reused once its tensor is freed
-            shape = tuple(self.routed.shape[:2])
-            weights = self.call.token_weights(self.token_mask, (self.router_input, self.prefix_length, shape))
-            pooled = memo[key] = (weakref.ref(self.routed), pool(self.routed, weights))
+            rule = ("weights", self.router_input, self.prefix_length, tuple(self.routed.shape[:2]))
+            if rule not in memo:
+                memo[rule] = None if (token_mask := self.token_mask()) is None else token_weights(token_mask)
+            pooled = memo[key] = (weakref.ref(self.routed), pool(self.routed, memo[rule]))
         return pooled[1]
 
     def token_mask(self) -> torch.Tensor | None:

@@ -188,13 +188,15 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         key, router, context = (self, adapter_name), self.smear_router[adapter_name], self.routing_context
         fixed = self.fixed_routing.get(adapter_name)
         # A per-token router routes every new token on itself, so nothing made at prefill is reused.
-        decision = None if router.per_token else context.cached_decision(key, routed.shape[0])
+        reuses_prefill = context.routing_cache is not None and not router.per_token
+        decision = context.cached_decision(key, routed.shape[0]) if reuses_prefill else None
         if fixed is not None:
             decision = RoutingDecision(weights=fixed.to(routed.device).expand(routed.shape[0], -1))
         elif decision is None:
             params = self.expert_params(adapter_name) if params is None else params
             reads = self.router_input[adapter_name], self.routing_prefix_length[adapter_name], self.training, params
-            inputs = CallRouterInputs(routed, context.call, context.aux, *reads, rows, call_batch)
+            memo = context.call.memo if rows is None else context.call.memo.setdefault(("rows", rows, call_batch), {})
+            inputs = CallRouterInputs(routed, context.call, context.aux, *reads, memo, rows, call_batch)
             # Alone: a mixed batch's rows (the call read for them alone); compiled (no identities to trace).
             alone = rows is not None or torch.compiler.is_compiling() or router.route_together is None
             group = () if alone else context.groups.get(key, ())

@@ -6,6 +6,7 @@ import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -133,7 +134,7 @@ class SmearModel(BaseTuner):
         # restores (so that several calls before one backward keep their own draws). A compiled call draws it too.
         tokens = next((arguments[n] for n in ("input_ids", "inputs_embeds") if arguments.get(n) is not None), None)
         training = self.model.training and tokens is not None  # an eval call or a generate step reads no flag
-        if training and not any(module.gradient_checkpointing for module in self._checkpointable):
+        if training and not any(map(attrgetter("gradient_checkpointing"), self._checkpointable)):
             examples = tokens.shape[0] if packing is None else packing.mask.shape[0]
             self.routing_context.draw_expert_dropout(examples, tokens.device)
 
@@ -146,7 +147,7 @@ class SmearModel(BaseTuner):
             self._set_adapter_names(None, None)  # the mixed batch is over
         aux = self.routing_context.aux
         finished, call = {}, ModelCall(self, model, args, kwargs, output, self._call_labels)
-        for router in dict.fromkeys(ROUTERS[config.routing] for config in self._active_configs()):
+        for router in {ROUTERS[config.routing]: None for config in self._active_configs()}:
             if router.finish_call is not None:
                 finished.update(router.finish_call(call))
         losses = {**aux.totals(), **finished}

@@ -75,22 +75,27 @@ ROW_NORM_INIT_GAIN = 1e-2
 
 
 def route(
-    summary: torch.Tensor, params: Sequence[torch.Tensor], drop: torch.Tensor | None = None
+    summary: torch.Tensor, params: Sequence[Sequence[torch.Tensor]], drop: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """G routers' ``LN(summary)`` ``[G, batch, features]`` and distributions ``[G, batch, N]``, both fp32:
     ``softmax(LN(summary) @ LN_rows(W).T)``. ``params``: the input LayerNorms' weights and biases and the rows'
-    LayerNorm gains, ``[G, features]`` each, and the rows ``[G, N, features]``; ``drop`` ``[G, batch, N]``, expert
-    dropout: 0 for a kept expert, -inf for a dropped one, so that the softmax renormalises over the rest (rescaling
-    the probabilities instead gives a sharp router whose kept ones all underflow a NaN gradient, ``1/sum**2``).
-    Normalising both sides keeps the logits from saturating the softmax; the rows' gain is learned, so routing can
-    still sharpen. Compiled, an opaque operator (:mod:`~peft_smear.core.compiled`)."""
+    LayerNorm gains, ``[features]`` each, and the rows ``[N, features]``, each a sequence over the routers (or
+    stacked); ``drop`` ``[G, batch, N]``, expert dropout: 0 for a kept expert, -inf for a dropped one, so that the
+    softmax renormalises over the rest (rescaling the probabilities instead gives a sharp router whose kept ones all
+    underflow a NaN gradient, ``1/sum**2``). Normalising both sides keeps the logits from saturating the softmax; the
+    rows' gain is learned, so routing can still sharpen. Compiled, an opaque operator
+    (:mod:`~peft_smear.core.compiled`)."""
     if torch.compiler.is_compiling():
-        return torch.ops.peft_smear.route(summary, list(params), drop)
-    norm_weight, norm_bias, gain, rows = map(torch.Tensor.float, params)
-    features = (summary.shape[-1],)
-    # Every router normalises the same summary: once, then each router's own scale and shift.
-    normed = torch.addcmul(norm_bias.unsqueeze(1), F.layer_norm(summary.float(), features), norm_weight.unsqueeze(1))
-    rows = F.layer_norm(rows, features) * gain.unsqueeze(1)
+        return torch.ops.peft_smear.route(
+            summary, [torch.stack(tuple(p)) if len(p) > 1 else p[0][None] for p in params], drop
+        )
+    features, summary, normed, rows = (summary.shape[-1],), summary.float(), [], []
+    # Each router's scales inside its LayerNorms: one operation each, whose backward gives their gradients too (a
+    # shared LayerNorm scaled after it takes a dozen for a group); a loop, not comprehensions: no Python call each.
+    for norm_weight, norm_bias, gain, router_rows in zip(*params, strict=True):
+        normed.append(F.layer_norm(summary, features, norm_weight.float(), norm_bias.float()))
+        rows.append(F.layer_norm(router_rows.float(), features, gain.float()))
+    normed, rows = (torch.stack(normed), torch.stack(rows)) if rows[1:] else (normed[0][None], rows[0][None])
     if drop is None:
         return normed, torch.bmm(normed, rows.transpose(1, 2)).softmax(dim=-1)
     return normed, torch.baddbmm(drop, normed, rows.transpose(1, 2)).softmax(dim=-1)
@@ -149,21 +154,19 @@ class SmearRouter(NormalisedInputRouter):
             if routers[1:]:  # a member that reads another input routes alone with its row, as it would with the call's
                 inputs.memo.update({("expert dropout", r, 1): drop[i : i + 1] for i, r in enumerate(routers)})
         drop = None if drop is None else drop.to(summary.device)
-        # Each parameter of all the routers stacked: one operation each (a view for one router), none in backward.
-        params = attrgetter("input_norm_weight", "input_norm_bias", "row_norm_weight", "weight")
-        if routers[1:]:
-            norm_weight, norm_bias, gain, rows = map(torch.stack, zip(*map(params, routers), strict=True))
-        else:  # torch.unsqueeze(tensor, 0) of each
-            norm_weight, norm_bias, gain, rows = map(torch.unsqueeze, params(first), (0, 0, 0, 0))
+        of_router = attrgetter("input_norm_weight", "input_norm_bias", "row_norm_weight", "weight")
+        params = [*zip(*map(of_router, routers), strict=True)]  # each parameter, a sequence over the routers
         if first.temperature != 1:  # dividing the rows' gain divides the logits: the rows are normalised anyway
-            gain = gain / first.temperature
-        normed, probs = route(summary, (norm_weight, norm_bias, gain, rows), drop)  # 2. [G, batch, *] fp32
+            params[2] = [gain / first.temperature for gain in params[2]]
+        normed, probs = route(summary, params, drop)  # 2. [G, batch, *] fp32
         if first.warmup_steps and first.training:
             # Uniform (over the kept experts) while warming up, by arithmetic rather than a branch on the counter, so
             # that a compiled model neither breaks its graph nor recompiles; the router's gradient is zero meanwhile.
             uniform = torch.zeros_like(probs) if drop is None else drop
             warming = (first.training_calls <= first.warmup_steps).to(probs.dtype)
             probs = probs * (1 - warming) + uniform.softmax(dim=-1) * warming
+        if not routers[1:]:  # a view, whose backward is one too (unbind's stacks)
+            return [(probs.squeeze(0), normed.squeeze(0))]
         return list(zip(probs.unbind(0), normed.unbind(0), strict=True))
 
     def decided(self, routed: tuple[torch.Tensor, torch.Tensor], inputs: RouterInputs) -> RoutingDecision:
@@ -195,8 +198,12 @@ def merge_parameters(
     matmul of ``[batch, N]`` and the parameters side by side (``flat``, when made already) and one cast, a view of it
     each (an einsum per parameter permutes and copies; a matmul and a cast each launch more)."""
     flat = side_by_side(parameters) if flat is None else flat
-    merged = (probs.to(flat.dtype) @ flat).to(dtype).split([p[0].numel() for p in parameters], dim=1)
-    return [part.view(-1, *p.shape[1:]) for part, p in zip(merged, parameters, strict=True)]
+    merged, parts, start = (probs.to(flat.dtype) @ flat).to(dtype), [], 0
+    for parameter in parameters:  # a loop, not comprehensions: each of those is a Python call per module
+        end = start + parameter.shape[1:].numel()
+        parts.append(merged[:, start:end].view(-1, *parameter.shape[1:]))
+        start = end
+    return parts
 
 
 # 4. Apply --------------------------------------------------------------------------------------------------------
@@ -229,7 +236,7 @@ class MergeAndApply(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, tokens, lora_A, lora_B, probs, scaling):
-        flat = side_by_side((lora_A, lora_B))  # [N, r * in + out * r]
+        flat = torch.cat((lora_A.flatten(1), lora_B.flatten(1)), 1)  # side by side: [N, r * in + out * r]
         expert_A, expert_B = merge_parameters((lora_A, lora_B), probs, tokens.dtype, flat)
         hidden = torch.bmm(tokens, expert_A.transpose(1, 2))
         ctx.save_for_backward(tokens, lora_A, lora_B, probs, flat, expert_A, expert_B, hidden)
