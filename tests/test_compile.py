@@ -395,3 +395,14 @@ def test_compiled_training_routes_through_the_opaque_operators():
         for target in targets["forward"]
         if "layer_norm" in target or ("softmax" in target and "_log_" not in target)
     ]
+
+
+def test_tracing_a_smear_model_warns_of_nothing_in_the_package():
+    """Dynamo warns of what it cannot trace faithfully (an ``lru_cache`` it skips, a call it guesses at), and a user
+    of ``torch.compile`` sees each warning: none may come from this package's code."""
+    model = smear_model("prompt").train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(model, backend="eager")(**inputs_for("prompt")).loss.backward()
+    ours = [str(w.message) for w in caught if "peft_smear" in str(w.message) or "peft_smear" in w.filename]
+    assert not ours, ours

@@ -34,15 +34,12 @@ ADAPTER_NAMES = "adapter_names"  # PEFT's mixed batches: each example's adapter
 
 
 def known_call_inputs() -> dict[str, CallInput]:
-    """Every ``smear_*`` input a call may bring: the core's routing mask and those the registered routers read."""
-    return _call_inputs_of(tuple(ROUTERS.values()))
-
-
-@functools.lru_cache(maxsize=4)
-def _call_inputs_of(routers: tuple[type[Router], ...]) -> dict[str, CallInput]:
+    """Every ``smear_*`` input a call may bring: the core's routing mask and those the registered routers read. Made
+    anew each time, by loops (no Python call per router): a cache would be one ``torch.compile`` warns of."""
     inputs = {ROUTING_MASK.name: ROUTING_MASK}
-    for router in routers:
-        inputs.update((call_input.name, call_input) for call_input in router.call_inputs)
+    for router in ROUTERS.values():
+        for call_input in router.call_inputs:
+            inputs[call_input.name] = call_input
     return inputs
 
 
