@@ -504,7 +504,6 @@ def test_a_training_forward_makes_few_python_calls_into_the_package_per_wrapped_
     comprehension or generator: in Python 3.11 each is a call of its own, per module. Per-call work included, at
     most 18 calls per wrapped module (issue 43's work counts)."""
     import sys
-    from collections import Counter
     from pathlib import Path
 
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -513,7 +512,7 @@ def test_a_training_forward_makes_few_python_calls_into_the_package_per_wrapped_
     batch["labels"] = batch["input_ids"].masked_fill(torch.arange(6) < 3, -100)
     model.train()
     model(**batch)  # once before: nothing built lazily is counted
-    package, calls = str(Path(peft_smear.__file__).parent), Counter()
+    package, calls = str(Path(peft_smear.__file__).parent), collections.Counter()
 
     def profile(frame, event, _) -> None:
         if event == "call" and frame.f_code.co_filename.startswith(package):

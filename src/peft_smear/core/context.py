@@ -345,8 +345,8 @@ class CallRouterInputs(RouterInputs):
         return self.routed.reshape(self.batch_size, -1, self.routed.shape[-1])
 
     def summary(self) -> torch.Tensor:
-        """Pooled once per call for every layer that reads the same tensor by the same rule, on the token weights
-        (:func:`~peft_smear.core.smear.token_weights`) of every layer that routes by the same rule."""
+        """Pooled once per call for every layer that reads the same tensor by the same rule, with token weights
+        (:func:`~peft_smear.core.smear.token_weights`) made once for every layer that routes by that rule."""
         if self.router_input == "encoder":
             summary = self.call.encoder_summary
             if summary is None:
