@@ -24,6 +24,7 @@ from conftest import (
     assert_loss_fell,
     changed_keys,
     classification_data,
+    import_script,
     logged_losses,
     logits_without_peft_smear,
     pad_collator,
@@ -664,25 +665,12 @@ def test_lora_merge_and_apply_backward_launches_one_matmul_per_gradient_and_no_c
     merged experts', each merged one written into its side of one buffer), three matmuls to the experts and the
     router, the scaling's two multiplications and, for bf16 tokens over fp32 experts, one cast: no concatenation
     and no copy, each of which launches a kernel on a GPU (``benchmarks/work_counts.py``)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Counter(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.operations = collections.Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            if not (func.is_view or name in {"detach", "empty", "new_empty", "empty_strided"}):
-                self.operations[name] += 1
-            return func(*args, **(kwargs or {}))
-
     x, y = torch.randn(3, 5, 12, dtype=dtype, requires_grad=True), torch.randn(3, 5, 10, dtype=dtype)
     lora_A, lora_B = torch.randn(4, 2, 12, requires_grad=True), torch.randn(4, 10, 2, requires_grad=True)
     probs = torch.randn(3, 4).softmax(dim=-1).requires_grad_()
     out = MergeAndApply.apply(y, x, lora_A, lora_B, probs, 2.0)
     grad_output = torch.ones_like(out)
-    with Counter() as counter:
+    with import_script("work_counts").DispatchCounter() as counter:  # the operations that launch a kernel
         torch.autograd.grad(out, (x, lora_A, lora_B, probs), grad_output)
     expected = {"bmm": 4, "mm": 3, "mul_": 2, "_to_copy": casts}
     assert +counter.operations == +collections.Counter(expected), dict(counter.operations)

@@ -9,8 +9,20 @@ import torch
 from peft import PeftConfig, get_peft_model
 
 import peft_smear
-from conftest import VOCAB, random_batch, reference_smear_forward, tiny_bert, tiny_gpt2, tiny_llama, tiny_t5
+from conftest import (
+    VOCAB,
+    import_script,
+    random_batch,
+    reference_smear_forward,
+    tiny_bert,
+    tiny_gpt2,
+    tiny_llama,
+    tiny_t5,
+)
 from peft_smear import SmearLinear
+
+
+work_counts = import_script("work_counts")
 
 
 ARCHITECTURES = {"llama": tiny_llama, "gpt2": tiny_gpt2, "bert": tiny_bert, "t5": tiny_t5}
@@ -306,19 +318,7 @@ def test_each_router_scales_inside_its_layer_norms_with_the_same_distributions_a
     operation each, whose backwards also give those parameters' gradients, where one shared LayerNorm scaled after it
     took an ``addcmul``, a ``mul`` and a dozen reductions and products in backward. The distributions and every
     gradient are the unfused maths', computed here apart, router by router."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from peft_smear.core.smear import route
-
-    class Counter(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.operations = collections.Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not func.is_view:
-                self.operations[func.overloadpacket.__name__] += 1
-            return func(*args, **(kwargs or {}))
 
     torch.manual_seed(0)
     summary = torch.randn(5, 16, requires_grad=True)
@@ -326,7 +326,7 @@ def test_each_router_scales_inside_its_layer_norms_with_the_same_distributions_a
     params = [[torch.randn(shape).requires_grad_() for _ in range(routers)] for shape in shapes]
     leaves = (summary, *(p for kind in params for p in kind))
     grad_probs = torch.randn(routers, 5, 3)
-    with Counter() as counter:
+    with work_counts.DispatchCounter() as counter:  # the operations that launch a kernel
         _, probs = route(summary, params)
         grads = torch.autograd.grad(probs, leaves, grad_probs)
     layer_norm = torch.nn.functional.layer_norm
@@ -344,6 +344,31 @@ def test_each_router_scales_inside_its_layer_norms_with_the_same_distributions_a
     forward = {"native_layer_norm": 2 * routers, "bmm": 1, "_softmax": 1} | ({"stack": 2} if routers > 1 else {})
     backward = {"_softmax_backward_data": 1, "bmm": 2, "native_layer_norm_backward": 2 * routers, "add": routers - 1}
     assert +counter.operations == +(collections.Counter(forward) + collections.Counter(backward)), counter.operations
+
+
+@pytest.mark.parametrize("routers", [1, 2])
+def test_routing_together_hands_each_router_its_distribution_by_a_view(routers):
+    """A group's distributions ``[G, batch, N]`` reach each router as a view: ``unbind`` for a group, whose backward
+    stacks the gradients once, and ``squeeze`` for a router alone, whose backward is a view too (``unbind``'s would
+    copy the one gradient). Each part is the router's own distribution, as :func:`route` gives it alone."""
+    from types import SimpleNamespace
+
+    from peft_smear.core.smear import SmearRouter, route
+
+    torch.manual_seed(0)
+    config = peft_smear.SmearConfig(num_experts=3, expert_dropout=0.0)
+    group = [SmearRouter(16, config, f"layer{i}") for i in range(routers)]
+    summary = torch.randn(5, 16)
+    parts = SmearRouter.route_together(group, SimpleNamespace(summary=lambda: summary, memo={}))
+    for router, (probs, _) in zip(group, parts, strict=True):
+        names = ("input_norm_weight", "input_norm_bias", "row_norm_weight", "weight")
+        alone = route(summary, [[getattr(router, name)] for name in names])[1][0]
+        torch.testing.assert_close(probs, alone)
+    grads = [torch.randn(5, 3) for _ in range(routers)]
+    with work_counts.DispatchCounter() as counter:  # the operations that launch a kernel
+        torch.autograd.backward([probs for probs, _ in parts], grads)
+    operations = counter.operations
+    assert operations["stack"] == (routers > 1) and not operations["select_backward"], operations
 
 
 def _alone_and_in_batch(model, arch, sequences, pad_left):

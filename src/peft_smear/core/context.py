@@ -554,9 +554,9 @@ class RoutingContext:
     def cached_decision(self, key: LayerKey, batch_size: int) -> RoutingDecision | None:
         """Inside ``generate``, the decision ``key`` (a layer and adapter) made at prefill: decode steps see only the
         new token, and routing on it would both differ from training and change as the answer grows."""
-        if self.routing_cache is None or key not in self.routing_cache:
+        decision = self.routing_cache.get(key)  # called inside generate only, where there is a cache
+        if decision is None:
             return None
-        decision = self.routing_cache[key]
         if decision.weights.shape[0] != batch_size:
             raise RuntimeError(
                 f"Routing cached at prefill has batch {decision.weights.shape[0]}; a generation step has {batch_size}."

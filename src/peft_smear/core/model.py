@@ -55,7 +55,8 @@ def take_call_inputs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """Take every ``smear_*`` keyword, and PEFT's ``adapter_names``, off ``kwargs`` (the wrapped model must not see
     them). The prefix is this library's: an unknown one is a typo that would otherwise be dropped without a word."""
     taken = {name: kwargs.pop(name) for name in [n for n in kwargs if n.startswith("smear_") or n == ADAPTER_NAMES]}
-    unknown = sorted(set(taken) - set(known_call_inputs()) - {ADAPTER_NAMES})
+    smear_inputs = set(taken) - {ADAPTER_NAMES}  # the known ones looked up only when a call brings some
+    unknown = sorted(smear_inputs - set(known_call_inputs())) if smear_inputs else []
     if unknown:
         raise TypeError(f"Unknown SMEAR input(s) {unknown}; the smear_ inputs are {sorted(known_call_inputs())}.")
     return taken
@@ -124,7 +125,9 @@ class SmearModel(BaseTuner):
         self._start_context(arguments, None, None)
 
     def _start_context(self, arguments: dict[str, Any], labels: torch.Tensor | None, packing: Any) -> None:
-        per_token = {name for name, call_input in known_call_inputs().items() if call_input.per_token}
+        per_token = frozenset()  # what a packed call unpacks token by token
+        if packing is not None:
+            per_token = frozenset(name for name, call_input in known_call_inputs().items() if call_input.per_token)
         mask = _padding_mask(arguments.get("attention_mask"), "attention_mask")
         self.routing_context.call.start(mask, labels, arguments.get("input_ids"), packing, per_token)
         # Expert dropout drawn for the call, unless checkpointing recomputes it in each layer from the random state it
@@ -171,7 +174,8 @@ class SmearModel(BaseTuner):
         self.routing_context.call.encoder_summary = None if states is None else masked_mean(states, mask)
 
     def _set_call_inputs(self, call_inputs: dict[str, Any], tokens: torch.Tensor | None) -> None:
-        known, adapter_names = known_call_inputs(), call_inputs.pop(ADAPTER_NAMES, None)
+        adapter_names = call_inputs.pop(ADAPTER_NAMES, None)
+        known = known_call_inputs() if call_inputs else {}
         self.routing_context.call.set_inputs({name: known[name].prepare(value) for name, value in call_inputs.items()})
         if adapter_names is not None or self.routing_context.call.adapters is not None:
             self._set_adapter_names(adapter_names, tokens)

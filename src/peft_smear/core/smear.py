@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from itertools import repeat
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
@@ -187,8 +188,9 @@ class SmearRouter(NormalisedInputRouter):
 
 
 def side_by_side(parameters: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``[N, sizes]``: each expert's parameters flattened and side by side, so that one matmul merges them all."""
-    return torch.cat([p.flatten(1) for p in parameters], dim=1) if parameters[1:] else parameters[0].flatten(1)
+    """``[N, sizes]``: each expert's parameters flattened and side by side, so that one matmul merges them all (a
+    ``map``: a comprehension would be one more Python call per module)."""
+    return torch.cat([*map(torch.flatten, parameters, repeat(1))], 1) if parameters[1:] else parameters[0].flatten(1)
 
 
 def merge_parameters(
@@ -236,7 +238,7 @@ class MergeAndApply(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, tokens, lora_A, lora_B, probs, scaling):
-        flat = torch.cat((lora_A.flatten(1), lora_B.flatten(1)), 1)  # side by side: [N, r * in + out * r]
+        flat = side_by_side((lora_A, lora_B))  # [N, r * in + out * r]
         expert_A, expert_B = merge_parameters((lora_A, lora_B), probs, tokens.dtype, flat)
         hidden = torch.bmm(tokens, expert_A.transpose(1, 2))
         ctx.save_for_backward(tokens, lora_A, lora_B, probs, flat, expert_A, expert_B, hidden)
