@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import logging
+import math
 import os
 import shutil
 import statistics
@@ -43,6 +45,11 @@ FIRST_STEP_TARGET = 1.5  # compiled SMEAR's first step over compiled LoRA's, cac
 STEP_TARGET = 1.05  # compiled SMEAR's steady training step over compiled LoRA's
 MIXED_BATCHES = 10
 STEADY_FIGURES = ("compiled_train_step_s", "compiled_inference_s", "eager_train_step_s", "eager_inference_s")
+# torch.compile's modes the steady steps can be measured in: "reduce-overhead" replays each step as CUDA graphs
+# (inductor on a CUDA device only), which removes the launch per operation that a GPU step of these sizes waits on.
+MODES = ("default", "reduce-overhead")
+FIGURE_PREFIX = {"default": "compiled", "reduce-overhead": "reduce_overhead", "eager": "eager"}
+CUDAGRAPH_LOG = "torch._inductor.cudagraph_utils.__cudagraphs"  # where inductor says why it skipped CUDA graphs
 
 
 def mixed_batches(shape: Shape, vocab_size: int, device: str, count: int = MIXED_BATCHES) -> list[dict]:
@@ -98,30 +105,75 @@ def measure_method(method: str, preset_name: str, device: str, dtype: str, backe
     }
 
 
-def measure_steady(preset_name: str, device: str, dtype: str, repeats: int, backend: str) -> dict[str, dict]:
-    """Every method's steady training step and inference, compiled and eager, in this one process: each compiled
-    first (untimed), then all interleaved ``repeats`` times, the fastest of each kept."""
+def measure_steady(
+    preset_name: str, device: str, dtype: str, repeats: int, backend: str, modes: tuple[str, ...] = ("default",)
+) -> dict[str, dict]:
+    """Every method's steady training step and inference, eager and compiled in each of ``modes``, in this one
+    process: each compiled first (untimed), then all interleaved ``repeats`` times, the fastest of each kept. A mode
+    that fails for a method is recorded with its error, and the reasons inductor gives for skipping CUDA graphs with
+    the mode's times, rather than either passing for a mode that ran as asked."""
     preset, shape = PRESETS[preset_name], Shape(**TARGET_SHAPE)
     base = build_base_model(preset, device, getattr(torch, dtype), shape.seq_len + preset.new_tokens)
-    runs = {}
+    runs, best = {}, {method: {} for method in METHODS}
     with tempfile.TemporaryDirectory() as scratch:
         for method in METHODS:
             model = wrap(method, copy.deepcopy(base), shape, Path(scratch))
             optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
             inputs = make_inputs(method, shape, preset.model["vocab_size"], device)
-            compiled = torch.compile(model, backend=backend)
-            train_step(compiled, optimizer, inputs)
-            inference(compiled, inputs)
-            runs[method] = {"compiled": compiled, "eager": model, "optimizer": optimizer, "inputs": inputs}
-    best = {method: dict.fromkeys(STEADY_FIGURES, float("inf")) for method in METHODS}
+            runs[method] = {"models": {"eager": model}, "optimizer": optimizer, "inputs": inputs}
+            for mode in modes:
+                compiled = torch.compile(model, backend=backend, mode=None if mode == "default" else mode)
+                skips = first_steps(mode, compiled, optimizer, inputs)
+                if isinstance(skips, str):
+                    best[method][f"{FIGURE_PREFIX[mode]}_error"] = skips
+                    continue
+                if mode == "reduce-overhead":
+                    best[method]["reduce_overhead_skips"] = skips
+                runs[method]["models"][mode] = compiled
     for _ in range(repeats):
         for method, run in runs.items():
-            for mode in ("compiled", "eager"):
-                step = timed(device, partial(train_step, run[mode], run["optimizer"], run["inputs"]))
-                infer = timed(device, partial(inference, run[mode], run["inputs"]))
-                best[method][f"{mode}_train_step_s"] = min(best[method][f"{mode}_train_step_s"], step)
-                best[method][f"{mode}_inference_s"] = min(best[method][f"{mode}_inference_s"], infer)
+            for mode, model in run["models"].items():
+                for work, optimizer in (("train_step_s", run["optimizer"]), ("inference_s", None)):
+                    seconds = timed(device, partial(step_in_mode, mode, model, optimizer, run["inputs"]))
+                    name = f"{FIGURE_PREFIX[mode]}_{work}"
+                    best[method][name] = min(best[method].get(name, math.inf), seconds)
     return best
+
+
+def step_in_mode(
+    mode: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, inputs: dict[str, torch.Tensor]
+) -> None:
+    """A training step (``optimizer`` given) or an inference; under CUDA graphs each begins a new step, so that
+    replaying a graph may overwrite the last step's outputs, which nothing reads again."""
+    if mode == "reduce-overhead":
+        torch.compiler.cudagraph_mark_step_begin()
+    if optimizer is None:
+        inference(model, inputs)
+    else:
+        train_step(model, optimizer, inputs)
+
+
+def first_steps(
+    mode: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: dict[str, torch.Tensor]
+) -> list[str] | str:
+    """The compiling training step and inference of ``model``: why inductor skipped CUDA graphs in them (none: it
+    used them, or the mode has none), or the one-line error they failed with. Inductor counts every skip but gives
+    its reason only for a graph on a CUDA device."""
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logger = logging.getLogger(CUDAGRAPH_LOG)
+    logger.addHandler(handler)
+    skips_before = dynamo.utils.counters["inductor"]["cudagraph_skips"]
+    try:
+        step_in_mode(mode, model, optimizer, inputs)
+        step_in_mode(mode, model, None, inputs)
+    except Exception as error:  # a mode that fails is a result
+        return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+    finally:
+        logger.removeHandler(handler)
+    unexplained = dynamo.utils.counters["inductor"]["cudagraph_skips"] - skips_before - len(logged)
+    return logged + ["skipped with no reason logged"] * max(unexplained, 0)
 
 
 def run_probe(arguments: list[str], caches: Path, timeout: float | None, what: str) -> dict:
@@ -177,6 +229,7 @@ def measure_warm(
     caches: list[Path],
     timeout: float | None = None,
     log: Callable[[str], None] = print,
+    modes: tuple[str, ...] = ("default",),
 ) -> dict[str, dict]:
     """:func:`measure_steady` in a fresh process whose caches hold everything in ``caches`` (the cold runs'), so that
     it compiles from them rather than anew."""
@@ -185,11 +238,15 @@ def measure_warm(
             if directory.is_dir():
                 shutil.copytree(directory, merged, dirs_exist_ok=True)
         arguments = ["--preset", preset_name, "--device", device, "--dtype", dtype, "--backend", backend]
-        arguments += ["--repeats", str(repeats), "--steady-probe"]
+        arguments += ["--repeats", str(repeats), "--modes", *modes, "--steady-probe"]
         figures = run_probe(arguments, Path(merged), timeout, "the steady steps")
     log(
         "steady steps: "
-        + ", ".join(f"{method} compiled {values['compiled_train_step_s']:.4f} s" for method, values in figures.items())
+        + ", ".join(
+            f"{method} {mode} {values.get(f'{FIGURE_PREFIX[mode]}_train_step_s', 'not measured')} s"
+            for method, values in figures.items()
+            for mode in modes
+        )
     )
     return figures
 
@@ -202,6 +259,7 @@ def measure(
     backend: str = "inductor",
     cold_repeats: int = 1,
     log: Callable[[str], None] = print,
+    modes: tuple[str, ...] = ("default",),
 ) -> dict[str, dict]:
     """Every method's figures: ``cold_repeats`` rounds of cold first steps, each method in each round in a fresh
     process with empty caches (the order alternating between rounds; the mixed batches in the first round only),
@@ -219,7 +277,9 @@ def measure(
                 again = measure_cold(method, preset_name, device, dtype, backend, fresh, log=log, mixed=0)
                 first_steps[method].append(again["first_step_s"])
                 shutil.rmtree(fresh)
-        steady = measure_warm(preset_name, device, dtype, repeats, backend, list(caches.values()), log=log)
+        steady = measure_warm(
+            preset_name, device, dtype, repeats, backend, list(caches.values()), log=log, modes=modes
+        )
     medians = {method: statistics.median(times) for method, times in first_steps.items()}
     return {
         method: {**values, **steady[method], "first_steps_s": first_steps[method], "first_step_s": medians[method]}
@@ -264,7 +324,32 @@ def checks(figures: dict[str, dict]) -> list[tuple[str, str]]:
             "not measured" if step is None else verdict(step <= STEP_TARGET, f"{step:.2f}"),
         ),
         *recompiles,
+        *reduce_overhead_checks(smear, lora, verdict),
     ]
+
+
+def cudagraphs_status(values: dict) -> str | None:
+    """How the reduce-overhead mode went for one method: ``None`` where it was not tried."""
+    if "reduce_overhead_error" in values:
+        return f"failed: {values['reduce_overhead_error']}"
+    if "reduce_overhead_skips" not in values:
+        return None
+    skips = values["reduce_overhead_skips"]
+    return f"skipped: {'; '.join(sorted(set(skips)))}" if skips else "used"
+
+
+def reduce_overhead_checks(smear: dict, lora: dict, verdict: Callable[[bool, str], str]) -> list[tuple[str, str]]:
+    """The steady step under CUDA graphs, judged only where LoRA compiles under them (issue 43)."""
+    tried = {method: cudagraphs_status(values) for method, values in (("SMEAR", smear), ("LoRA", lora))}
+    if tried["LoRA"] is None:
+        return []
+    label = f"compiled SMEAR / compiled LoRA training step, mode reduce-overhead, ≤ {STEP_TARGET}"
+    if tried["LoRA"] != "used":
+        return [(label, f"not judged (LoRA's CUDA graphs {tried['LoRA']})")]
+    if tried["SMEAR"] != "used":
+        return [(label, verdict(False, f"SMEAR's CUDA graphs {tried['SMEAR']}"))]
+    step = smear["reduce_overhead_train_step_s"] / lora["reduce_overhead_train_step_s"]
+    return [(label, verdict(step <= STEP_TARGET, f"{step:.2f}"))]
 
 
 def markdown(figures: dict[str, dict]) -> str:
@@ -286,7 +371,25 @@ def markdown(figures: dict[str, dict]) -> str:
             cells += [f"{values[name]:.{digits}f}", f"{values[name] / lora[name]:.2f}×"] if measured else ["—", "—"]
         mixed = "not run" if values["mixed_batch_graphs"] is None else values["mixed_batch_graphs"]
         lines.append(f"| {method} | " + " | ".join(cells) + f" | {mixed} |")
+    if cudagraphs_status(lora) is not None:
+        lines += ["", *reduce_overhead_table(figures)]
     return "\n".join(lines)
+
+
+def reduce_overhead_table(figures: dict[str, dict]) -> list[str]:
+    lora = figures["lora"]
+    lines = [
+        '| method | CUDA graphs (`mode="reduce-overhead"`) | compiled step (s) | / LoRA | compiled inference (s) '
+        "| / LoRA |",
+        "|---" * 6 + "|",
+    ]
+    for method, values in figures.items():
+        cells = [cudagraphs_status(values) or "not tried"]
+        for name in ("reduce_overhead_train_step_s", "reduce_overhead_inference_s"):
+            measured = name in values and name in lora
+            cells += [f"{values[name]:.4f}", f"{values[name] / lora[name]:.2f}×"] if measured else ["—", "—"]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def first_steps_line(figures: dict[str, dict]) -> list[str]:
@@ -340,11 +443,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--backend", default="inductor", help="torch.compile's backend (aot_eager: no code generated)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=MODES,
+        default=["default"],
+        help="torch.compile modes of the steady steps (reduce-overhead: CUDA graphs, inductor on CUDA only)",
+    )
     add_results_option(parser)
     parser.add_argument("--method-probe", choices=METHODS, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--mixed-batches", type=int, default=MIXED_BATCHES, help=argparse.SUPPRESS)
     parser.add_argument("--steady-probe", action="store_true", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if "reduce-overhead" in args.modes and (args.backend != "inductor" or not args.device.startswith("cuda")):
+        raise SystemExit(
+            f"--modes reduce-overhead needs CUDA graphs: --backend inductor on a CUDA device, got --backend "
+            f"{args.backend} on {args.device}"
+        )
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -360,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     if args.steady_probe:
-        print(json.dumps(measure_steady(args.preset, args.device, dtype, args.repeats, args.backend)))
+        print(json.dumps(measure_steady(args.preset, args.device, dtype, args.repeats, args.backend, args.modes)))
         return 0
     load_before, started = os.getloadavg(), time.perf_counter()
     figures = measure(
@@ -371,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         args.backend,
         args.cold_repeats,
         log=lambda line: print(line, file=sys.stderr),
+        modes=tuple(args.modes),
     )
     print(markdown(figures))
     for label, result in checks(figures):

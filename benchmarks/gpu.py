@@ -3,9 +3,9 @@
 
     PYTHONPATH=src python benchmarks/gpu.py --append-results benchmarks/RESULTS.md
 
-Each part runs in a process of its own under a time limit (the parts' limits add up to ``--budget``, 7.5 minutes by
-default, so the whole command fits in an 8-minute window on one H100, model building included); a part that fails or
-runs out of time is reported as such, and the others still run. The parts:
+Each part runs in a process of its own under a time limit (the parts' limits add up to ``--budget``, 9 minutes by
+default, so the whole command fits in one 10-minute call of a 15-minute lease, model building included); a part that
+fails or runs out of time is reported as such, and the others still run. The parts:
 
 * ``dtypes``: a few training steps of SMEAR and LoRA on the same batches, from the same weights, with the base model
   in fp32, bf16 and fp16: every loss finite, and each half-precision loss close to the fp32 one;
@@ -17,8 +17,9 @@ runs out of time is reported as such, and the others still run. The parts:
 * ``qlora``: training steps of SMEAR and LoRA on a bitsandbytes 4-bit (NF4) base: finite losses, time and memory;
 * ``serving``: per-task exports of a SMEAR model served as one mixed-task batch (PEFT's ``adapter_names=``) against
   one task at a time: the same logits and tokens, and the throughput of each;
-* ``compile``: graph breaks, the first (compiling) step with cold caches, the compiled step and recompilations over
-  ten mixed batches (``compile_speed.py``: each method in a fresh process, then both from the caches they filled);
+* ``compile``: graph breaks, the first (compiling) step with cold caches, the compiled step (on a GPU also with CUDA
+  graphs, ``mode="reduce-overhead"``) and recompilations over ten mixed batches (``compile_speed.py``: each method in
+  a fresh process, then both from the caches they filled), on a GPU at 4 layers of the 1.1 B model;
 * ``curve``: the cost curve (``speed.py --preset gpu-curve``) with what time is left.
 
 Each run writes ``gpu.json`` (what it measured, where, with which command); ``--combine`` renders one section from the
@@ -51,7 +52,7 @@ from common import add_results_option, command_line, machine_description, write_
 PARTS = ("dtypes", "speed", "counts", "qlora", "serving", "compile", "curve")
 # The seconds each part may take at most out of the default budget (scaled with --budget); the last part run takes
 # whatever the others left.
-SHARES = {"dtypes": 50, "speed": 100, "counts": 30, "qlora": 40, "serving": 40, "compile": 170, "curve": 70}
+SHARES = {"dtypes": 40, "speed": 90, "counts": 110, "qlora": 35, "serving": 35, "compile": 260, "curve": 70}
 DTYPES = ("float32", "bfloat16", "float16")
 # How far a half-precision run's losses may be from the fp32 run's, relative: the rounding of a 16-bit base model.
 LOSS_TOLERANCE = {"bfloat16": 0.02, "float16": 0.01}
@@ -71,6 +72,7 @@ class Scale:
     compile_preset: str
     compile_backend: str
     compile_mixed_batches: int
+    compile_modes: tuple[str, ...]
     curve_preset: str
 
 
@@ -96,10 +98,13 @@ GPU = Scale(
     },
     quantized_shape=(8, 256),
     serving_preset="cpu",
-    compile_preset="cpu",
+    # 4 layers of the 1.1 B model: each layer's compiled step costs what it does in the whole model, and 22 layers'
+    # cold compilations would not fit a lease
+    compile_preset="gpu-curve",
     compile_backend="inductor",
     # dynamo decides recompilation whatever the device: the CPU's compile_speed.py counts them, a short lease can't
     compile_mixed_batches=0,
+    compile_modes=("default", "reduce-overhead"),
     curve_preset="gpu-curve",
 )
 CPU = Scale(
@@ -128,6 +133,7 @@ CPU = Scale(
     compile_preset="tiny",
     compile_backend="eager",  # dynamo alone: graphs, breaks and recompiles, without generating code
     compile_mixed_batches=10,
+    compile_modes=("default",),  # CUDA graphs need CUDA
     curve_preset="tiny-curve",
 )
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -450,6 +456,7 @@ def part_compile(device: str, scale: Scale, budget: float, output: Path) -> dict
                 list(caches.values()),
                 timeout=max(budget - (time.perf_counter() - started), 1),
                 log=note,
+                modes=scale.compile_modes,
             )
         except subprocess.TimeoutExpired:
             note("compile: the steady steps ran out of time; the cold figures stand")
@@ -474,10 +481,12 @@ def compile_markdown(result: dict) -> tuple[list[str], list[tuple[str, bool, str
         table = [compile_speed.markdown(result["figures"])] if "lora" in result["figures"] else []
         lines = [f"Cut short by its time limit; measured: {measured}.", "", *table]
         return lines, [("every method measured", False, f"{measured} of {', '.join(compile_speed.METHODS)}")]
+    model = speed.PRESETS[result["preset"]].model
     lines = [
-        f"The `{result['preset']}` preset's model ({speed.PRESETS[result['preset']].note.split(':')[0]}), "
-        f"{result['dtype']}, backend `{result['backend']}`, each method in a fresh process with empty inductor and "
-        "Triton caches, the steady steps in one more process from those caches (`compile_speed.py`).",
+        f"The `{result['preset']}` preset's model (Llama {model['hidden_size']}×{model['num_hidden_layers']} layers, "
+        f"FFN {model['intermediate_size']}, a {model['vocab_size']}-token vocabulary), {result['dtype']}, backend "
+        f"`{result['backend']}`, each method in a fresh process with empty inductor and Triton caches, the steady "
+        "steps in one more process from those caches (`compile_speed.py`).",
         "",
         compile_speed.markdown(result["figures"]),
     ]
@@ -643,7 +652,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
-    parser.add_argument("--budget", type=float, default=450.0, help="seconds for all the parts together")
+    parser.add_argument("--budget", type=float, default=540.0, help="seconds for all the parts together")
     parser.add_argument("--output-dir", type=Path, default=Path("outputs/gpu"), help="where the JSON results go")
     parser.add_argument(
         "--combine",

@@ -5,14 +5,17 @@ it says, and that the checks it reports hold on the CPU."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import import_script
+from peft_smear import SmearModel
 
 
 gpu = import_script("gpu")
@@ -106,6 +109,86 @@ def test_a_compile_part_without_its_steady_steps_says_they_were_not_measured():
     verdicts = dict(compile_speed.checks(figures))
     assert verdicts["compiled SMEAR / compiled LoRA training step ≤ 1.05"] == "not measured"
     assert verdicts["compiled SMEAR / compiled LoRA first step, caches cold ≤ 1.5"] == "met (1.25)"
+
+
+def test_the_steady_steps_time_each_mode_and_say_why_one_did_not_run_as_asked(monkeypatch):
+    """CUDA graphs need a GPU, so ``torch.compile`` is replaced here: its default mode compiles (Dynamo alone), and
+    its reduce-overhead mode logs a skip, as inductor does, for LoRA and fails for SMEAR. Neither may be timed as if
+    it had run under CUDA graphs."""
+    real_compile, asked = torch.compile, []
+
+    class Replayed(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, **inputs):
+            if isinstance(self.model.base_model, SmearModel):
+                raise RuntimeError("CUDA graphs failed\nmore detail")
+            logging.getLogger(compile_speed.CUDAGRAPH_LOG).warning("skipping cudagraphs due to a test")
+            torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] += 2  # once logged, once not (a CPU graph)
+            return self.model(**inputs)
+
+    def compile_in_mode(model, backend, mode):
+        asked.append(mode)
+        return real_compile(model, backend=backend) if mode is None else Replayed(model)
+
+    monkeypatch.setattr(torch, "compile", compile_in_mode)
+    steady = compile_speed.measure_steady("tiny", "cpu", "float32", 2, "eager", ("default", "reduce-overhead"))
+    assert asked == [None, "reduce-overhead"] * 2
+    lora, smear = steady["lora"], steady["smear"]
+    # its training step and inference, each with a reason logged and a skip only counted
+    assert (
+        lora["reduce_overhead_skips"]
+        == ["skipping cudagraphs due to a test"] * 2 + ["skipped with no reason logged"] * 2
+    )
+    assert smear["reduce_overhead_error"] == "RuntimeError: CUDA graphs failed"
+    timed = {f"{prefix}_{work}" for prefix in ("eager", "compiled") for work in ("train_step_s", "inference_s")}
+    assert set(smear) == timed | {"reduce_overhead_error"}
+    assert set(lora) == timed | {
+        "reduce_overhead_skips",
+        "reduce_overhead_train_step_s",
+        "reduce_overhead_inference_s",
+    }
+    assert all(lora[name] > 0 for name in timed)
+
+    cold = {"graphs": 1, "graph_breaks": 0, "break_reasons": [], "first_step_s": 2.0, "mixed_batch_graphs": None}
+    figures = {method: {**cold, **values} for method, values in steady.items()}
+    table = compile_speed.markdown(figures)
+    assert "| lora | skipped: skipped with no reason logged; skipping cudagraphs due to a test | " in table
+    assert "| smear | failed: RuntimeError: CUDA graphs failed | — | — | — | — |" in table
+    verdicts = dict(compile_speed.checks(figures))
+    label = "compiled SMEAR / compiled LoRA training step, mode reduce-overhead, ≤ 1.05"
+    skipped = "skipped with no reason logged; skipping cudagraphs due to a test"
+    assert verdicts[label] == f"not judged (LoRA's CUDA graphs skipped: {skipped})"
+
+
+def test_the_reduce_overhead_step_is_judged_where_both_methods_ran_under_cuda_graphs():
+    cold = {"graphs": 1, "graph_breaks": 0, "break_reasons": [], "first_step_s": 2.0, "mixed_batch_graphs": None}
+    replayed = {
+        "reduce_overhead_skips": [],
+        "reduce_overhead_train_step_s": 0.010,
+        "reduce_overhead_inference_s": 0.004,
+    }
+    figures = {"lora": {**cold, **replayed}, "smear": {**cold, **replayed, "reduce_overhead_train_step_s": 0.012}}
+    label = "compiled SMEAR / compiled LoRA training step, mode reduce-overhead, ≤ 1.05"
+    assert dict(compile_speed.checks(figures))[label] == "missed (1.20)"
+    assert "| smear | used | 0.0120 | 1.20× | 0.0040 | 1.00× |" in compile_speed.markdown(figures)
+    figures["smear"]["reduce_overhead_skips"] = ["skipping cudagraphs due to mutated inputs"]
+    verdict = dict(compile_speed.checks(figures))[label]
+    assert verdict == "missed (SMEAR's CUDA graphs skipped: skipping cudagraphs due to mutated inputs)"
+    assert "reduce-overhead" not in " ".join(dict(compile_speed.checks({"lora": cold, "smear": cold})))
+
+
+def test_the_benchmark_listens_where_inductor_says_it_skipped_cuda_graphs():
+    from torch._inductor import cudagraph_utils
+
+    assert cudagraph_utils.cudagraphs_log.name == compile_speed.CUDAGRAPH_LOG
+
+
+def test_reduce_overhead_is_refused_where_there_are_no_cuda_graphs():
+    with pytest.raises(SystemExit, match=r"^--modes reduce-overhead needs CUDA graphs: .*got --backend eager on cpu$"):
+        compile_speed.parse_args(["--modes", "default", "reduce-overhead", "--device", "cpu", "--backend", "eager"])
 
 
 def test_cost_curve_measures_every_shape_of_its_sweep(run):
