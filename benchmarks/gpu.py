@@ -4,8 +4,14 @@
     PYTHONPATH=src python benchmarks/gpu.py --append-results benchmarks/RESULTS.md
 
 Each part runs in a process of its own under a time limit (the parts' limits add up to ``--budget``, 9 minutes by
-default, so the whole command fits in one 10-minute call of a 15-minute lease, model building included); a part that
-fails or runs out of time is reported as such, and the others still run. The parts:
+default, shared in proportion to what each part took on an H200); a part that fails or runs out of time is reported
+as such, and the others still run. Every part needs about 14 minutes, more than one 10-minute call: a 15-minute lease
+runs the first five parts and the compile part as two calls on the warm machine, and ``--combine`` publishes both::
+
+    PYTHONPATH=src python benchmarks/gpu.py --parts counts speed dtypes qlora serving --budget 300 --output-dir a
+    PYTHONPATH=src python benchmarks/gpu.py --parts compile --budget 450 --output-dir b
+
+The parts:
 
 * ``dtypes``: a few training steps of SMEAR and LoRA on the same batches, from the same weights, with the base model
   in fp32, bf16 and fp16: every loss finite, and each half-precision loss close to the fp32 one;
@@ -52,7 +58,7 @@ from common import add_results_option, command_line, machine_description, write_
 PARTS = ("dtypes", "speed", "counts", "qlora", "serving", "compile", "curve")
 # The seconds each part may take at most out of the default budget (scaled with --budget); the last part run takes
 # whatever the others left.
-SHARES = {"dtypes": 40, "speed": 90, "counts": 110, "qlora": 35, "serving": 35, "compile": 260, "curve": 70}
+SHARES = {"dtypes": 30, "speed": 80, "counts": 130, "qlora": 30, "serving": 30, "compile": 450, "curve": 90}
 DTYPES = ("float32", "bfloat16", "float16")
 # How far a half-precision run's losses may be from the fp32 run's, relative: the rounding of a 16-bit base model.
 LOSS_TOLERANCE = {"bfloat16": 0.02, "float16": 0.01}
@@ -269,20 +275,25 @@ def speed_markdown(result: dict) -> tuple[list[str], list[tuple[str, bool, str]]
     return lines, checks
 
 
-def part_counts(device: str, scale: Scale) -> dict:
+def part_counts(device: str, scale: Scale, output: Path) -> dict:
+    """The work counts, the rows written to ``output`` after each: a part cut short keeps the rows it measured."""
     import work_counts
+
+    def keep(rows: list) -> None:
+        keep_partial(output, {"rows": [asdict(row) for row in rows], "partial": True})
 
     on_gpu = device.startswith("cuda")
     methods = work_counts.METHODS if on_gpu else ("lora", "smear")
     dtypes = tuple(work_counts.DTYPES) if on_gpu else ("bf16",)
-    return {"rows": [asdict(row) for row in work_counts.measure(methods, dtypes, device, note)]}
+    return {"rows": [asdict(row) for row in work_counts.measure(methods, dtypes, device, note, progress=keep)]}
 
 
 def counts_markdown(result: dict) -> tuple[list[str], list[tuple[str, bool, str]]]:
     import work_counts
 
     rows = [work_counts.Row(**row) for row in result["rows"]]
-    return [work_counts.markdown_table(rows)], work_counts.check_targets(rows)
+    cut = ["Cut short by its time limit: the rows it measured before.", ""] if result.get("partial") else []
+    return [*cut, work_counts.markdown_table(rows)], work_counts.check_targets(rows)
 
 
 def part_qlora(device: str, scale: Scale) -> dict:
@@ -583,8 +594,8 @@ def run_in_this_process(part: str, device: str, budget: float, output: Path) -> 
     scale = scale_for(device)
     if part == "compile":
         result = part_compile(device, scale, budget, output)
-    elif part == "curve":
-        result = part_curve(device, scale, output)
+    elif part in ("counts", "curve"):  # the parts that keep what they measured as they go
+        result = RUNS[part](device, scale, output)
     else:
         result = RUNS[part](device, scale)
     output.write_text(json.dumps(result))
@@ -604,11 +615,15 @@ def run_record(outcomes: dict[str, dict], device: str, command: str, seconds: fl
 
 def latest_outcomes(records: list[dict]) -> dict[str, dict]:
     """Each part as the latest run that measured it reported it, with that run's date (the latest report of a part no
-    run measured)."""
+    run measured: one that failed, ran out of time, or skipped its work, as QLoRA does without bitsandbytes)."""
+
+    def measured(outcome: dict) -> bool:
+        return outcome["status"] == "ran" and "skipped" not in outcome["result"]
+
     outcomes = {}
     for record in records:
         for part, outcome in record["outcomes"].items():
-            if outcome["status"] == "ran" or outcomes.get(part, {}).get("status") != "ran":
+            if measured(outcome) or not measured(outcomes.get(part, {"status": "none"})):
                 outcomes[part] = {**outcome, "date": record["date"]}
     return outcomes
 

@@ -196,7 +196,14 @@ class Row:
     compiled_nodes_per_layer: int = 0
 
 
-def measure(methods: tuple[str, ...], dtypes: tuple[str, ...], device: str, log: Callable[[str], None]) -> list[Row]:
+def measure(
+    methods: tuple[str, ...],
+    dtypes: tuple[str, ...],
+    device: str,
+    log: Callable[[str], None],
+    progress: Callable[[list[Row]], None] = lambda rows: None,
+) -> list[Row]:
+    """Every method's row in each dtype, ``progress`` told the rows so far after each (a run cut short keeps them)."""
     rows = []
     inputs = batch(device)
     for dtype_name in dtypes:
@@ -219,6 +226,7 @@ def measure(methods: tuple[str, ...], dtypes: tuple[str, ...], device: str, log:
                 f"compiled graph nodes per layer {row.compiled_nodes_per_layer}"
             )
             rows.append(row)
+            progress(rows)
     return rows
 
 

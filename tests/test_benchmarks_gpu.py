@@ -81,6 +81,54 @@ def test_the_counts_part_records_the_work_beside_the_times(run):
     assert "| bf16 | smear | " in section and "SMEAR train ops per layer, bf16, ≤ 1.30× LoRA's" in section
 
 
+def test_a_counts_part_cut_short_keeps_the_rows_it_measured(monkeypatch, tmp_path):
+    """Its time limit kills the part's process: the rows measured before stay, and the section says it was cut. Here
+    the kill comes as SMEAR's model is built, after LoRA's row."""
+    work_counts = import_script("work_counts")
+    build = work_counts.build
+
+    def killed_at_smear(method, *args):
+        if method == "smear":
+            raise TimeoutError("the part's time limit")
+        return build(method, *args)
+
+    monkeypatch.setattr(work_counts, "build", killed_at_smear)
+    output = tmp_path / "result.json"
+    with pytest.raises(TimeoutError):
+        gpu.part_counts("cpu", gpu.CPU, output)
+    kept = json.loads(output.read_text())
+    assert kept["partial"] and [(row["method"], row["dtype"]) for row in kept["rows"]] == [("lora", "bf16")]
+    assert kept["rows"][0]["ops_per_layer"]["train"] > 0
+    lines, _ = gpu.counts_markdown(kept)
+    assert lines[0] == "Cut short by its time limit: the rows it measured before."
+    assert "| bf16 | lora | " in lines[-1] and "| smear |" not in lines[-1]
+
+
+def test_combining_runs_keeps_each_parts_latest_measurement():
+    """A later run that skipped QLoRA (no bitsandbytes on that machine) or ran out of time does not replace an
+    earlier measurement; a later measurement does."""
+
+    def record(date, **outcomes):
+        return {"date": date, "outcomes": outcomes}
+
+    qlora = {"status": "ran", "seconds": 26.0, "result": {"runs": {}}}
+    skipped = {"status": "ran", "seconds": 15.0, "result": {"skipped": "bitsandbytes is not installed"}}
+    speed_then, speed_now = ({"status": "ran", "seconds": s, "result": {"rows": []}} for s in (72.0, 74.0))
+    stopped = {"status": "stopped after its 102 s", "seconds": 102.0}
+    outcomes = gpu.latest_outcomes(
+        [
+            record("first", qlora=qlora, speed=speed_then, counts=stopped),
+            record("second", qlora=skipped, speed=speed_now, counts=stopped, serving=skipped),
+        ]
+    )
+    assert {part: (o["date"], o["seconds"]) for part, o in outcomes.items()} == {
+        "qlora": ("first", 26.0),
+        "speed": ("second", 74.0),
+        "counts": ("second", 102.0),
+        "serving": ("second", 15.0),
+    }
+
+
 def test_smear_trains_on_a_4bit_base(run):
     runs = run[0]["qlora"]["result"]["runs"]
     assert runs["smear"]["linear4bit"] == runs["lora"]["linear4bit"] > 0
