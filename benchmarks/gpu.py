@@ -6,10 +6,13 @@
 Each part runs in a process of its own under a time limit (the parts' limits add up to ``--budget``, 9 minutes by
 default, shared in proportion to what each part took on an H200); a part that fails or runs out of time is reported
 as such, and the others still run. Every part needs about 14 minutes, more than one 10-minute call: a 15-minute lease
-runs the first five parts and the compile part as two calls on the warm machine, and ``--combine`` publishes both::
+runs all but the compile part and the curve, then the compile part, as two calls on the warm machine, and
+``--combine`` publishes both (the curve waits for another lease)::
 
-    PYTHONPATH=src python benchmarks/gpu.py --parts counts speed dtypes qlora serving --budget 300 --output-dir a
-    PYTHONPATH=src python benchmarks/gpu.py --parts compile --budget 450 --output-dir b
+    PYTHONPATH=src python benchmarks/gpu.py --parts counts speed dtypes profile qlora serving --budget 290
+    PYTHONPATH=src python benchmarks/gpu.py --parts compile --budget 450 --output-dir outputs/gpu-compile
+    PYTHONPATH=src python benchmarks/gpu.py --combine outputs/gpu/gpu.json outputs/gpu-compile/gpu.json \
+        --append-results benchmarks/RESULTS.md
 
 The parts:
 
@@ -19,7 +22,9 @@ The parts:
   weights) at the target shape (``speed.py --preset gpu``);
 * ``counts``: the work those times come from, counted on the GPU (``work_counts.py``): kernel-launching operations
   per decoder layer, host syncs per call and package calls per wrapped module, SMEAR, the ensemble and ``single``
-  against LoRA, with bf16 and fp32 bases (SMEAR and LoRA in bf16 only on the CPU);
+  against LoRA, with a bf16 base (SMEAR and LoRA only on the CPU);
+* ``profile``: one training step of SMEAR and of LoRA under ``torch.profiler``, fp32 and bf16 bases: the GPU's kernel
+  time against the step's, and the operations that took the most host and device time;
 * ``qlora``: training steps of SMEAR and LoRA on a bitsandbytes 4-bit (NF4) base: finite losses, time and memory;
 * ``serving``: per-task exports of a SMEAR model served as one mixed-task batch (PEFT's ``adapter_names=``) against
   one task at a time: the same logits and tokens, and the throughput of each;
@@ -55,10 +60,19 @@ import torch
 from common import add_results_option, command_line, machine_description, write_results
 
 
-PARTS = ("dtypes", "speed", "counts", "qlora", "serving", "compile", "curve")
+PARTS = ("dtypes", "speed", "counts", "profile", "qlora", "serving", "compile", "curve")
 # The seconds each part may take at most out of the default budget (scaled with --budget); the last part run takes
 # whatever the others left.
-SHARES = {"dtypes": 30, "speed": 80, "counts": 130, "qlora": 30, "serving": 30, "compile": 450, "curve": 90}
+SHARES = {
+    "dtypes": 30,
+    "speed": 80,
+    "counts": 80,
+    "profile": 40,
+    "qlora": 30,
+    "serving": 30,
+    "compile": 450,
+    "curve": 90,
+}
 DTYPES = ("float32", "bfloat16", "float16")
 # How far a half-precision run's losses may be from the fp32 run's, relative: the rounding of a 16-bit base model.
 LOSS_TOLERANCE = {"bfloat16": 0.02, "float16": 0.01}
@@ -259,6 +273,71 @@ def dtypes_markdown(result: dict) -> tuple[list[str], list[tuple[str, bool, str]
     return lines, checks
 
 
+def part_profile(device: str, scale: Scale) -> dict:
+    """Where SMEAR's and LoRA's training steps spend their time, with fp32 and bf16 bases (the ``dtypes`` part's
+    model): the step's wall time, the time the GPU ran kernels in one profiled step (a step much longer than that
+    waits on the host), and the operations that took the most host and device time."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    batch, seq_len = scale.dtype_shape
+    config = LlamaConfig(**scale.dtype_model, max_position_embeddings=seq_len, pad_token_id=0)
+    with torch.device(device):
+        reference = LlamaForCausalLM(config)
+    batches = training_batches(3, batch, seq_len, config.vocab_size, device)
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.startswith("cuda") else [])]
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        for method in ("lora", "smear"):
+            model = adapted(method, copy.deepcopy(reference).to(getattr(torch, dtype)))
+            _, step, _ = train(model, batches, device)  # its fastest step, unprofiled, after the first
+            with profile(activities=activities) as profiled:
+                train(model, batches[:1], device)
+            events = profiled.key_averages()
+            runs[f"{method} {dtype}"] = {
+                "step_s": step,
+                "kernels_s": sum(event.self_device_time_total for event in events) / 1e6,
+                "host_ops_s": sum(event.self_cpu_time_total for event in events) / 1e6,
+                "top_host": most_time(events, "self_cpu_time_total"),
+                "top_device": most_time(events, "self_device_time_total"),
+            }
+            note(f"profile: {method} {dtype}, step {step:.4f} s")
+            del model
+    return {"runs": runs, "model": scale.dtype_model, "batch": batch, "seq_len": seq_len}
+
+
+def most_time(events: list, time: str, count: int = 6) -> list[tuple[str, int, float]]:
+    """The ``count`` profiled operations with the most ``time`` (an attribute in µs): name, calls, seconds."""
+    ranked = sorted(events, key=lambda event: -getattr(event, time))[:count]
+    return [(event.key, event.count, getattr(event, time) / 1e6) for event in ranked]
+
+
+def profile_markdown(result: dict) -> tuple[list[str], list[tuple[str, bool, str]]]:
+    model, runs = result["model"], result["runs"]
+    lines = [
+        f"Llama {model['hidden_size']}×{model['num_hidden_layers']} layers (random), batch {result['batch']} of "
+        f"{result['seq_len']} tokens, LoRA r=8 and SMEAR N=8, r=8 on every linear layer of the blocks, AdamW. Step: "
+        "the fastest of two unprofiled steps; kernels and host operations: one more step under `torch.profiler` (the "
+        "GPU's kernel time, and the host's self time in each operation, which the profiler lengthens).",
+        "",
+        "| run | step (s) | / LoRA's | kernels (s) | kernels / step | host operations (s) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, run in runs.items():
+        lora = runs[f"lora {name.split()[1]}"]
+        lines.append(
+            f"| {name} | {run['step_s']:.4f} | {run['step_s'] / lora['step_s']:.2f}× | {run['kernels_s']:.4f} | "
+            f"{run['kernels_s'] / run['step_s']:.2f} | {run['host_ops_s']:.4f} |"
+        )
+    lines.append("")
+    for name, run in runs.items():
+        for label, ranked in (("host", run["top_host"]), ("device", run["top_device"])):
+            listed = "; ".join(f"`{key}` ×{count} {seconds * 1e3:.2f} ms" for key, count, seconds in ranked if seconds)
+            lines.append(f"- {name}, most {label} time: {listed or 'none measured'}")
+    return lines, []
+
+
 def part_speed(device: str, scale: Scale) -> dict:
     import speed
 
@@ -282,10 +361,9 @@ def part_counts(device: str, scale: Scale, output: Path) -> dict:
     def keep(rows: list) -> None:
         keep_partial(output, {"rows": [asdict(row) for row in rows], "partial": True})
 
-    on_gpu = device.startswith("cuda")
-    methods = work_counts.METHODS if on_gpu else ("lora", "smear")
-    dtypes = tuple(work_counts.DTYPES) if on_gpu else ("bf16",)
-    return {"rows": [asdict(row) for row in work_counts.measure(methods, dtypes, device, note, progress=keep)]}
+    # bf16 alone, the GPU targets' base: the CPU's section counts fp32 too, and a lease is short
+    methods = work_counts.METHODS if device.startswith("cuda") else ("lora", "smear")
+    return {"rows": [asdict(row) for row in work_counts.measure(methods, ("bf16",), device, note, progress=keep)]}
 
 
 def counts_markdown(result: dict) -> tuple[list[str], list[tuple[str, bool, str]]]:
@@ -534,6 +612,7 @@ def curve_markdown(result: dict) -> tuple[list[str], list[tuple[str, bool, str]]
 
 RUNS = {
     "dtypes": part_dtypes,
+    "profile": part_profile,
     "speed": part_speed,
     "counts": part_counts,
     "qlora": part_qlora,
@@ -542,6 +621,7 @@ RUNS = {
 }
 MARKDOWN = {
     "dtypes": dtypes_markdown,
+    "profile": profile_markdown,
     "speed": speed_markdown,
     "counts": counts_markdown,
     "qlora": qlora_markdown,
@@ -551,6 +631,7 @@ MARKDOWN = {
 }
 TITLES = {
     "dtypes": "fp32, bf16 and fp16 base models",
+    "profile": "Where a training step's time goes",
     "speed": "Speed and peak memory at 1.1 B parameters",
     "counts": "Work counts: operations, syncs and calls per layer",
     "qlora": "QLoRA: a 4-bit base",

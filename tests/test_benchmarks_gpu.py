@@ -81,6 +81,17 @@ def test_the_counts_part_records_the_work_beside_the_times(run):
     assert "| bf16 | smear | " in section and "SMEAR train ops per layer, bf16, ≤ 1.30× LoRA's" in section
 
 
+def test_the_profile_part_says_where_each_steps_time_went(run):
+    runs = run[0]["profile"]["result"]["runs"]
+    assert sorted(runs) == sorted(f"{m} {d}" for m in ("lora", "smear") for d in ("float32", "bfloat16"))
+    for name, values in runs.items():
+        assert values["step_s"] > 0 and values["host_ops_s"] > 0, name
+        assert values["kernels_s"] == 0, name  # the CPU launches no kernels
+        seconds = [seconds for _, _, seconds in values["top_host"]]
+        assert len(seconds) == 6 and seconds == sorted(seconds, reverse=True) and seconds[0] > 0, name
+    assert "| smear bfloat16 | " in run[1] and "- smear bfloat16, most host time: `" in run[1]
+
+
 def test_a_counts_part_cut_short_keeps_the_rows_it_measured(monkeypatch, tmp_path):
     """Its time limit kills the part's process: the rows measured before stay, and the section says it was cut. Here
     the kill comes as SMEAR's model is built, after LoRA's row."""
