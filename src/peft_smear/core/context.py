@@ -370,7 +370,7 @@ class CallRouterInputs(RouterInputs):
         if pooled is None or pooled[0]() is not self.routed:  # an id is reused once its tensor is freed
             rule = ("weights", self.router_input, self.prefix_length, tuple(self.routed.shape[:2]), self.routed.device)
             if rule not in memo:  # on the layer's device: a mask may be on another (none given, or a device_map)
-                memo[rule] = None if (mask := self.token_mask()) is None else token_weights(mask, self.device)
+                memo[rule] = None if (mask := self.token_mask()) is None else token_weights(mask, self.routed.device)
             pooled = memo[key] = (weakref.ref(self.routed), pool(self.routed, memo[rule]))
         return pooled[1]
 
