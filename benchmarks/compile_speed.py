@@ -123,7 +123,7 @@ def measure_steady(
             runs[method] = {"models": {"eager": model}, "optimizer": optimizer, "inputs": inputs}
             for mode in modes:
                 compiled = torch.compile(model, backend=backend, mode=None if mode == "default" else mode)
-                skips = first_steps(mode, compiled, optimizer, inputs)
+                skips = compiling_steps(mode, compiled, optimizer, inputs)
                 if isinstance(skips, str):
                     best[method][f"{FIGURE_PREFIX[mode]}_error"] = skips
                     continue
@@ -153,7 +153,7 @@ def step_in_mode(
         train_step(model, optimizer, inputs)
 
 
-def first_steps(
+def compiling_steps(
     mode: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: dict[str, torch.Tensor]
 ) -> list[str] | str:
     """The compiling training step and inference of ``model``: why inductor skipped CUDA graphs in them (none: it
@@ -296,6 +296,9 @@ def checks(figures: dict[str, dict]) -> list[tuple[str, str]]:
     first = smear["first_step_s"] / lora["first_step_s"]
     steady = all("compiled_train_step_s" in values for values in (smear, lora))
     step = smear["compiled_train_step_s"] / lora["compiled_train_step_s"] if steady else None
+    failed = "; ".join(
+        f"{method}: {values['compiled_error']}" for method, values in figures.items() if "compiled_error" in values
+    )
     recompiles = []
     if smear["mixed_batch_graphs"] is not None and lora["mixed_batch_graphs"] is not None:
         recompiles.append(
@@ -321,7 +324,9 @@ def checks(figures: dict[str, dict]) -> list[tuple[str, str]]:
         ),
         (
             f"compiled SMEAR / compiled LoRA training step ≤ {STEP_TARGET}",
-            "not measured" if step is None else verdict(step <= STEP_TARGET, f"{step:.2f}"),
+            f"not measured{f' ({failed})' if failed else ''}"
+            if step is None
+            else verdict(step <= STEP_TARGET, f"{step:.2f}"),
         ),
         *recompiles,
         *reduce_overhead_checks(smear, lora, verdict),

@@ -168,6 +168,12 @@ def test_a_compile_part_without_its_steady_steps_says_they_were_not_measured():
     verdicts = dict(compile_speed.checks(figures))
     assert verdicts["compiled SMEAR / compiled LoRA training step ≤ 1.05"] == "not measured"
     assert verdicts["compiled SMEAR / compiled LoRA first step, caches cold ≤ 1.5"] == "met (1.25)"
+    figures["smear"]["compiled_error"] = "RuntimeError: no kernel"  # its steady process compiled LoRA alone
+    verdicts = dict(compile_speed.checks(figures))
+    assert (
+        verdicts["compiled SMEAR / compiled LoRA training step ≤ 1.05"]
+        == "not measured (smear: RuntimeError: no kernel)"
+    )
 
 
 def test_the_steady_steps_time_each_mode_and_say_why_one_did_not_run_as_asked(monkeypatch):
