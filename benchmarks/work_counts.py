@@ -1,9 +1,10 @@
 """The work a step dispatches, counted: SMEAR, the ensemble and ``single`` against PEFT LoRA (issue 43).
 
 On a GPU a small model's step is bound by the host: every ATen operation that launches a kernel costs several
-microseconds of Python, dispatch and launch, whatever its arithmetic (the H200 section measured about 14 µs per
-operation for every method). So the number of operations a step dispatches predicts its time there, and unlike a
-time it is deterministic and a CPU can count it:
+microseconds of Python, dispatch and launch, whatever its arithmetic. So the number of operations a step dispatches
+prices much of its time there, and unlike a time it is deterministic and a CPU can count it. Not all of it: on an H200
+SMEAR's bf16 step fell from 2.46× LoRA's to 2.13× while these operations fell from 2.69× to 1.42× (section “GPU
+validation, NVIDIA H200”), so the operations that launch no kernel, host work all the same, are counted too:
 
     python benchmarks/work_counts.py --append-results benchmarks/RESULTS.md
 
@@ -13,6 +14,8 @@ time it is deterministic and a CPU can count it:
   so that what a call does once (embedding, head, loss, per-call routing work) drops out. A training step is one
   forward with labels (the first half of each sequence a prompt, labels -100) and its backward; an evaluation is
   one forward without labels under ``no_grad``. Each is run once before it is counted, so lazily built state is not.
+* **Operations launching no kernel per decoder layer** in a training step: the views, ``detach``, allocations and
+  the like left out above, which the host dispatches all the same.
 * **Host syncs per call**: the operations whose result the host must read before it can go on (``item``, ``bool``
   of a tensor, ``nonzero``, ``equal``, a boolean-mask index, ...), which on a GPU wait for every queued kernel. On
   the 3-layer model, per call, for the method and for LoRA. (``.tolist()`` and ``.cpu()`` of a CPU tensor dispatch
@@ -76,11 +79,13 @@ CALLS_PER_MODULE_TARGET = 12
 
 
 class DispatchCounter(TorchDispatchMode):
-    """Counts the ATen operations that launch a kernel, by name, and the host reads among all of them."""
+    """Counts the ATen operations that launch a kernel, by name, those that launch none (views, ``detach``,
+    allocations: host work all the same), and the host reads among all of them."""
 
     def __init__(self) -> None:
         super().__init__()
         self.operations: collections.Counter[str] = collections.Counter()
+        self.without_kernel: collections.Counter[str] = collections.Counter()
         self.host_reads: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -88,8 +93,7 @@ class DispatchCounter(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name in HOST_READS or _data_dependent(name, args, kwargs):
             self.host_reads[name] += 1
-        if not (func.is_view or name in NO_KERNEL):
-            self.operations[name] += 1
+        (self.without_kernel if func.is_view or name in NO_KERNEL else self.operations)[name] += 1
         return func(*args, **kwargs)
 
 
@@ -194,6 +198,7 @@ class Row:
     calls_per_module: float = 0.0
     top_operations: dict[str, list[tuple[str, int]]] = field(default_factory=dict)  # by mode, per layer
     compiled_nodes_per_layer: int = 0
+    without_kernel_per_layer: dict[str, int] = field(default_factory=dict)  # by mode: views, detach, allocations
 
 
 def measure(
@@ -215,6 +220,7 @@ def measure(
                 per_layer = large.operations.copy()
                 per_layer.subtract(small.operations)
                 row.ops_per_layer[mode] = sum(per_layer.values())
+                row.without_kernel_per_layer[mode] = large.without_kernel.total() - small.without_kernel.total()
                 row.top_operations[mode] = [(name, n) for name, n in per_layer.most_common() if n > 0]
                 row.host_reads_per_call[mode] = sum(large.host_reads.values())
             wrapped = sum(1 for name, _ in two.named_modules() if name.split(".")[-1] in TARGET_MODULES)
@@ -236,9 +242,10 @@ def lora_row(rows: list[Row], dtype: str) -> Row | None:
 
 def markdown_table(rows: list[Row]) -> str:
     lines = [
-        "| base | method | train ops / layer | ratio | eval ops / layer | ratio | host syncs per train / eval call "
-        "(LoRA's) | package calls per wrapped module | compiled graph nodes / layer | ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| base | method | train ops / layer | ratio | eval ops / layer | ratio | train ops launching no kernel / "
+        "layer (LoRA's) | host syncs per train / eval call (LoRA's) | package calls per wrapped module | compiled "
+        "graph nodes / layer | ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lora = lora_row(rows, row.dtype)
@@ -247,9 +254,11 @@ def markdown_table(rows: list[Row]) -> str:
         syncs = " / ".join(
             f"{row.host_reads_per_call[m]} ({lora.host_reads_per_call[m] if lora else '?'})" for m in MODES
         )
+        no_kernel = row.without_kernel_per_layer.get("train", "—")
+        no_kernel = f"{no_kernel} ({lora.without_kernel_per_layer.get('train', '—') if lora else '?'})"
         lines.append(
             f"| {row.dtype} | {row.method} | {row.ops_per_layer['train']} | {ratios[0]:.2f}× | "
-            f"{row.ops_per_layer['eval']} | {ratios[1]:.2f}× | {syncs} | {row.calls_per_module:.1f} | "
+            f"{row.ops_per_layer['eval']} | {ratios[1]:.2f}× | {no_kernel} | {syncs} | {row.calls_per_module:.1f} | "
             f"{row.compiled_nodes_per_layer} | {compiled:.2f}× |"
         )
     return "\n".join(lines)
@@ -306,7 +315,8 @@ def results_section(rows: list[Row], device: str, command: str, load: tuple[tupl
         f"- Load average (1, 5, 15 min) before / after the run: {load_description(load, 'nothing changes')}.",
         f"- Wall time: {seconds:.0f} s. Counts are deterministic: they do not depend on the load or the machine.",
         "- Kernel-launching ATen operations per decoder layer (3-layer model minus 2-layer), a training step (forward "
-        "and backward) and an evaluation forward; host syncs per call of the 3-layer model (LoRA's in brackets); "
+        "and backward) and an evaluation forward; the training step's other ATen operations (views, `detach`, "
+        "allocations: no kernel, but host work); host syncs per call of the 3-layer model (LoRA's in brackets); "
         "Python calls into the adapter's package per wrapped module in one training forward of the 2-layer model; "
         "ATen nodes per decoder layer in the forward and backward graphs of a compiled training step (AOTAutograd). "
         "Ratios are to PEFT LoRA of rank r on the same base.",

@@ -22,6 +22,8 @@ def test_the_counter_leaves_out_views_and_allocations_and_counts_host_reads():
         x[x > 0]  # a kernel (gt) and a boolean-mask index, which reads its count on the host
         x.detach()
     assert sum(counter.operations.values()) == 6, counter.operations
+    # what launches no kernel is host work all the same: 3 views, 1 allocation, the host read's scalar, 1 detach
+    assert counter.without_kernel == {"view": 2, "t": 1, "empty": 1, "_local_scalar_dense": 1, "detach": 1}
     assert counter.operations["add"] == 1 and counter.operations["gt"] == 2
     assert sum(counter.host_reads.values()) == 2, counter.host_reads
     assert z.shape == (3,)
@@ -77,6 +79,9 @@ def test_a_run_writes_its_table_and_targets(tmp_path):
     # LoRA's own row is its own reference.
     row = next(line for line in text.splitlines() if line.startswith("| fp32 | lora |"))
     assert row.count("1.00×") == 3
+    cells = [cell.strip() for cell in row.split("|")]
+    views, lora_views = cells[7].replace("(", "").replace(")", "").split()  # its operations launching no kernel
+    assert views == lora_views and int(views) > 0
 
 
 def test_a_target_is_met_only_within_its_limit():
