@@ -249,7 +249,7 @@ class MergeAndApply(torch.autograd.Function):
     def backward(ctx, grad):
         tokens, lora_A, lora_B, probs, flat, expert_A, expert_B, hidden = ctx.saved_tensors
         # The merged experts' gradients side by side, [batch, r * in + out * r]: each matmul writes its part, no cat.
-        grad_merged, size_A = grad.new_empty(len(probs), flat.shape[1]), lora_A[0].numel()
+        grad_merged, size_A = grad.new_empty(len(probs), flat.shape[1]), lora_A.shape[1:].numel()
         grad_hidden = torch.bmm(grad, expert_B)  # [batch, tokens, r]
         grad_B = torch.bmm(grad.transpose(1, 2), hidden, out=grad_merged[:, size_A:].view_as(expert_B))
         if ctx.scaling != 1:  # after the matmuls, as autograd's baddbmm
