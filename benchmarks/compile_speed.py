@@ -357,6 +357,13 @@ def reduce_overhead_checks(smear: dict, lora: dict, verdict: Callable[[bool, str
     return [(label, verdict(step <= STEP_TARGET, f"{step:.2f}"))]
 
 
+def figure_and_ratio(values: dict, lora: dict, name: str, digits: int) -> list[str]:
+    """A table's two cells for figure ``name``: its value and its ratio to LoRA's, or dashes if either is missing."""
+    if name not in values or name not in lora:
+        return ["—", "—"]
+    return [f"{values[name]:.{digits}f}", f"{values[name] / lora[name]:.2f}×"]
+
+
 def markdown(figures: dict[str, dict]) -> str:
     lora = figures["lora"]
     lines = [
@@ -372,8 +379,7 @@ def markdown(figures: dict[str, dict]) -> str:
             ("eager_train_step_s", 4),
             ("compiled_inference_s", 4),
         ):
-            measured = name in values and name in lora
-            cells += [f"{values[name]:.{digits}f}", f"{values[name] / lora[name]:.2f}×"] if measured else ["—", "—"]
+            cells += figure_and_ratio(values, lora, name, digits)
         mixed = "not run" if values["mixed_batch_graphs"] is None else values["mixed_batch_graphs"]
         lines.append(f"| {method} | " + " | ".join(cells) + f" | {mixed} |")
     if cudagraphs_status(lora) is not None:
@@ -391,8 +397,7 @@ def reduce_overhead_table(figures: dict[str, dict]) -> list[str]:
     for method, values in figures.items():
         cells = [cudagraphs_status(values) or "not tried"]
         for name in ("reduce_overhead_train_step_s", "reduce_overhead_inference_s"):
-            measured = name in values and name in lora
-            cells += [f"{values[name]:.4f}", f"{values[name] / lora[name]:.2f}×"] if measured else ["—", "—"]
+            cells += figure_and_ratio(values, lora, name, 4)
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return lines
 

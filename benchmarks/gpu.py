@@ -54,7 +54,6 @@ import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -197,12 +196,15 @@ def adapted(method: str, base: torch.nn.Module) -> torch.nn.Module:
     return get_peft_model(base, config)
 
 
-def train(model: torch.nn.Module, batches: list[dict], device: str) -> tuple[list[float], float, float]:
-    """Train on ``batches`` in turn (AdamW, 1e-3); the losses, the fastest step after the first, and the peak memory
-    (MiB) the steps added, CUDA only (NaN elsewhere)."""
+def train(
+    model: torch.nn.Module, batches: list[dict], device: str, optimizer: torch.optim.Optimizer | None = None
+) -> tuple[list[float], float, float]:
+    """Train on ``batches`` in turn (AdamW, 1e-3, unless ``optimizer`` is given); the losses, the fastest step after
+    the first, and the peak memory (MiB) the steps added, CUDA only (NaN elsewhere)."""
     from speed import synchronize
 
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    if optimizer is None:
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     model.train()
     losses, fastest = [], math.inf
     if device.startswith("cuda"):
@@ -223,7 +225,8 @@ def train(model: torch.nn.Module, batches: list[dict], device: str) -> tuple[lis
     return losses, fastest, peak
 
 
-def part_dtypes(device: str, scale: Scale) -> dict:
+def dtypes_model(device: str, scale: Scale, steps: int) -> tuple[torch.nn.Module, list[dict]]:
+    """The ``dtypes`` part's random Llama, seeded, and ``steps`` batches for it."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -231,7 +234,12 @@ def part_dtypes(device: str, scale: Scale) -> dict:
     config = LlamaConfig(**scale.dtype_model, max_position_embeddings=seq_len, pad_token_id=0)
     with torch.device(device):
         reference = LlamaForCausalLM(config)
-    batches = training_batches(scale.dtype_steps, batch, seq_len, config.vocab_size, device)
+    return reference, training_batches(steps, batch, seq_len, config.vocab_size, device)
+
+
+def part_dtypes(device: str, scale: Scale) -> dict:
+    reference, batches = dtypes_model(device, scale, scale.dtype_steps)
+    batch, seq_len = scale.dtype_shape
     runs = {}
     for dtype in DTYPES:
         for method in ("lora", "smear"):
@@ -278,40 +286,33 @@ def part_profile(device: str, scale: Scale) -> dict:
     """Where SMEAR's and LoRA's training steps spend their time, with fp32 and bf16 bases (the ``dtypes`` part's
     model): the step's wall time, the time the GPU ran kernels in one profiled step (a step much longer than that
     waits on the host), and the operations that took the most host and device time."""
-    from speed import synchronize, timed, train_step
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    batch, seq_len = scale.dtype_shape
-    config = LlamaConfig(**scale.dtype_model, max_position_embeddings=seq_len, pad_token_id=0)
-    with torch.device(device):
-        reference = LlamaForCausalLM(config)
-    batches = training_batches(3, batch, seq_len, config.vocab_size, device)
+    reference, batches = dtypes_model(device, scale, 3)
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.startswith("cuda") else [])]
     runs = {}
     for dtype in ("float32", "bfloat16"):
         for method in ("lora", "smear"):
             model = adapted(method, copy.deepcopy(reference).to(getattr(torch, dtype)))
             optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-            steps = [timed(device, partial(train_step, model, optimizer, inputs)) for inputs in batches]
+            _, step, _ = train(model, batches, device, optimizer)  # the fastest after the first, unprofiled
             with profile(activities=activities) as profiled:  # one more step, its optimizer's state made already
-                train_step(model, optimizer, batches[0])
-                synchronize(device)
+                train(model, batches[:1], device, optimizer)
             # The host's operations, each with the device time of the kernels it launched; and those kernels.
             operations, kernels = [], []
             for event in profiled.key_averages():
                 (operations if event.device_type == DeviceType.CPU else kernels).append(event)
             runs[f"{method} {dtype}"] = {
-                "step_s": min(steps[1:]),  # the fastest after the first, unprofiled
+                "step_s": step,
                 "kernels_s": sum(kernel.self_device_time_total for kernel in kernels) / 1e6,
                 "host_ops_s": sum(operation.self_cpu_time_total for operation in operations) / 1e6,
                 "top_host": most_time(operations, "self_cpu_time_total"),
                 "top_device": most_time(operations, "self_device_time_total"),
             }
-            note(f"profile: {method} {dtype}, step {min(steps[1:]):.4f} s")
+            note(f"profile: {method} {dtype}, step {step:.4f} s")
             del model
+    batch, seq_len = scale.dtype_shape
     return {"runs": runs, "model": scale.dtype_model, "batch": batch, "seq_len": seq_len}
 
 

@@ -148,6 +148,26 @@ def test_training_without_any_prompt_information_warns():
     assert len(record) == 1, "one warning per call, not one per layer"
 
 
+def test_a_layer_pools_with_token_weights_on_its_own_device(monkeypatch):
+    """A call with no attention mask, labels or routing mask has its prompt mask made on the default device, and a
+    ``device_map`` puts layers on other devices than the mask's: each layer pools with weights on its own input's
+    device (on a GPU, other weights are an error: ``tests/test_cuda.py``). The meta device stands in for a GPU."""
+    from peft_smear.core import context
+
+    pooled_on = []
+
+    def pool(hidden, weights):
+        pooled_on.append((hidden.device.type, None if weights is None else weights.device.type))
+        return context_pool(hidden, weights)
+
+    context_pool = context.pool
+    monkeypatch.setattr(context, "pool", pool)
+    model = smear(tiny_llama(), target_modules=["q_proj", "v_proj"]).eval().to("meta")
+    with torch.no_grad():
+        model(input_ids=torch.randint(2, VOCAB, (2, 7)).to("meta"))
+    assert pooled_on and set(pooled_on) == {("meta", "meta")}, pooled_on
+
+
 def test_prompt_routing_ignores_left_padding():
     model = smear(tiny_llama())
     ids, labels = prompt_and_response(prompt_len=4, total=7, seed=5)
