@@ -256,32 +256,29 @@ def test_compiled_training_gives_each_router_the_expert_dropout_eager_mode_gives
 def reference_pool_and_route(hidden, token_mask, params, noise, p):
     """Steps 1 and 2 of SMEAR one example and router at a time in float64, sharing no code with the package: the
     mean of the example's masked tokens, its LayerNorm, and the softmax against the LayerNorm'd rows over the experts
-    whose noise is at least ``p`` (all of them where none is)."""
-    norm_weights, norm_biases, gains, weights = (param.double() for param in params)
-    normed, probs = [], []
-    for g in range(weights.shape[0]):
-        rows = normalized(weights[g]) * gains[g]
-        for b in range(hidden.shape[0]):
-            tokens = [t for t in range(hidden.shape[1]) if token_mask is None or token_mask[b, t] != 0]
-            pooled = sum(hidden[b, t].double() for t in tokens) / len(tokens)
-            normed.append(normalized(pooled) * norm_weights[g] + norm_biases[g])
-            logits = rows @ normed[-1]
+    whose noise is at least ``p`` (all of them where none is): ``[batch, routers, N]``."""
+    weights, gains, norm_weights, norm_biases = (param.double() for param in params)
+    probs = []
+    for b in range(hidden.shape[0]):
+        tokens = [t for t in range(hidden.shape[1]) if token_mask is None or token_mask[b, t] != 0]
+        pooled = sum(hidden[b, t].double() for t in tokens) / len(tokens)
+        for g in range(weights.shape[0]):
+            logits = (normalized(weights[g]) * gains[g]) @ (normalized(pooled) * norm_weights[g] + norm_biases[g])
             kept = torch.tensor([noise is None or bool(noise[b, n] >= p) for n in range(len(logits))])
             kept = kept if kept.any() else torch.ones_like(kept)
             exp = torch.exp(logits - logits[kept].max()) * kept
             probs.append(exp / exp.sum())
-    return torch.stack(normed).view(weights.shape[0], hidden.shape[0], -1), torch.stack(probs).view(
-        weights.shape[0], hidden.shape[0], -1
-    )
+    return torch.stack(probs).view(hidden.shape[0], weights.shape[0], -1)
 
 
 def router_case(dtype, masked, dropped):
     """Leaves of two routers that read one input: hidden states ``[3, 5, 8]`` and the routers' four tensors stacked
-    in ``dtype``, a token mask with an example of one token and a padded one, and expert dropout's noise and
-    probability, which leave an example one expert and drop every expert of another (which then keeps them all)."""
+    in ``dtype`` (rows, their gains, the input LayerNorm's weights and biases), a token mask with an example of one
+    token and a padded one, and expert dropout's noise and probability, which leave an example one expert and drop
+    every expert of another (which then keeps them all)."""
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(3, 5, 8, generator=generator).to(dtype).requires_grad_()
-    shapes = [(2, 8), (2, 8), (2, 8), (2, 4, 8)]
+    shapes = [(2, 4, 8), (2, 8), (2, 8), (2, 8)]
     params = [(torch.randn(shape, generator=generator) + 1).to(dtype).requires_grad_() for shape in shapes]
     token_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 1, 0, 0]]) if masked else None
     noise = torch.tensor([[0.9, 0.1, 0.7, 0.6], [0.2, 0.3, 0.1, 0.4], [0.3, 0.2, 0.8, 0.1]]) if dropped else None
@@ -298,39 +295,29 @@ def operator_inputs(hidden, token_mask, noise, p):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("masked", [True, False])
 @pytest.mark.parametrize("dropped", [True, False])
-@pytest.mark.parametrize("normed_in_loss", [True, False])
-def test_the_opaque_router_operators_compute_pool_and_route_and_their_gradients(
-    dtype, masked, dropped, normed_in_loss
-):
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_the_opaque_router_operators_compute_pool_and_route_and_their_gradients(dtype, masked, dropped, temperature):
     """What a compiled model runs for steps 1 and 2 (``peft_smear::pool``, ``peft_smear::route``; their backwards
     are written by hand) equals a float64 computation, outputs and every input's gradient, in each input dtype: the
-    pooled states' gradient in the hidden states' dtype, the routers' in their parameters'."""
+    pooled states' gradient in the hidden states' dtype, the routers' in their parameters'. The temperature divides
+    the rows' gains."""
     hidden, token_mask, params, noise, p = router_case(dtype, masked, dropped)
     weights, drop = operator_inputs(hidden, token_mask, noise, p)
     pooled = torch.ops.peft_smear.pool(hidden, weights)
-    normed, probs = torch.ops.peft_smear.route(pooled, params, drop)
-    expected_normed, expected_probs = reference_pool_and_route(hidden, token_mask, params, noise, p)
+    probs = torch.ops.peft_smear.route(pooled, params, drop, temperature)
+    scaled = [params[0], params[1] / temperature, *params[2:]]
+    expected = reference_pool_and_route(hidden, token_mask, scaled, noise, p)
     if dropped:
-        assert (probs[:, 0] > 0).tolist() == [[True, False, True, True]] * 2 and (probs[:, 1] > 0).all()
-    assert pooled.dtype == normed.dtype == probs.dtype == torch.float32
+        assert (probs[0] > 0).tolist() == [[True, False, True, True]] * 2 and (probs[1] > 0).all()
+    assert pooled.dtype == probs.dtype == torch.float32
     tolerance = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
-    torch.testing.assert_close(normed.double(), expected_normed, **tolerance)
-    torch.testing.assert_close(probs.double(), expected_probs, **tolerance)
+    torch.testing.assert_close(probs.double(), expected, **tolerance)
 
-    generator = torch.Generator().manual_seed(1)
-    probe_normed, probe_probs = torch.randn(2, 3, 8, generator=generator), torch.randn(2, 3, 4, generator=generator)
-
-    def loss(normed, probs):
-        return (probs * probe_probs.to(probs.dtype)).sum() + normed_in_loss * (
-            normed * probe_normed.to(normed.dtype)
-        ).sum()
-
+    probe = torch.randn(3, 2, 4, generator=torch.Generator().manual_seed(1))
     leaves = [hidden, *params]
-    grads = torch.autograd.grad(loss(normed, probs), leaves)
-    expected = torch.autograd.grad(loss(expected_normed, expected_probs), leaves)
-    for name, grad, want in zip(
-        ["hidden", "norm_weight", "norm_bias", "gain", "weight"], grads, expected, strict=True
-    ):
+    grads = torch.autograd.grad((probs * probe.to(probs.dtype)).sum(), leaves)
+    wanted = torch.autograd.grad((expected * probe.double()).sum(), leaves)
+    for name, grad, want in zip(["hidden", "weight", "gain", "norm_weight", "norm_bias"], grads, wanted, strict=True):
         assert grad.dtype == dtype, name
         torch.testing.assert_close(grad.double(), want.double(), **tolerance, msg=name)
 
@@ -343,7 +330,7 @@ def test_the_opaque_router_operators_pass_torch_library_opcheck(masked, dropped)
     for result in (
         torch.library.opcheck(torch.ops.peft_smear.pool.default, (hidden, weights)),
         torch.library.opcheck(
-            torch.ops.peft_smear.route.default, (hidden[:, 0].detach().requires_grad_(), params, drop)
+            torch.ops.peft_smear.route.default, (hidden[:, 0].detach().float().requires_grad_(), params, drop, 2.0)
         ),
     ):
         assert set(result.values()) == {"SUCCESS"}, result

@@ -79,8 +79,8 @@ def test_routing_and_merging_happen_once_per_generate_from_the_prompt(monkeypatc
     smear_page = peft_smear.core.smear
     route, merge = smear_page.route, smear_page.merge_parameters
 
-    def counting(*args):
-        computed.append((len(calls), route(*args)))
+    def counting(*args, **kwargs):
+        computed.append((len(calls), route(*args, **kwargs)))
         return computed[-1][1]
 
     merges = []  # one per merged parameter of a layer

@@ -1,9 +1,7 @@
-"""Which base layers SMEAR wraps, checked before a layer is wrapped. A SMEAR layer calls its base layer and adds to
-its output (or scales its input), never reading the base weight: a quantized ``nn.Linear`` mapping ``[..., in]`` to
-``[..., out]`` in the activations' dtype works, as bitsandbytes' ``Linear4bit`` and ``Linear8bitLt`` do (tested).
-Every other quantized layer is refused with its class and backend named: most are no ``nn.Linear`` (HQQ, GPTQ, AWQ,
-...), and a quantized weight tensor (torchao, float8) would have PEFT cast the experts to its dtype, untested.
-"""
+"""Which base layers SMEAR wraps. It adds to a base layer's output (or scales its input), never reading its weight: a
+quantized ``nn.Linear`` mapping ``[..., in]`` to ``[..., out]`` in the activations' dtype works, as bitsandbytes'
+``Linear4bit`` and ``Linear8bitLt`` do (tested). Other quantized layers are refused, class and backend named: most are
+no ``nn.Linear``, and a quantized weight (torchao, float8) would have PEFT cast experts to its dtype, untested."""
 
 from __future__ import annotations
 
@@ -16,13 +14,10 @@ from transformers.pytorch_utils import Conv1D
 
 SUPPORTED_BASE_LAYERS = (nn.Linear, Conv1D)
 
-# Weight dtypes of an unquantized layer: PEFT moves the experts to the base weight's dtype, and these are the ones
-# an expert may have (PEFT's adapter autocast then lifts fp16 / bf16 experts to fp32).
+# Unquantized weight dtypes: experts take the base weight's in PEFT (whose autocast lifts fp16 / bf16 to fp32).
 FLOAT_WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
-# Top-level packages whose layers (or weight tensors) are quantized, by the name of their quantization backend:
-# those PEFT LoRA dispatches to a layer class of its own, and transformers' quantizer integrations.
-QUANTIZATION_BACKENDS = {
+QUANTIZATION_BACKENDS = {  # quantizing package -> backend: those PEFT LoRA has a layer for, transformers' quantizers
     "torchao": "torchao",
     "hqq": "HQQ",
     "gptqmodel": "GPTQModel (GPTQ / AWQ)",
@@ -47,15 +42,13 @@ SUPPORTED_QUANTIZATION = (
 
 
 def bitsandbytes_layer_types() -> tuple[type, ...]:
-    """bitsandbytes' quantized linear layers, if bitsandbytes is imported at all (a model quantized with it has
-    imported it; no other model needs it imported)."""
+    """bitsandbytes' quantized linear layers, if it is imported (a model quantized with it has imported it)."""
     bnb = sys.modules.get("bitsandbytes")
     return () if bnb is None else (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
 
 
 def check_base_layer(target: nn.Module, module_name: str, expert_type: str) -> None:
-    """Raise ``TypeError`` naming ``target``'s class, and its quantization backend if it has one, unless SMEAR
-    can wrap it (see the module docstring)."""
+    """Raise ``TypeError`` naming ``target``'s class and quantization backend unless SMEAR can wrap it (module doc)."""
     what = (
         f"SMEAR (expert_type={expert_type!r}) cannot wrap target module {module_name!r} of type "
         f"{type(target).__name__} ({type(target).__module__})"
@@ -94,7 +87,6 @@ def quantization_backend(cls: type) -> str | None:
 
 
 def is_plain_float_weight(weight: torch.Tensor) -> bool:
-    """A float tensor, parameter, or a sharded one (DTensor, if imported); not a quantized tensor subclass or an
-    integer or float8 weight."""
+    """A float tensor or parameter, or a sharded one (DTensor); not a quantized subclass, integer or float8 weight."""
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     return type(weight) in (torch.Tensor, nn.Parameter, dtensor) and weight.dtype in FLOAT_WEIGHT_DTYPES

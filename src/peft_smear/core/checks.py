@@ -1,5 +1,4 @@
-"""The checks every setting passes when a config is built, and how their errors read: the setting's name, the value
-given, and what is allowed. One place, so that ``True`` is never taken for the integer 1 and NaN never for a number."""
+"""Config setting checks, in one place so that ``True`` never passes for 1 nor NaN for a number."""
 
 from __future__ import annotations
 
@@ -7,8 +6,7 @@ import math
 from collections.abc import Callable, Sequence
 
 
-Check = Callable[[str, object], None]
-"""A check of one setting: ``check(name, value)`` raises a ``ValueError`` that names both, or returns."""
+Check = Callable[[str, object], None]  # check(name, value) raises a ValueError naming both, or returns
 
 
 def is_integer(value: object) -> bool:
@@ -17,13 +15,11 @@ def is_integer(value: object) -> bool:
 
 
 SMALLEST, LARGEST = 1e-6, 1e4
-"""The range of every real-valued setting (a positive one at least ``SMALLEST``): beyond it SMEAR's arithmetic
-overflows, e.g. a temperature of 1e-300 is zero in float32, a loss weight of 1e6 overflows a half-precision loss."""
+"""Real settings' range (positives from ``SMALLEST``): past it 1e-300 is 0 in fp32; 1e6 loss weights overflow fp16."""
 
 
 def require_number(name: str, value: object, *, minimum: float = 0.0, inclusive: bool = False) -> None:
-    """A finite real number above ``minimum`` (or equal to it, when ``inclusive``) and at most :data:`LARGEST`; a
-    positive one (``minimum=0``, not inclusive) at least :data:`SMALLEST`. Never a bool."""
+    """Finite, not bool, in (``minimum``, :data:`LARGEST`], ``[`` if ``inclusive``; positive: from :data:`SMALLEST`."""
     if minimum == 0 and not inclusive:
         minimum, inclusive = SMALLEST, True
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)

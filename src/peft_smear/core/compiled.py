@@ -1,32 +1,29 @@
-"""Steps 1 and 2 of SMEAR's page (:mod:`~peft_smear.core.smear`) as two opaque operators under ``torch.compile``.
-
-Traced, pooling and routing are a dozen small reductions that inductor fuses into their neighbours differently in
-each layer, and a cold compile builds every distinct kernel (SMEAR's first step took 1.9x LoRA's:
-``benchmarks/compile_speed.py``). As operators they add none. Their forwards run the page's functions; their
-backwards are written out with ATen's own LayerNorm and softmax backwards, and the tests hold them to autograd.
-"""
+"""SMEAR's steps 1 and 2 (:mod:`~peft_smear.core.smear`) as opaque ``torch.compile`` operators: traced, pooling and
+routing are a dozen small reductions fused differently per layer, and a cold compile builds each distinct kernel
+(SMEAR's first step: 1.9x LoRA's, ``benchmarks/compile_speed.py``); as operators they add none. Both passes run the
+page's functions (a compiled layer routes alone, its router's tables in the operator); tests hold them to autograd."""
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
-from .smear import pool, route
+from .smear import pool, route, route_backward, router_rows, router_rows_backward
 
 
 @torch.library.custom_op("peft_smear::pool", mutates_args=())
-def pool_op(hidden: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+def pool_op(hidden: Tensor, weights: Tensor | None) -> Tensor:
     return pool(hidden, weights)
 
 
 @torch.library.custom_op("peft_smear::pool_backward", mutates_args=())
-def pool_backward(grad: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def pool_backward(grad: Tensor, weights: Tensor, dtype: torch.dtype) -> Tensor:
     """Each token's gradient: its weight in the pool times the pool's gradient, ``[batch, tokens, features]``."""
     return (weights.unsqueeze(-1) * grad.unsqueeze(1)).to(dtype)
 
 
-def pool_setup(ctx, inputs: tuple[torch.Tensor, torch.Tensor | None], output: torch.Tensor) -> None:
-    """Keep the token weights (the plain mean's for none) and the input's dtype, never the input: only its shape is
-    needed."""
+def pool_setup(ctx, inputs: tuple[Tensor, Tensor | None], output: Tensor) -> None:
+    """Save the token weights (the mean's if none) and the input's dtype, never the input: only its shape is needed."""
     hidden, weights = inputs
     tokens = hidden.shape[1]
     ctx.save_for_backward(
@@ -36,60 +33,54 @@ def pool_setup(ctx, inputs: tuple[torch.Tensor, torch.Tensor | None], output: to
 
 
 @torch.library.custom_op("peft_smear::route", mutates_args=())
-def route_op(
-    summary: torch.Tensor, params: list[torch.Tensor], drop: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return route(summary, params, drop)
+def route_op(summary: Tensor, params: list[Tensor], drop: Tensor | None, temperature: float) -> Tensor:
+    return routed(summary, params, drop, temperature)[0]
+
+
+def routed(summary: Tensor, params: list[Tensor], drop: Tensor | None, temperature: float) -> tuple:
+    """G routers' :func:`route` (``params``: stacked weights, gains, input scales, shifts) and what backwards read."""
+    weights, gains, scales, shifts = (param.float() for param in params)
+    rows, rows_saved = router_rows(weights, gains / temperature)
+    drop = rows.new_zeros(()).expand(len(rows), len(summary), rows.shape[1]) if drop is None else drop
+    probs, route_saved = route(summary, rows, scales.unsqueeze(1), shifts.unsqueeze(1), drop)
+    return probs, rows, rows_saved, route_saved
 
 
 @torch.library.custom_op("peft_smear::route_backward", mutates_args=())
-def route_backward(
-    summary: torch.Tensor,
-    params: list[torch.Tensor],
-    probs: torch.Tensor,
-    grad_normed: torch.Tensor | None,
-    grad_probs: torch.Tensor,
-) -> list[torch.Tensor]:
-    """The gradients of :func:`route`'s summary and ``params`` through the softmax, the logits' matmul and both
-    LayerNorms (recomputed: ``[batch + G * N, features]``, cheap), in fp32, returned in each tensor's dtype."""
-    summary32, norm_weight, norm_bias, gain, rows = (t.float() for t in (summary, *params))
-    features, eps = [summary.shape[-1]], 1e-5  # F.layer_norm's default eps, which route uses
-    xhat, mean, rstd = torch.ops.aten.native_layer_norm(summary32, features, None, None, eps)
-    normed = torch.addcmul(norm_bias.unsqueeze(1), xhat, norm_weight.unsqueeze(1))
-    rows_hat, row_mean, row_rstd = torch.ops.aten.native_layer_norm(rows, features, None, None, eps)
-    grad_logits = torch.ops.aten._softmax_backward_data(grad_probs, probs, -1, torch.float32)
-    grad_normed = torch.bmm(grad_logits, rows_hat * gain.unsqueeze(1)) + (0 if grad_normed is None else grad_normed)
-    grad_rows = torch.bmm(grad_logits.transpose(1, 2), normed)  # of the rows after their LayerNorm
-    grad_gain = (grad_rows * rows_hat).sum(dim=1)
-    grad_rows = torch.ops.aten.native_layer_norm_backward(
-        grad_rows * gain.unsqueeze(1), rows, features, row_mean, row_rstd, None, None, [True, False, False]
-    )[0]
-    grad_xhat = (grad_normed * norm_weight.unsqueeze(1)).sum(dim=0)
-    grad_summary = torch.ops.aten.native_layer_norm_backward(
-        grad_xhat, summary32, features, mean, rstd, None, None, [True, False, False]
-    )[0]
-    grads = (grad_summary, (grad_normed * xhat).sum(dim=1), grad_normed.sum(dim=1), grad_gain, grad_rows)
+def route_backward_op(
+    summary: Tensor, params: list[Tensor], drop: Tensor | None, temperature: float, grad_probs: Tensor
+) -> list[Tensor]:
+    """Gradients of summary and ``params`` via routing and rows (recomputed: cheap), in fp32, cast to their dtypes."""
+    probs, rows, rows_saved, route_saved = routed(summary, params, drop, temperature)
+    weights, gains, scales, shifts = (param.float() for param in params)
+    table = rows * scales.unsqueeze(1)
+    grad_summary, grad_table, grad_bias = route_backward(summary, table, probs, route_saved, grad_probs)
+    params32 = (weights, gains / temperature, scales, shifts)
+    grads = router_rows_backward(params32, rows, rows_saved, grad_table, grad_bias)
+    grads = (grad_summary, grads[0], grads[1] / temperature, grads[2], grads[3])
     return [grad.to(t.dtype) for grad, t in zip(grads, (summary, *params), strict=True)]
 
 
-def route_grads(ctx, grad_normed: torch.Tensor | None, grad_probs: torch.Tensor) -> tuple:
-    summary, *params, probs = ctx.saved_tensors
-    grad_summary, *grad_params = route_backward(summary, params, probs, grad_normed, grad_probs)
-    return grad_summary, grad_params, None
+def route_grads(ctx, grad_probs: Tensor) -> tuple:
+    summary, *params, drop = ctx.saved_tensors
+    grad_summary, *grad_params = route_backward_op(summary, params, drop, ctx.temperature, grad_probs.contiguous())
+    return grad_summary, grad_params, None, None
+
+
+def route_setup(ctx, inputs: tuple, output: Tensor) -> None:
+    summary, params, drop, ctx.temperature = inputs
+    ctx.save_for_backward(summary, *params, drop)
 
 
 pool_op.register_fake(lambda hidden, weights: torch.empty_like(hidden[:, 0], dtype=torch.float32))
 pool_backward.register_fake(lambda grad, weights, dtype: grad.new_empty(*weights.shape, grad.shape[1], dtype=dtype))
 route_op.register_fake(
-    lambda summary, params, drop: (
-        summary.new_empty(params[0].shape[0], *summary.shape, dtype=torch.float32),
-        summary.new_empty(params[0].shape[0], summary.shape[0], params[3].shape[1], dtype=torch.float32),
+    lambda summary, params, drop, temperature: summary.new_empty(
+        summary.shape[0], *params[0].shape[:2], dtype=torch.float32
     )
 )
-route_backward.register_fake(lambda summary, params, *grads: [torch.empty_like(t) for t in (summary, *params)])
+route_backward_op.register_fake(lambda summary, params, *rest: [torch.empty_like(t) for t in (summary, *params)])
 pool_op.register_autograd(
     lambda ctx, grad: (pool_backward(grad, *ctx.saved_tensors, ctx.dtype), None), setup_context=pool_setup
 )
-route_op.register_autograd(
-    route_grads, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(inputs[0], *inputs[1], output[1])
-)
+route_op.register_autograd(route_grads, setup_context=route_setup)

@@ -18,8 +18,7 @@ from .types import ROUTER_INPUTS, Option
 
 INIT_WEIGHTS_SCHEMES = ("gaussian", "smear")
 
-# What to do instead of a LoraConfig setting SmearConfig lacks (users start from LoRA recipes); one in LORA_NO_OPS is
-# taken at that one value, which is what SMEAR does anyway.
+# Advice for LoraConfig settings SmearConfig lacks (users start from LoRA recipes); LORA_NO_OPS: taken at that value.
 LORA_INSTEAD = {
     "init_lora_weights": "SMEAR's is init_weights (True, False, 'gaussian' or 'smear')",
     "fan_in_fan_out": "SMEAR reads the weight layout of GPT-2's Conv1D itself; drop it",
@@ -34,57 +33,39 @@ LORA_NO_OPS = {"bias": "none", "lora_bias": False, "use_dora": False}
 
 @dataclass(init=False)
 class SmearConfig(PeftConfig):
-    """Configuration of a SMEAR adapter: per wrapped module, a bank of ``num_experts`` experts (LoRA by default) and a
-    router that merges them into one expert per example (Muqeeth et al., *Soft Merging of Experts with Adaptive
-    Routing*). ``expert_type`` picks what an expert is and ``routing`` how experts are chosen; each kind and each
-    routing method declares its own options (``ExpertKind.options``, ``Router.options``), passed as keywords of their
-    own and validated for it alone when the config is built.
+    """Configuration of a SMEAR adapter (Muqeeth et al., *Soft Merging of Experts with Adaptive Routing*).
 
     Args:
-        expert_type: ``"lora"`` (default), a LoRA of rank ``r`` on the module's output; ``"adapter"``, a bottleneck
-            adapter (the paper's experts) on the module's output, whose router reads that output (default targets:
-            the attention and feed-forward output projections, the paper's placement); ``"ia3"``, an (IA)^3 vector
-            scaling the module's output, or its input for the ``ia3_feedforward_modules``; or a registered kind.
-        num_experts: Experts per wrapped module (the routing method's default: 8, the paper's).
-        routing: ``"smear"`` (the default: the router's distribution merges the experts' parameters into one expert
-            per example) or another method of :data:`peft_smear.ROUTERS` (``docs/routing.md``).
-        routing_options: The routing method's options by name, completed with its defaults (what
-            ``adapter_config.json`` stores); setting another method's is an error.
-        freeze_experts: Keep every expert frozen, also when the adapter is activated or loaded trainable: only the
-            routers (and ``modules_to_save``) train, as a bank of existing adapters wants.
-        expert_names, expert_descriptions, expert_embeddings: A bank's name, task description and description
-            embedding (``num_experts`` rows of one size) of each expert, kept with the adapter.
-        r, lora_alpha, use_rslora: LoRA experts' rank and scaling, ``lora_alpha / r`` (``/ sqrt(r)`` with
-            ``use_rslora``), exactly a PEFT LoRA's of the same rank.
-        lora_dropout: During training, dropout with this probability on the input of the LoRA experts (not of the
-            router, nor of the wrapped module), as PEFT LoRA's ``lora_dropout``. Never applied in eval mode.
-        adapter_width, adapter_reduction_factor, adapter_activation, adapter_layer_norm: Bottleneck adapters' width
-            (or ``out_features // adapter_reduction_factor``, 16 when neither is set; the paper's T5 used 32),
-            activation (``"swish"``, the paper's) and a LayerNorm on each expert's output (the paper's T5 experts;
-            off by default: it lifts the output to unit scale after the first step).
-        ia3_feedforward_modules: For ``"ia3"``: the target modules whose *input* features are scaled, as PEFT IA3's
-            ``feedforward_modules``. Unset: PEFT IA3's for the architecture if ``target_modules`` is unset too.
-        expert_options: The options of a kind registered from outside, completed with its defaults.
-        expert_dropout: In training, drop each expert of each example with this probability and renormalise (the
-            paper's expert dropout; the method's default, 0.1 for SMEAR). Only probability routers accept it.
+        expert_type: ``"lora"`` (default): a rank-``r`` LoRA on the module's output; ``"adapter"``: the paper's
+            bottleneck adapter there, routed on it (default targets: attention and feed-forward outputs); ``"ia3"``: an
+            (IA)^3 vector scaling the output (input for ``ia3_feedforward_modules``); or a registered kind.
+        num_experts: Experts per wrapped module (default: the routing method's, 8 as in the paper).
+        routing: ``"smear"`` (default: merge by the router's distribution) or a :data:`peft_smear.ROUTERS` method.
+        routing_options, expert_options: Options of the routing method (``Router.options``) and an outside kind
+            (``ExpertKind.options``), also as keywords, each checked for its owner alone and completed with defaults.
+        freeze_experts: Train only routers (and ``modules_to_save``), never experts, even loaded trainable (for banks).
+        expert_names, expert_descriptions, expert_embeddings: A bank's name, task description and description embedding
+            (``num_experts`` rows of one size) of each expert, kept with the adapter.
+        r, lora_alpha, use_rslora, lora_dropout: As a PEFT LoRA's: LoRA experts' rank, scaling ``lora_alpha / r``
+            (``/ sqrt(r)`` with ``use_rslora``) and dropout on their input in training (not the router's or module's).
+        adapter_width, adapter_reduction_factor, adapter_activation, adapter_layer_norm: Bottleneck width (else
+            ``out_features // adapter_reduction_factor``, else 16; the paper's T5: 32), activation (``"swish"``, as the
+            paper) and output LayerNorm (its T5's; off by default: it lifts the output to unit scale after one step).
+        ia3_feedforward_modules: For ``"ia3"``, the targets whose *input* is scaled, as PEFT IA3's
+            ``feedforward_modules`` (unset: PEFT IA3's for the architecture if ``target_modules`` is unset too).
+        expert_dropout: The paper's expert dropout rate, renormalised, in training (default: the method's; SMEAR: 0.1).
         router_init_std: Std of the normal initialisation of the router weight rows.
-        router_input: What each router pools: ``"self"``, the layer's input over the example's real tokens;
-            ``"encoder"``, the encoder's final hidden states (decoder layers, as in the paper); ``"prompt"``, the
-            layer's input over the prompt tokens only (causal LMs: the response never reaches the router, see
-            :func:`peft_smear.core.context.prompt_mask`). ``"auto"``: ``"encoder"`` for encoder-decoders,
-            ``"prompt"`` for models that generate text, else ``"self"``.
-        routing_prefix_length: With prompt routing, route every example on its first ``routing_prefix_length``
-            real tokens, in training and at inference alike (plain language-model training marks no prompt).
-        init_weights: ``True``: the adapter starts as the identity (LoRA: A as PEFT LoRA's, B zero); ``"smear"``:
-            the reference implementation's normal std 1e-2 for both LoRA factors (the model changes from the first
-            step); ``"gaussian"`` (LoRA): A normal with std ``1/r``, B zero; ``False``: all random, for tests.
-        target_modules: Module names (suffix match), a regex or ``"all-linear"``; defaults to the expert kind's
-            per-architecture targets (PEFT LoRA's for LoRA experts).
-        exclude_modules: Names or a regex of modules never to wrap.
-        layers_to_transform: Layer indices to wrap; the rest are left alone.
-        layers_pattern: Name of the layer list (e.g. ``"layers"``, ``"h"``) when ``layers_to_transform`` is used.
-        modules_to_save: Extra modules trained in full and saved with the adapter (e.g. a classifier head).
-    """
+        router_input: What each router pools: ``"self"``, the layer's input over real tokens; ``"encoder"``, the
+            encoder's output (decoder layers, as in the paper); ``"prompt"``, the layer's input over prompt tokens
+            (causal LMs: the response never reaches the router, :func:`peft_smear.core.context.prompt_mask`);
+            ``"auto"``: ``"encoder"`` for encoder-decoders, ``"prompt"`` for generative models, else ``"self"``.
+        routing_prefix_length: Prompt routing reads the first this many real tokens (LM training marks no prompt).
+        init_weights: ``True``: the identity (LoRA: A as PEFT's, B zero); ``"smear"``: both LoRA factors normal, std
+            1e-2 (the reference's, no identity); ``"gaussian"``: LoRA A std ``1/r``, B zero; ``False``: random (tests).
+        target_modules, exclude_modules: Module names (suffix match), a regex or ``"all-linear"`` to wrap (default: the
+            expert kind's per-architecture targets, PEFT LoRA's for LoRA); names or a regex never to wrap.
+        layers_to_transform, layers_pattern: Layer indices to wrap, and the name of their list (``"layers"``, ``"h"``).
+        modules_to_save: Extra modules trained in full and saved with the adapter (e.g. a classifier head)."""
 
     expert_type: str = "lora"
     r: int = 8
@@ -116,9 +97,7 @@ class SmearConfig(PeftConfig):
     expert_options: dict[str, Any] | None = None
 
     def __init__(self, **settings: Any) -> None:
-        """Every field by keyword; any other keyword is an option of an expert kind registered from outside, kept in
-        ``expert_options``, or of the routing method, kept in ``routing_options``. Adapters saved before the methods
-        declared their options stored every method's options as top-level keys, which arrive here the same way."""
+        """Fields by keyword; any other keyword is an option of an outside expert kind or of the routing method."""
         own = {f.name: f for f in fields(self) if f.init}
         _refuse_unknown_keywords(settings, own)
         # A saved config carries peft_type; without routing_options it was saved before methods declared options.
@@ -136,8 +115,7 @@ class SmearConfig(PeftConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.peft_type = SmearPeftType.SMEAR
-        # PEFT keeps module names in sets
-        for name in ("target_modules", "exclude_modules", "ia3_feedforward_modules"):
+        for name in ("target_modules", "exclude_modules", "ia3_feedforward_modules"):  # PEFT keeps names in sets
             value = getattr(self, name)
             setattr(self, name, set(value) if isinstance(value, list) else value)
         if self.routing not in ROUTERS:
@@ -227,8 +205,7 @@ class SmearConfig(PeftConfig):
                 raise ValueError("expert_embeddings must be finite numbers; they hold a NaN or an infinity.")
 
     def _validate_expert_type(self) -> None:
-        """Each kind's options belong to it alone (set for another kind, one is an error); the chosen kind's are
-        checked, and those that are no field are completed with their defaults in ``expert_options``."""
+        """Check the chosen kind's options (another kind's, set, is an error); fill ``expert_options``' defaults."""
         if self.expert_type not in EXPERT_KINDS:
             raise ValueError(f"expert_type must be one of {tuple(EXPERT_KINDS)}, got {self.expert_type!r}.")
         kind = EXPERT_KINDS[self.expert_type]
@@ -255,9 +232,7 @@ class SmearConfig(PeftConfig):
         kind.validate(self)
 
     def _validate_routing(self, router: type[Router]) -> None:
-        """Complete ``routing_options`` with ``router``'s defaults and check each, then what only the method can
-        check. A keyword that is another method's option is an error, unless it holds that option's default (older
-        adapters saved every method's options)."""
+        """Fill and check ``routing_options``; another method's must hold its default (old adapters saved them all)."""
         own = {option.name: option for option in router.options}
         options = {}
         for name, value in self.routing_options.items():
@@ -295,7 +270,6 @@ class SmearConfig(PeftConfig):
         router.validate(self)
 
     def _merge_options(self, where: str, given: dict[str, Any], owner: str) -> None:
-        """The options in the dict field ``where`` with the ones passed as keywords, each given once."""
         stored = getattr(self, where)
         if stored is not None and not (isinstance(stored, dict) and all(isinstance(name, str) for name in stored)):
             raise ValueError(f"{where} must be a dict of {owner}'s options, {{name: value}}, got {stored!r}.")
@@ -307,7 +281,6 @@ class SmearConfig(PeftConfig):
         setattr(self, where, merged)
 
     def _kind_option(self, option: Option) -> Any:
-        """The value of an expert kind's option: its field's, or from ``expert_options`` (its default if unset)."""
         if option.name in self.__dataclass_fields__:
             return getattr(self, option.name)
         return self.expert_options.get(option.name, option.default)
@@ -319,8 +292,7 @@ def _option_names() -> set[str]:
 
 
 def _refuse_unknown_keywords(settings: dict[str, Any], own: dict[str, Any]) -> None:
-    """A keyword that is neither a field nor an option is a ``TypeError``, as for any dataclass (PEFT's configs); a
-    LoraConfig setting in ``LORA_NO_OPS`` is dropped at that value, any other refused with what to do instead."""
+    """Unknown keywords: ``TypeError`` (as in dataclasses); LoraConfig ones dropped (``LORA_NO_OPS``) or explained."""
     options = _option_names()
     for name, value in list(settings.items()):
         if name in own or name in options:

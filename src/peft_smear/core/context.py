@@ -1,9 +1,7 @@
-"""What the layers of one SMEAR model share about the current call (:class:`RoutingContext`): its state and what is
-computed once per call (:class:`CallState`), its auxiliary losses (:class:`AuxLosses`), the routing kept for
-``generate``, which layers read one input, who watches the routing; and what a layer hands its router
-(:class:`CallRouterInputs`). It outlives the call: gradient checkpointing re-runs layer forwards during backward, after
-any per-call hook is gone, and must route exactly as the forward did.
-"""
+"""What the layers of one SMEAR model share about the current call (:class:`RoutingContext`): its state and per-call
+results (:class:`CallState`), auxiliary losses (:class:`AuxLosses`), routing kept for ``generate``, layers reading one
+input, observers; and what a layer hands its router (:class:`CallRouterInputs`). It outlives the call: checkpointing
+re-runs layer forwards in backward, after any per-call hook is gone, and they must route exactly as the forward did."""
 
 from __future__ import annotations
 
@@ -15,9 +13,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .packing import PackedLayout
-from .smear import drop_experts, masked_mean, pool, token_weights
+from .smear import drop_experts, masked_mean, pool, recomputed, tables_of, token_weights
 from .types import CallInput, Params, RouterInputs, RoutingDecision
 
 
@@ -53,21 +52,18 @@ ROUTING_MASK = CallInput(
     "[batch, tokens], nonzero at the tokens a prompt-routed layer pools over (e.g. a causal LM's instruction)",
     routing_mask_tensor,
     per_token=True,
-)
-"""The one ``smear_*`` input of the method itself: every other is declared by the routers that read it."""
+)  # the one ``smear_*`` input of the method itself: every other is declared by the routers that read it
 
 
 class HostChecks:
-    """Checks of a call's tensor values that never make the host wait for the device (a stall LoRA does not have):
-    copied to the host without blocking and read once the copy has landed (on a GPU, at the latest when the next call
-    starts). Compiled, an assertion inside the graph (``torch._assert_async``), which breaks no graph."""
+    """Checks of a call's tensor values that never stall the host (LoRA has no such stall): copied without blocking,
+    read once landed (on a GPU, by the next call at the latest); compiled, ``torch._assert_async`` (no graph break)."""
 
     def __init__(self) -> None:
         self.pending: list[tuple[torch.Tensor, Any, Callable[[], str], bool]] = []
 
     def require(self, holds: torch.Tensor, message: Callable[[], str], warn: bool = False, wait: bool = False) -> None:
-        """Raise ``ValueError(message())`` (``warn``: warn it) unless every element of the bool tensor ``holds`` is
-        true; ``wait``: read it now, for a value the call cannot go on without (an index)."""
+        """Raise ``ValueError(message())`` (``warn``: warn) unless all ``holds``; ``wait``: read now (for an index)."""
         if torch.compiler.is_compiling():
             if not warn:
                 torch._assert_async(holds.all(), "peft-smear: invalid routing input; run it uncompiled for details")
@@ -113,14 +109,11 @@ def prompt_mask(
     checks: HostChecks,
 ) -> torch.Tensor:
     """The tokens of each example a causal LM's layers route on, its prompt, never its response, as a bool mask of
-    ``shape`` (of the attention mask's, when given), by the first rule that applies:
-
-    1. ``routing_mask`` (``smear_routing_mask``) on real tokens (a shorter mask leaves the tokens after it out);
-    2. ``prefix_length`` (``SmearConfig.routing_prefix_length``): the first ``prefix_length`` real tokens;
-    3. token ``labels``: the real tokens before the first label (``!= -100``); an example labelled from its first
-       real token has no prompt, an error, never a silent fallback to the whole sequence;
-    4. otherwise (a bare prompt, e.g. at generation) every real token.
-    """
+    ``shape`` (the attention mask's, when given), by the first rule that applies: (1) ``routing_mask``
+    (``smear_routing_mask``) on real tokens (a shorter mask leaves later tokens out); (2) ``prefix_length``
+    (``SmearConfig.routing_prefix_length``): the first ``prefix_length`` real tokens; (3) token ``labels``: the real
+    tokens before the first label (``!= -100``); an example labelled from its first real token is an error, never a
+    silent fallback to the whole sequence; (4) otherwise (a bare prompt, e.g. at generation) every real token."""
     if attention_mask is not None:
         real = attention_mask.bool()
         shape = tuple(real.shape)
@@ -128,7 +121,6 @@ def prompt_mask(
         device = next((t.device for t in (labels, routing_mask) if t is not None), None)
         real = torch.ones(shape, dtype=torch.bool, device=device)
     batch_size, seq_len = shape
-
     if routing_mask is not None:
         explicit = expand_rows(routing_mask, batch_size, "smear_routing_mask").to(real.device).bool()
         if explicit.dim() != 2 or explicit.shape[1] > seq_len:
@@ -146,10 +138,8 @@ def prompt_mask(
             ),
         )
         return selected
-
     if prefix_length is not None:
         return real & (real.cumsum(dim=1) <= prefix_length)
-
     if labels is not None and labels.dim() == 2:  # 1-D labels are per-example classes, not token labels
         if tuple(labels.shape) != shape:
             raise ValueError(f"labels of shape {tuple(labels.shape)} do not match the input's {shape}.")
@@ -165,13 +155,11 @@ def prompt_mask(
             ),
         )
         return prompt
-
     return real
 
 
 def several_prompts(labels: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
-    """``[batch]`` bool: whether each row's labels switch from unlabelled to labelled more than once, several
-    prompt/response pairs, as in a packed row (or a multi-turn conversation)."""
+    """``[batch]`` bool: whether a row has several labelled runs (a packed row, or a multi-turn conversation)."""
     labelled = labels != -100
     if real is not None:
         labelled &= real.to(labelled.device).bool()
@@ -182,23 +170,18 @@ def several_prompts(labels: torch.Tensor, real: torch.Tensor | None) -> torch.Te
 
 @dataclass
 class CallState:
-    """What the current call of the wrapped model (or of its encoder) says about its examples, and what every layer
-    needs of it, computed once per call. Per-token fields of a packed call hold the padded batch of its sequences
-    (``[sequences, longest]``); the layers unpack their inputs to match."""
+    """What the current call of the wrapped model (or its encoder) says about its examples, computed once for every
+    layer. A packed call's per-token fields are its padded batch ``[sequences, longest]``; layers unpack to match."""
 
     attention_mask: torch.Tensor | None = None
     labels: torch.Tensor | None = None
     input_ids: torch.Tensor | None = None
     packing: PackedLayout | None = None
-    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
-    """The checked ``smear_*`` inputs of the call (or of the ``generate`` that made it), by name."""
-    encoder_summary: torch.Tensor | None = None
-    """``[batch, hidden]`` fp32 masked mean of the encoder's final hidden states (decoders of encoder-decoders)."""
-    memo: dict[Any, Any] = field(default_factory=dict)
-    """The call's scratch, shared by every layer: what is computed once per call (prompt masks, routers' host reads)
-    and what a routing method keeps for its ``finish_call``."""
-    adapters: list[str] | None = None
-    """A mixed batch's (PEFT's ``adapter_names=``): the adapter of each example, ``"__base__"`` for none."""
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # checked ``smear_*`` inputs (or generate's)
+    encoder_summary: torch.Tensor | None = None  # ``[batch, hidden]`` fp32 masked mean of the encoder's output
+    memo: dict[Any, Any] = field(default_factory=dict)  # per-call scratch (prompt masks, host reads, ``finish_call``)
+    adapters: list[str] | None = None  # ``adapter_names=``: each example's adapter, ``"__base__"`` for none
+    recomputes: bool = False  # checkpointing recomputes the layers in backward, where they must route alike
     checks: HostChecks = field(default_factory=HostChecks)
     _warned_unmarked_packing: bool = field(default=False, repr=False)
 
@@ -231,15 +214,13 @@ class CallState:
         self.memo = {}
 
     def row_adapters(self, batch_size: int) -> list[str]:
-        """The adapter of each of ``batch_size`` rows in a mixed batch: each example's, repeated per beam (or returned
-        sequence) inside ``generate``."""
+        """Each row's adapter in a mixed batch, repeated per beam or returned sequence inside ``generate``."""
         if batch_size % len(self.adapters):
             raise ValueError(f"adapter_names has {len(self.adapters)} names, but a module sees {batch_size} rows.")
         return [name for name in self.adapters for _ in range(batch_size // len(self.adapters))]
 
     def call_input(self, name: str, batch_size: int) -> torch.Tensor | None:
-        """The ``smear_*`` input ``name`` for a layer that sees ``batch_size`` rows (repeated per beam / returned
-        sequence inside ``generate``), or ``None`` when the call has none."""
+        """The ``smear_*`` input ``name`` for ``batch_size`` rows (repeated as ``generate`` expands), or ``None``."""
         return expand_rows(self.inputs.get(name), batch_size, name)
 
     def token_mask(self, batch_size: int, seq_len: int) -> torch.Tensor | None:
@@ -255,8 +236,7 @@ class CallState:
         return mask[:, mask.shape[1] - seq_len :]
 
     def prompt_mask(self, batch_size: int, seq_len: int, prefix_length: int | None, training: bool) -> torch.Tensor:
-        """The tokens a prompt-routed layer pools over (:func:`prompt_mask`), once per call; a training call that
-        marks no prompt at all would route on the response too, so it warns."""
+        """The prompt mask layers pool over (:func:`prompt_mask`), once per call; warns if training marks no prompt."""
         key = ("prompt", prefix_length)
         if key not in self.memo:
             routing_mask = self.inputs.get(ROUTING_MASK.name)
@@ -278,9 +258,8 @@ class CallState:
         return mask
 
     def _refuse_boundary_prompts(self, prompts: torch.Tensor) -> None:
-        """Packing collators (TRL's, transformers') label every sequence's first token -100, a boundary, not a prompt:
-        packed plain-text SFT would route each sequence on that token alone, where unpacked it has no prompt and is
-        refused. So is a packed call whose every prompt is its first token (one among longer ones is a prompt)."""
+        """Packing collators label each sequence's first token -100 (a boundary, not a prompt): packed plain-text SFT
+        would route on it alone, where unpacked it is refused; so is a call whose every prompt is that token."""
         self.checks.require(
             (prompts.sum(dim=1) != 1).any(),
             lambda: (
@@ -292,8 +271,7 @@ class CallState:
         )
 
     def _warn_if_unmarked_packing(self, prefix_length: int | None) -> None:
-        """Warn once when labels look like several sequences packed in a row that came without boundaries. Compiled
-        calls skip it (an uncompiled call shows it)."""
+        """Warn once if labels look like sequences packed in a row without boundaries (uncompiled calls only)."""
         skip = self._warned_unmarked_packing or self.packing is not None or prefix_length is not None
         if skip or torch.compiler.is_compiling():
             return
@@ -309,9 +287,8 @@ class CallState:
 
 @dataclass
 class CallRouterInputs(RouterInputs):
-    """What one wrapped layer offers its router for one call (:class:`~peft_smear.core.types.RouterInputs`), read when
-    the router asks. In a mixed batch (``adapter_names=``), ``routed`` holds the examples ``rows`` of the layer's
-    ``call_batch``, and the call is read for them alone, so that each is routed exactly as alone."""
+    """What a wrapped layer offers its router for one call (:class:`~peft_smear.core.types.RouterInputs`), read on
+    demand. In a mixed batch, ``routed`` holds examples ``rows`` of ``call_batch``, the call read for them alone."""
 
     routed: torch.Tensor
     call: CallState
@@ -332,8 +309,7 @@ class CallRouterInputs(RouterInputs):
     def device(self) -> torch.device:
         return self.routed.device
 
-    def _of_rows(self, value: Any) -> Any:
-        """What the call says of its examples, for the routed ones."""
+    def _of_rows(self, value: Any) -> Any:  # what the call says of its examples, for the routed ones
         return value if value is None or self.rows is None else value[torch.tensor(self.rows, device=value.device)]
 
     @property
@@ -345,8 +321,7 @@ class CallRouterInputs(RouterInputs):
         return self.routed.reshape(self.batch_size, -1, self.routed.shape[-1])
 
     def summary(self) -> torch.Tensor:
-        """Pooled once per call for every layer that reads the same tensor by the same rule, with token weights
-        (:func:`~peft_smear.core.smear.token_weights`) made once for every layer that routes by that rule."""
+        """Pooled once per call per tensor and rule; :func:`~peft_smear.core.smear.token_weights` once per rule."""
         if self.router_input == "encoder":
             summary = self.call.encoder_summary
             if summary is None:
@@ -363,8 +338,7 @@ class CallRouterInputs(RouterInputs):
             return self.routed.float()
         if self.rows is not None or torch.compiler.is_compiling():  # no identities to trace when compiled
             return masked_mean(self.tokens(), self.token_mask())
-        # Checkpointing recomputes a layer from the very input the forward read: it pools anew, as the forward did.
-        backward, memo = torch._C._current_graph_task_id(), self.memo
+        backward, memo = torch._C._current_graph_task_id(), self.memo  # recomputation pools anew, as the forward did
         key = ("summary", id(self.routed), self.routed._version, backward, self.router_input, self.prefix_length)
         pooled = memo.get(key)
         if pooled is None or pooled[0]() is not self.routed:  # an id is reused once its tensor is freed
@@ -377,10 +351,13 @@ class CallRouterInputs(RouterInputs):
     def token_mask(self) -> torch.Tensor | None:
         if self.routed.dim() != 3:
             return None
-        seq_len = self.routed.shape[1]
+        (batch, seq_len), rows = self.routed.shape[:2], self.rows  # not the properties: no Python call each
+        batch = batch if rows is None else self.call_batch
         if self.router_input == "prompt":
-            return self._of_rows(self.call.prompt_mask(self._call_batch, seq_len, self.prefix_length, self.training))
-        return self._of_rows(self.call.token_mask(self._call_batch, seq_len))
+            mask = self.call.prompt_mask(batch, seq_len, self.prefix_length, self.training)
+        else:
+            mask = self.call.token_mask(batch, seq_len)
+        return mask if rows is None else self._of_rows(mask)
 
     def call_input(self, name: str) -> torch.Tensor | None:
         value = self._of_rows(self.call.call_input(name, self._call_batch))
@@ -426,44 +403,48 @@ class LossGradientProbe(torch.autograd.Function):
 
 @dataclass
 class AuxLosses:
-    """The routers' auxiliary losses of the current call. Reentrant checkpointing runs a layer without autograd in the
-    forward and with it in backward, where a forward's loss would train nothing: as Megatron-LM's
-    ``MoEAuxLossAutoScaler``, the recomputed layer hangs its losses on its output (:class:`AuxLossHook`) with the
-    gradient the model's loss passes to an added term, which a probe records (:class:`LossGradientProbe`)."""
+    """Routers' auxiliary losses of a call. Reentrant checkpointing runs a layer without autograd forward and with it
+    in backward, where a forward's loss trains nothing: as Megatron-LM's ``MoEAuxLossAutoScaler``, the recomputed layer
+    hangs its losses on its output (:class:`AuxLossHook`) with a probe's gradient (:class:`LossGradientProbe`)."""
 
-    values: dict[str, torch.Tensor] = field(default_factory=dict)
-    """The losses the layers added during the current call (already weighted), by name."""
-    balanced: list[tuple[torch.Tensor, float]] = field(default_factory=list)
-    """The distributions ``[batch, N]`` (and weights) whose load balancing the call adds once its layers have run."""
-    without_autograd: bool = False
-    """Whether a layer computed one of them with autograd disabled, as reentrant gradient checkpointing runs it."""
+    values: dict[str, torch.Tensor] = field(default_factory=dict)  # the call's layers' losses (weighted), by name
+    balanced: list[tuple[torch.Tensor, Any, float]] = field(default_factory=list)
+    """Groups' distributions ``[batch, G, N]``, :class:`~peft_smear.core.smear.GroupRouting` (members that applied
+    theirs) and weight: load balancing added for every router at once after the layers run (``router_balance``)."""
+    hung: list[tuple[torch.Tensor, float]] = field(default_factory=list)  # reentrant recomputation's load balancing
+    without_autograd: bool = False  # a layer computed one without autograd, as reentrant checkpointing runs it
     gradient_scale: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
 
     def begin(self) -> None:
         """Forget the previous call's losses."""
-        self.values, self.balanced, self.without_autograd, self.gradient_scale = {}, [], False, torch.zeros(())
+        self.values, self.balanced, self.hung, self.without_autograd = {}, [], [], False
+        self.gradient_scale = torch.zeros(())
+
+    def balance(self, probs: torch.Tensor, routing: Any, weight: float) -> None:
+        """Add a group's load balancing (``routing``: which members applied theirs, ``None``: all) to the call's; or,
+        recomputed in backward by reentrant checkpointing, one member's part to what its layer hangs on its output
+        (members are recomputed one by one; the non-reentrant forward's graph trains it already)."""
+        if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:  # not recomputed(): no call
+            self.without_autograd = self.without_autograd or not torch.is_grad_enabled()
+            self.balanced.append((probs, routing, weight))
+        elif self.without_autograd and routing is None:
+            self.hung.append((probs, weight))
 
     def carry(self, output: torch.Tensor, decisions: Sequence[RoutingDecision]) -> torch.Tensor:
-        """Add the losses of a layer's decisions to the call's and return its output, or, recomputed in backward, hang
-        them on it. Left out of compiled graphs (no graph break per layer): the recomputation runs eagerly even in a
-        compiled model."""
-        losses, balanced = [], []
+        """Add a layer's decisions' losses to the call's and return its output, or, recomputed in backward, hang them
+        (and its load balancing) on it. Kept out of compiled graphs (no break per layer): recomputation is eager."""
+        losses, hung, self.hung = [], self.hung, []
         for decision in decisions:
             losses += decision.aux_losses.items()
-            if decision.balance is not None:
-                balanced.append(decision.balance)
-        if not (losses or balanced):
-            return output
-        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:  # recomputed in backward
-            if not self.without_autograd:  # non-reentrant checkpointing: the forward's graph already trains them
+        if recomputed():
+            if not self.without_autograd or not (losses or hung):  # non-reentrant: the forward's graph trains them
                 return output
-            total = sum(value for _, value in losses) + sum(load_balance(p.unsqueeze(0), w) for p, w in balanced)
+            total = sum(value for _, value in losses) + sum(load_balance(p, w) for p, w in hung)
             return AuxLossHook.apply(output, total, self.gradient_scale.to(total.device))
-        if not torch.is_grad_enabled():
+        if losses and not torch.is_grad_enabled():
             self.without_autograd = True
         for name, value in losses:
             self.add(name, value)
-        self.balanced += balanced
         return output
 
     def add(self, name: str, value: torch.Tensor) -> None:
@@ -472,17 +453,18 @@ class AuxLosses:
     def totals(self) -> dict[str, torch.Tensor]:
         """This call's losses by name, the load balancing of every router computed now, once per weight and shape."""
         groups: dict[tuple, list[torch.Tensor]] = {}
-        for probs, weight in self.balanced:
-            groups.setdefault((weight, probs.shape), []).append(probs)
+        for probs, routing, weight in self.balanced:
+            if routing is not None and not all(routing.taken):  # members that read another input routed alone
+                probs = probs[:, [index for index, taken in enumerate(routing.taken) if taken]]
+            groups.setdefault((weight, probs.shape[0], probs.shape[-1]), []).append(probs)
         self.balanced = []
-        for (weight, _), probs in groups.items():
-            self.add("router_balance", load_balance(torch.stack(probs), weight))
+        for (weight, *_), parts in groups.items():
+            self.add("router_balance", load_balance(torch.cat(parts, dim=1) if parts[1:] else parts[0], weight))
         return self.values
 
     def added_to(self, loss: torch.Tensor, training: bool) -> torch.Tensor:
-        """``loss`` plus this call's losses: through the probe when they were computed without a graph in a training
-        call with autograd on (reentrant checkpointing: they train when the layers are recomputed)."""
-        total = sum(self.totals().values())
+        """``loss`` plus the call's losses (:meth:`totals`), by the probe where made without a graph (reentrant)."""
+        total = sum(self.values.values())
         if self.without_autograd and training and torch.is_grad_enabled():
             # The probe carries the value; those with a graph (layers outside checkpointed blocks) train via a 0 term.
             anchor = torch.zeros((), device=loss.device, requires_grad=True)
@@ -492,17 +474,14 @@ class AuxLosses:
 
 
 def load_balance(probs: torch.Tensor, weight: float) -> torch.Tensor:
-    """``weight * sum_g (N * sum_n mean_b(p_gbn)^2 - 1)`` for ``probs [G, batch, N]``: 0 for an even load, ``N - 1``
-    per router when every example goes to one expert."""
-    return weight * (probs.shape[-1] * probs.mean(dim=1).square().sum() - probs.shape[0])
+    """``weight * sum_g (N * sum_n mean_b(p_bgn)^2 - 1)`` of ``probs [batch, G, N]``: 0 if even, ``N - 1`` if one."""
+    return weight * (probs.shape[-1] * probs.mean(dim=0).square().sum() - probs.shape[1])
 
 
 Observer = Callable[[torch.nn.Module, str, RoutingDecision, bool], None]
-"""Called with ``(layer, adapter_name, decision, generating)`` for every routing decision a layer applies;
-``generating``: inside ``generate``, whose steps reuse the decision made at prefill."""
+"""Called as ``(layer, adapter_name, decision, generating)`` per applied decision (``generating``: in ``generate``)."""
 
-LayerKey = tuple[torch.nn.Module, str]
-"""A wrapped layer and an adapter's name."""
+LayerKey = tuple[torch.nn.Module, str]  # a wrapped layer and an adapter's name
 
 
 @dataclass
@@ -511,26 +490,28 @@ class RoutingContext:
 
     call: CallState = field(default_factory=CallState)
     aux: AuxLosses = field(default_factory=AuxLosses)
-    routing_cache: dict[LayerKey, RoutingDecision] | None = None
-    """During ``generate``: the decision every layer made at prefill, reused for every later step."""
-    clocks: weakref.WeakSet = field(default_factory=weakref.WeakSet)
-    """The routers that count the training calls (``Router.keeps_training_clock``): a step does not walk the model."""
+    routing_cache: dict[LayerKey, RoutingDecision] | None = None  # ``generate``'s prefill decisions, reused
+    clocks: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # ``keeps_training_clock`` routers: no model walk
     observers: list[Observer] = field(default_factory=list)
-    """Who watches the routing (:mod:`peft_smear.training`: recording, statistics): called for every decision a
-    layer applies, but not for gradient checkpointing's recomputation of a layer."""
+    """Routing watchers (:mod:`peft_smear.training`): every applied decision, not checkpointing's recomputations."""
     groups: dict[LayerKey, tuple[LayerKey, ...]] = field(default_factory=dict)
     """Per layer and adapter, the layers of its parent that route alike, the first called on an input routing all
-    (``Router.route_together``): fixed when the layers are made, not learned from calls, so that a process's first
-    call computes as every later one (a resumed run continues exactly)."""
+    (``Router.route_together``): made with the layers, less those found to read another input (``splits``); a
+    router's numbers do not depend on its group, so a process's first call computes as every later one."""
+    splits: set[LayerKey] = field(default_factory=set)
+    """Layers that read another input than their group's first (Llama's o_proj beside q, k and v): they route alone
+    once :meth:`settle` runs, after a call no checkpointing recomputes (which must route as its forward did)."""
     _alike: dict[LayerKey, tuple] = field(default_factory=dict)
 
     def draw_expert_dropout(self, batch_size: int, device: torch.device) -> None:
-        """Expert dropout for every active router of a training call, drawn at once before its layers run (on a CPU,
-        the numbers each group would draw in its layer's turn): one operation, not one per group. Kept per group and
-        per router (one routing alone on another input), a view each."""
+        """Expert dropout for a training call's active routers, drawn in one operation before its layers run (on a CPU,
+        the numbers each group would draw in turn); kept per group and per router (one routing alone), a view each."""
         by_setting: dict[tuple[int, float], list[list[Any]]] = {}
         for group in dict.fromkeys(self.groups.values()):
-            routers = [layer.smear_router[name] for layer, name in group if name in layer.active_adapters]
+            routers = []
+            for layer, name in group:  # loops, not comprehensions: per call, but over every layer
+                if name in layer.active_adapters:
+                    routers.append(layer.smear_router[name])
             if routers and routers[0].training and routers[0].expert_dropout:
                 by_setting.setdefault((routers[0].num_experts, routers[0].expert_dropout), []).append(routers)
         for (num_experts, p), groups in by_setting.items():
@@ -542,8 +523,7 @@ class RoutingContext:
                     self.call.memo["expert dropout", router, 1], row = drop[row : row + 1], row + 1
 
     def join(self, key: LayerKey, alike: tuple | None) -> None:
-        """``key`` routes with the layers joined with its ``alike`` (parent, adapter, router kind, width and input), in
-        the order they joined (the model's); ``None``: with none."""
+        """``key`` routes with its ``alike``'s layers (parent, adapter, kind, width, input); ``None``: alone."""
         previous, self._alike[key] = self._alike.get(key), alike
         if alike is None:
             self.groups.pop(key, None)
@@ -551,9 +531,38 @@ class RoutingContext:
             group = tuple(k for k, a in self._alike.items() if a == setting)
             self.groups.update(dict.fromkeys(group, group))
 
+    def settle(self) -> None:
+        """The layers found to read another input than their group's route alone from now on."""
+        for key in self.splits:
+            self.join(key, (*self._alike[key], key))
+        self.splits.clear()
+
+    def call_tables(self, group: tuple[LayerKey, ...], batch: int) -> tuple[torch.Tensor, ...] | None:
+        """``group``'s routers made ready (:class:`~peft_smear.core.smear.RouterTables`) at the call's first routing
+        for its family (an adapter's routers of one kind and width on one device), memo ``("tables", group, batch)``:
+        one operation per kind and call, not per layer. ``None`` for a group making its own: split this call, or
+        sharded (FSDP, ZeRO-3 gather it for its forward only: another shape, or no plain parameter)."""
+        layer, name = group[0]
+        first = layer.smear_router[name].weight
+        family = ("tables", name, type(layer.smear_router[name]), first.shape, first.device, batch)
+        if family not in self.call.memo:
+            self.call.memo[family], groups, routers = True, [], []
+            for members in dict.fromkeys(self.groups.values()):  # a group's routers are alike, in one layer's parent
+                layer, adapter = members[0]
+                router = layer.smear_router[adapter] if adapter == name in layer.active_adapters else None
+                weight = getattr(router, "weight", None)
+                alike = type(weight) is nn.Parameter and (weight.shape, weight.device) == family[3:5]
+                if type(router) is family[2] and alike:
+                    groups.append(members)
+                    for layer, adapter in members:  # loops, not comprehensions: per call, but over every layer
+                        routers.append(layer.smear_router[adapter])
+            sizes = [len(members) for members in groups]
+            for members, tables in zip(groups, tables_of(routers, sizes, batch) if groups else (), strict=True):
+                self.call.memo["tables", members, batch] = tables
+        return self.call.memo.get(("tables", group, batch))
+
     def cached_decision(self, key: LayerKey, batch_size: int) -> RoutingDecision | None:
-        """Inside ``generate``, the decision ``key`` (a layer and adapter) made at prefill: decode steps see only the
-        new token, and routing on it would both differ from training and change as the answer grows."""
+        """In ``generate``, ``key``'s decision at prefill (decode steps see one token: routing on it would drift)."""
         decision = self.routing_cache.get(key)  # called inside generate only, where there is a cache
         if decision is None:
             return None
@@ -564,8 +573,7 @@ class RoutingContext:
         return decision
 
     def observe(self, key: LayerKey, decision: RoutingDecision) -> None:
-        """Every decision a layer applies passes here: kept for reuse inside ``generate``, and shown to the
-        observers."""
+        """Every decision a layer applies: kept for reuse inside ``generate``, and shown to the observers."""
         generating = self.routing_cache is not None
         if generating:
             self.routing_cache[key] = decision

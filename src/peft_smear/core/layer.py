@@ -1,5 +1,4 @@
-"""SmearLinear: a linear layer with, per adapter, a bank of experts (of one expert kind) and a router (of one routing
-method)."""
+"""SmearLinear: a linear layer with, per adapter, a bank of experts of one kind and a router of one method."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
 from .context import CallRouterInputs, RoutingContext
@@ -38,10 +37,10 @@ def in_out_features(base_layer: nn.Module) -> tuple[int, int]:
 
 
 class SmearLinear(nn.Module, BaseTunerLayer):
-    """Wraps an ``nn.Linear`` or transformers ``Conv1D``; per adapter, ``expert_kind`` says what an expert is,
-    ``smear_router`` which experts each example uses and how, ``router_input`` what it is routed on. Parameters are
-    flat and prefixed ``smear_``: PEFT finds adapter weights by that prefix and strips the adapter name only when it
-    is one of the last two key components."""
+    """Wraps an ``nn.Linear`` or transformers ``Conv1D``; per adapter ``expert_kind`` (what an expert is),
+    ``smear_router`` (which experts each example uses, how) and ``router_input`` (what it is routed on). Parameters are
+    flat and prefixed ``smear_``: PEFT finds them by the prefix and strips the adapter name only from the last two
+    key components."""
 
     adapter_layer_names: tuple[str, ...] = ("smear_router",)
     other_param_names = ("expert_kind", "router_input", "routing_prefix_length")
@@ -65,7 +64,7 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         self.expert_kind: dict[str, ExpertKind] = {}
         self.router_input: dict[str, str] = {}
         self.routing_prefix_length: dict[str, int | None] = {}
-        self.fixed_routing: dict[str, torch.Tensor] = {}  # per adapter, set by peft_smear.fixed_routing
+        self.fixed_routing: dict[str, Tensor] = {}  # per adapter, set by peft_smear.fixed_routing
         self.smear_router = nn.ModuleDict()
         self._active_adapter = adapter_name
         self.train(base_layer.training)  # wrapping a module must not switch an eval-mode model into training
@@ -110,15 +109,14 @@ class SmearLinear(nn.Module, BaseTunerLayer):
     def num_experts(self, adapter_name: str) -> int:
         return self.smear_router[adapter_name].num_experts
 
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         if self.routing_context.call.adapters is not None and not self.disable_adapters:  # names say which runs
             return self._mixed_batch_forward(x, *args, **kwargs)
         adapters = tuple(filter(self.expert_kind.__contains__, self.active_adapters))
         if self.disable_adapters or not adapters:
             return self.base_layer(x, *args, **kwargs)
-        # One example per row: a packed row holds several sequences, each an example of its own.
         packing = self.routing_context.call.packing
-        x_each = packing.unpack(x, shared=True) if packing is not None else x
+        x_each = packing.unpack(x, shared=True) if packing is not None else x  # one example (sequence) per row
         tokens = x_each.reshape(x_each.shape[0], -1, x_each.shape[-1])  # [examples, tokens, in]
         # Kinds that act on the module's input (IA3 on a feed-forward input) apply their experts before it runs.
         inputs, decisions = x, []
@@ -136,20 +134,28 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             kind = self.expert_kind[name]
             if kind.scales_input:
                 continue
-            # 2. What the router reads: the module's input, or its output for kinds that route on it.
+            # 2. Routed on the module's input (or output); 3. each example's decision; 4. the experts added.
             routed = out.reshape(y_each.shape) if kind.routes_on_output else x_each
-            # 3. The router's decision for each example. 4. The experts' contribution, added to its output.
-            params = self.expert_params(name)
+            params = {}  # expert_params(name), without a Python call per module
+            for param_name in kind.parameter_names:
+                if name in (tensors := getattr(self, param_name)):
+                    params[param_name] = tensors[name]
             decisions.append(self.route(name, routed, params))
             expert_input = F.dropout(tokens, kind.input_dropout, self.training) if kind.input_dropout else tokens
-            out = self.apply_experts(name, decisions[-1], expert_input, out, params)
+            if decisions[-1].routed_by is not None and torch.is_grad_enabled():  # training SMEAR, apply_experts' way
+                out = kind.merge_and_apply(expert_input, out, params, decisions[-1].weights, decisions[-1].routed_by)
+            else:
+                out = self.apply_experts(name, decisions[-1], expert_input, out, params)
         result = out.reshape(y_each.shape)
         result = packing.pack(result) if packing is not None else result
-        return self.routing_context.aux.carry(result, decisions)
+        aux, carried = self.routing_context.aux, self.routing_context.aux.hung
+        for decision in decisions:  # a loop: any() of a generator is a Python call per module
+            carried = carried or decision.aux_losses
+        return aux.carry(result, decisions) if carried else result
 
-    def _mixed_batch_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """PEFT's ``adapter_names=``: each example through its own adapter (routed on its own rows, as alone), the
-        ``"__base__"`` ones (and those of an adapter this layer lacks) through the wrapped module alone."""
+    def _mixed_batch_forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        """PEFT's ``adapter_names=``: each example through its own adapter (routed on its rows, as alone); those of
+        ``"__base__"`` or of an adapter this layer lacks through the wrapped module alone."""
         if self.routing_context.call.packing is not None:
             raise ValueError(
                 "adapter_names= gives each example its adapter, but this batch packs several sequences per row; pass "
@@ -177,18 +183,17 @@ class SmearLinear(nn.Module, BaseTunerLayer):
     def route(
         self,
         adapter_name: str,
-        routed: torch.Tensor,
+        routed: Tensor,
         params: Params | None = None,
         rows: tuple[int, ...] | None = None,
         call_batch: int = 0,
     ) -> RoutingDecision:
-        """How ``adapter_name``'s experts apply to each example of ``routed``: inside ``generate`` the decision made at
-        prefill; else the router's, on what its group's first layer routed for it on this input, or routing its
-        whole group (``rows``: which examples of the ``call_batch`` ``routed`` holds, in a mixed batch)."""
+        """How ``adapter_name``'s experts apply to each example of ``routed``: in ``generate`` the prefill's decision;
+        else the router's, on its part of its group's routing of this input (``rows``: which examples of the
+        ``call_batch`` ``routed`` holds, in a mixed batch)."""
         key, router, context = (self, adapter_name), self.smear_router[adapter_name], self.routing_context
         fixed = self.fixed_routing.get(adapter_name)
-        # A per-token router routes every new token on itself, so nothing made at prefill is reused.
-        reuses_prefill = context.routing_cache is not None and not router.per_token
+        reuses_prefill = context.routing_cache is not None and not router.per_token  # a per-token router: no reuse
         decision = context.cached_decision(key, routed.shape[0]) if reuses_prefill else None
         if fixed is not None:
             decision = RoutingDecision(weights=fixed.to(routed.device).expand(routed.shape[0], -1))
@@ -198,43 +203,46 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             memo = context.call.memo if rows is None else context.call.memo.setdefault(("rows", rows, call_batch), {})
             inputs = CallRouterInputs(routed, context.call, context.aux, *reads, memo, rows, call_batch)
             # Alone: a mixed batch's rows (the call read for them alone); compiled (no identities to trace).
-            alone = rows is not None or torch.compiler.is_compiling() or router.route_together is None
-            group = () if alone else context.groups.get(key, ())
-            if not group[1:]:
+            if rows is not None or torch.compiler.is_compiling() or router.route_together is None:
                 decision = router(inputs)
             else:  # the first of its group called in this call routes all of them, on what it reads
-                if ("routed", key) not in (memo := inputs.memo):
-                    parts = router.route_together([layer.smear_router[name] for layer, name in group], inputs)
+                entry = memo.pop(("routed", key), None)
+                if entry is not None and (entry[0]() is not routed or entry[1] != routed._version):
+                    context.splits.add(key)  # its group's first read another input: it routes alone from now on
+                    entry = None
+                if entry is None:
+                    group, routers = (key,) if key in context.splits else context.groups[key], []
+                    for layer, name in group:
+                        routers.append(layer.smear_router[name])
+                    # The call's (call_tables); the group's own where they lack the autograd a recomputation needs
+                    # (reentrant checkpointing's forward runs without).
+                    tables = memo.get(("tables", group, len(routed))) or context.call_tables(group, len(routed))
+                    if tables and torch.is_grad_enabled() and not tables[3].requires_grad:
+                        tables = None
+                    probs, routing = router.route_together(routers, inputs, tables)
                     kept = (weakref.ref(routed), routed._version)
-                    memo.update({("routed", k): (*kept, part) for k, part in zip(group, parts, strict=True)})
-                reference, version, part = memo.pop(("routed", key))  # taken: each member takes its own
-                if reference() is not routed or version != routed._version:  # its group's first read another input
-                    part = router.route_together([router], inputs)[0]
-                decision = router.decided(part, inputs)
+                    for index, member in enumerate(group):  # each member takes its own part
+                        memo["routed", member] = (*kept, probs, routing, index)
+                    entry = memo.pop(("routed", key))
+                decision = router.decided(*entry[2:], inputs)
         if context.routing_cache is not None or context.observers:
             context.observe(key, decision)
         return decision
 
     def apply_experts(
-        self,
-        adapter_name: str,
-        decision: RoutingDecision,
-        x: torch.Tensor,
-        y: torch.Tensor,
-        params: Params | None = None,
-    ) -> torch.Tensor:
-        """``y``, the module's output (its input for ``scales_input`` kinds), changed by ``adapter_name``'s experts as
+        self, adapter_name: str, decision: RoutingDecision, x: Tensor, y: Tensor, params: Params | None = None
+    ) -> Tensor:
+        """``y``, the module's output (input for ``scales_input`` kinds), with ``adapter_name``'s experts as
         ``decision`` says: their outputs mixed, or each example's one expert, chosen or merged."""
         kind = self.expert_kind[adapter_name]
         params = self.expert_params(adapter_name) if params is None else params
         if decision.mixture:
             return kind.mix(x, y, params, decision.weights)
-        # Each example's expert, the chosen one or the merge of all, is kept on the decision, so that ``generate``
-        # merges once, at prefill: per decoded token the merge would cost a quarter of the base layer's work at N=8,
-        # r=8, width 512.
+        # Each example's expert is kept on the decision: ``generate`` merges once, at prefill (per decoded token the
+        # merge costs a quarter of the base layer's work at N=8, r=8, width 512).
         if decision.per_example_expert is None:
             if decision.expert_index is None and decision.output_scale is None and torch.is_grad_enabled():
-                return kind.merge_and_apply(x, y, params, decision.weights)  # training: nothing kept
+                return kind.merge_and_apply(x, y, params, decision.weights, decision.routed_by)  # nothing kept
             if decision.expert_index is not None:
                 index, up_index = decision.expert_index, decision.up_expert_index
                 decision.per_example_expert = kind.gather(params, index, y.dtype, up_index)
@@ -251,8 +259,7 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         return params
 
     def set_adapter(self, adapter_names: str | list[str], inference_mode: bool = False) -> None:
-        """PEFT's activation, which makes every parameter of an active adapter trainable, except the experts of
-        adapters whose experts are frozen (``SmearConfig.freeze_experts``)."""
+        """PEFT's activation: every parameter of an active adapter trains, but frozen experts (``freeze_experts``)."""
         super().set_adapter(adapter_names, inference_mode=inference_mode)
         for name, kind in self.expert_kind.items():
             if kind.frozen:

@@ -34,8 +34,7 @@ ADAPTER_NAMES = "adapter_names"  # PEFT's mixed batches: each example's adapter
 
 
 def known_call_inputs() -> dict[str, CallInput]:
-    """Every ``smear_*`` input a call may bring: the core's routing mask and those the registered routers read. Made
-    anew each time, by loops (no Python call per router): a cache would be one ``torch.compile`` warns of."""
+    """Every ``smear_*`` input a call may bring. Rebuilt each time, by loops: ``torch.compile`` warns of a cache."""
     inputs = {ROUTING_MASK.name: ROUTING_MASK}
     for router in ROUTERS.values():
         for call_input in router.call_inputs:
@@ -44,17 +43,19 @@ def known_call_inputs() -> dict[str, CallInput]:
 
 
 def record_call(record: Callable, signature: inspect.Signature, _: nn.Module, args: tuple, kwargs: dict) -> tuple:
-    """A forward pre-hook: ``record(arguments, call_inputs)``, the ``smear_*`` inputs taken out of the kwargs (PEFT
-    passes unknown kwargs on to the wrapped model, which must not see them)."""
+    """Forward pre-hook: ``record(arguments, call_inputs)``, the ``smear_*`` inputs first taken off the kwargs."""
     call_inputs = take_call_inputs(kwargs)
     record(signature.bind_partial(*args, **kwargs).arguments if args else kwargs, call_inputs)
     return args, kwargs
 
 
 def take_call_inputs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Take every ``smear_*`` keyword, and PEFT's ``adapter_names``, off ``kwargs`` (the wrapped model must not see
-    them). The prefix is this library's: an unknown one is a typo that would otherwise be dropped without a word."""
-    taken = {name: kwargs.pop(name) for name in [n for n in kwargs if n.startswith("smear_") or n == ADAPTER_NAMES]}
+    """Pop ``smear_*`` keywords and PEFT's ``adapter_names`` off ``kwargs``: PEFT passes unknown kwargs on to the
+    wrapped model. The prefix is ours: an unknown name is a typo, refused rather than silently dropped."""
+    taken = {}
+    for name in list(kwargs):  # a loop, not comprehensions: no Python call each, on every call
+        if name.startswith("smear_") or name == ADAPTER_NAMES:
+            taken[name] = kwargs.pop(name)
     smear_inputs = set(taken) - {ADAPTER_NAMES}  # the known ones looked up only when a call brings some
     unknown = sorted(smear_inputs - set(known_call_inputs())) if smear_inputs else []
     if unknown:
@@ -63,9 +64,8 @@ def take_call_inputs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 class SmearModel(BaseTuner):
-    """The PEFT tuner for SMEAR (``peft_type="SMEAR"``, parameter prefix ``smear_``). Forward pre-hooks on the wrapped
-    model record what routing needs per call into the :class:`RoutingContext` every layer reads (hooks, because
-    ``generate`` calls the wrapped model and its encoder directly); a forward hook finishes the call."""
+    """The SMEAR tuner (``peft_type="SMEAR"``). Pre-hooks fill the :class:`RoutingContext` every layer reads with each
+    call's routing inputs (hooks: ``generate`` calls the model and encoder directly); a forward hook ends the call."""
 
     prefix: str = "smear_"
     tuner_layer_cls = SmearLinear
@@ -93,18 +93,15 @@ class SmearModel(BaseTuner):
             self._hook(decoder, self._record_encoder_summary)
 
     def _hook(self, module: nn.Module, record: Callable[..., None]) -> None:
-        """Call ``record(arguments, call_inputs)`` before every forward of ``module``. Hooks and ``generate`` are
-        bound methods (in partials), never closures: ``copy.deepcopy`` binds those to the copy."""
+        """``record(arguments, call_inputs)`` before each forward: bound methods in partials (``deepcopy`` rebinds)."""
         hook = functools.partial(record_call, record, inspect.signature(module.forward))
         self._hook_handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
 
     def _start_call(self, arguments: dict[str, Any], call_inputs: dict[str, Any]) -> None:
-        """A call of the wrapped model. ``smear_*`` inputs belong to the call that brings them, or to the whole
-        ``generate`` that brought them; any other call must not inherit stale ones (a second pass of the same call,
-        :meth:`ModelCall.run_again`, keeps the first's)."""
+        """A call of the wrapped model: its ``smear_*`` inputs are its own or its ``generate``'s, never stale ones."""
         if self._second_pass:
             return
-        tokens = next((arguments[n] for n in ("input_ids", "inputs_embeds") if arguments.get(n) is not None), None)
+        tokens = call_tokens(arguments)
         if tokens is not None and tokens.shape[0] == 0:
             raise ValueError("The batch is empty (0 examples): a SMEAR model routes each example, so give it one.")
         if call_inputs or not self._generating:
@@ -114,17 +111,22 @@ class SmearModel(BaseTuner):
             _check_labels(self._call_labels, tokens.shape[:2], per_token=self._generates_text)
         self.routing_context.call.checks.resolve(wait=True)  # the previous call's
         self.routing_context.aux.begin()
-        if self.model.training and (clocks := [router.training_calls for router in list(self.routing_context.clocks)]):
-            torch._foreach_add_(clocks, 1)  # every scheduled router's clock, in one in-place add
+        if self.model.training and self.routing_context.clocks:  # every scheduled router's, in one in-place add
+            torch._foreach_add_([*map(attrgetter("training_calls"), list(self.routing_context.clocks))], 1)
         if not self._is_encoder_decoder:  # an encoder-decoder's mask is recorded when its encoder runs
-            named = {**arguments.get("kwargs", {}), **arguments}  # only a call naming boundaries packs sequences
-            packing = packed_layout(named) if any(named.get(n) is not None for n in PACKING_ARGUMENTS) else None
-            self._start_context(arguments, arguments.get("labels"), packing)
+            named, packing = {**arguments.get("kwargs", {}), **arguments}, None
+            for name in PACKING_ARGUMENTS:  # only a call naming boundaries packs sequences
+                if named.get(name) is not None:
+                    packing = packed_layout(named)
+                    break
+            self._start_context(arguments, arguments.get("labels"), packing, tokens)
 
     def _start_encoder(self, arguments: dict[str, Any], call_inputs: dict[str, Any]) -> None:
-        self._start_context(arguments, None, None)
+        self._start_context(arguments, None, None, call_tokens(arguments))
 
-    def _start_context(self, arguments: dict[str, Any], labels: torch.Tensor | None, packing: Any) -> None:
+    def _start_context(
+        self, arguments: dict[str, Any], labels: torch.Tensor | None, packing: Any, tokens: torch.Tensor | None
+    ) -> None:
         per_token = frozenset()  # what a packed call unpacks token by token
         if packing is not None:
             per_token = frozenset(name for name, call_input in known_call_inputs().items() if call_input.per_token)
@@ -132,41 +134,42 @@ class SmearModel(BaseTuner):
         self.routing_context.call.start(mask, labels, arguments.get("input_ids"), packing, per_token)
         # Expert dropout drawn for the call, unless checkpointing recomputes it in each layer from the random state it
         # restores (so that several calls before one backward keep their own draws). A compiled call draws it too.
-        tokens = next((arguments[n] for n in ("input_ids", "inputs_embeds") if arguments.get(n) is not None), None)
         training = self.model.training and tokens is not None  # an eval call or a generate step reads no flag
-        if training and not any(map(attrgetter("gradient_checkpointing"), self._checkpointable)):
+        checkpointing = training and any(map(attrgetter("gradient_checkpointing"), self._checkpointable))
+        self.routing_context.call.recomputes = checkpointing
+        if training and not checkpointing:
             examples = tokens.shape[0] if packing is None else packing.mask.shape[0]
             self.routing_context.draw_expert_dropout(examples, tokens.device)
 
     def _finish_call(self, model: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        """Let the active routing methods finish the call (``Router.finish_call``), add the auxiliary losses to
-        ``output.loss`` (when the model computed one) and report them as ``output.smear_aux_losses``."""
+        """Run the ``Router.finish_call``s; add aux losses to ``output.loss`` and ``output.smear_aux_losses``."""
         if self._second_pass:
             return output
+        if self.routing_context.splits and not self.routing_context.call.recomputes:  # none will route as it did
+            self.routing_context.settle()
         if self.routing_context.call.adapters is not None and not self._generating:
             self._set_adapter_names(None, None)  # the mixed batch is over
         aux = self.routing_context.aux
-        finished, call = {}, ModelCall(self, model, args, kwargs, output, self._call_labels)
-        for router in {ROUTERS[config.routing]: None for config in self._active_configs()}:
-            if router.finish_call is not None:
-                finished.update(router.finish_call(call))
+        finished, call, finishers = {}, ModelCall(self, model, args, kwargs, output, self._call_labels), {}
+        for name in self.active_adapters:  # loops, not comprehensions: on every call
+            finishers[ROUTERS[self.peft_config[name].routing].finish_call] = None
+        for finish_call in finishers:
+            if finish_call is not None:
+                finished.update(finish_call(call))
         losses = {**aux.totals(), **finished}
         if not losses:
             return output
         labels = self._call_labels
         loss = output[0] if isinstance(output, tuple) else getattr(output, "loss", None)
         if loss is not None and (labels is not None or not isinstance(output, tuple)):
-            loss = aux.added_to(loss, model.training) if aux.values else loss
+            loss = aux.added_to(loss, model.training) if aux.values else loss  # totalled above
             loss = loss + sum(finished.values()) if finished else loss
         if isinstance(output, tuple):  # return_dict=False: the loss, when there is one, comes first
             return (loss, *output[1:]) if labels is not None else output
         if loss is not None:
             output.loss = loss
-        output.smear_aux_losses = {name: value.detach() for name, value in losses.items()}
+        output.smear_aux_losses = dict(zip(losses, map(torch.Tensor.detach, losses.values()), strict=True))
         return output
-
-    def _active_configs(self) -> list[SmearConfig]:
-        return [self.peft_config[name] for name in self.active_adapters]
 
     def _record_encoder_summary(self, arguments: dict[str, Any], routing_inputs: dict[str, Any]) -> None:
         states = arguments.get("encoder_hidden_states")
@@ -176,14 +179,14 @@ class SmearModel(BaseTuner):
     def _set_call_inputs(self, call_inputs: dict[str, Any], tokens: torch.Tensor | None) -> None:
         adapter_names = call_inputs.pop(ADAPTER_NAMES, None)
         known = known_call_inputs() if call_inputs else {}
-        self.routing_context.call.set_inputs({name: known[name].prepare(value) for name, value in call_inputs.items()})
+        prepared = {name: known[name].prepare(value) for name, value in call_inputs.items()} if call_inputs else {}
+        self.routing_context.call.set_inputs(prepared)
         if adapter_names is not None or self.routing_context.call.adapters is not None:
             self._set_adapter_names(adapter_names, tokens)
 
     def _set_adapter_names(self, names: Any, tokens: torch.Tensor | None) -> None:
-        """PEFT's mixed batches (``adapter_names=``, ``None`` once over): each example through its own SMEAR adapter,
-        routed on its own rows as if alone (:meth:`SmearLinear._mixed_batch_forward`); ``"__base__"`` examples through
-        the base model; the modules kept in full (``modules_to_save``) through the example's adapter's copy."""
+        """Mixed batches (``adapter_names=``, ``None`` to end): each example via its adapter, routed on its rows alone
+        (:meth:`SmearLinear._mixed_batch_forward`), ``"__base__"`` via the base, ``modules_to_save`` via its copy."""
         for handle in self._head_hooks:
             handle.remove()
         self._head_hooks, call = [], self.routing_context.call
@@ -213,10 +216,8 @@ class SmearModel(BaseTuner):
         self._head_hooks = [head.register_forward_pre_hook(head_names, with_kwargs=True) for head in heads]
 
     def _generate(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """The wrapped model's ``generate``: route every sequence once, on its prompt, at prefill, and keep the
-        ``smear_*`` inputs for every step (``generate`` itself would reject them)."""
-        tokens = next((kwargs[n] for n in ("input_ids", "inputs_embeds") if kwargs.get(n) is not None), None)
-        self._set_call_inputs(take_call_inputs(kwargs), args[0] if args else tokens)
+        """Route each sequence once, on its prompt; keep ``smear_*`` inputs (``generate`` rejects them) all steps."""
+        self._set_call_inputs(take_call_inputs(kwargs), args[0] if args else call_tokens(kwargs))
         self._generating, self.routing_context.routing_cache = True, {}
         try:
             return original(*args, **kwargs)
@@ -231,8 +232,7 @@ class SmearModel(BaseTuner):
         return super()._prepare_adapter_config(peft_config, model_config)
 
     def _router_input(self, config: SmearConfig, key: str) -> str:
-        """What the layer ``key`` routes on, from ``config.router_input`` and the architecture (see
-        :data:`~peft_smear.core.types.ROUTER_INPUTS`)."""
+        """Layer ``key``'s router input, by config and architecture (:data:`~peft_smear.core.types.ROUTER_INPUTS`)."""
         in_decoder = self._decoder_prefix is not None and key.startswith(self._decoder_prefix)
         choice = config.router_input
         if choice == "auto":
@@ -306,8 +306,7 @@ class SmearModel(BaseTuner):
         state_dict: dict[str, torch.Tensor],
         unwanted_adapter_names: list[str],
     ) -> dict[str, torch.Tensor]:
-        """The entries of ``state_dict`` that ``save_pretrained`` writes: PEFT's selection, but with module names that
-        match the state-dict keys when FSDP1 has wrapped layers of the model (PEFT 0.21 would select none of them)."""
+        """PEFT's selection of what ``save_pretrained`` writes, fixed for FSDP1 wrapping (PEFT 0.21 selects none)."""
         return select_adapter_entries(state_dict, adapter_state_dict_prefixes(model))
 
 
@@ -337,11 +336,11 @@ class ModelCall:
 
     def configs_of(self, router: type[Router]) -> list[SmearConfig]:
         """The configs of the active adapters that route with ``router``."""
-        return [config for config in self.tuner._active_configs() if ROUTERS[config.routing] is router]
+        configs = map(self.tuner.peft_config.__getitem__, self.tuner.active_adapters)
+        return [config for config in configs if ROUTERS[config.routing] is router]
 
     def run_again(self) -> Any:
-        """The wrapped model's output for the very same call, run once more (e.g. with other random experts); the
-        second pass sets no new routing inputs and finishes no call of its own."""
+        """Rerun the same call (e.g. other random experts); the rerun sets no routing inputs and finishes no call."""
         self.tuner._second_pass = True
         try:
             return self.model(*self.args, **self.kwargs)
@@ -349,9 +348,14 @@ class ModelCall:
             self.tuner._second_pass = False
 
 
+def call_tokens(arguments: dict[str, Any]) -> torch.Tensor | None:
+    """A call's ``input_ids``, else its ``inputs_embeds`` (``None`` without either)."""
+    tokens = arguments.get("input_ids")
+    return arguments.get("inputs_embeds") if tokens is None else tokens
+
+
 def _check_labels(labels: Any, tokens: tuple[int, ...], per_token: bool) -> None:
-    """Token labels (``[batch, tokens]``, what a model that generates text takes, and what prompt routing reads) must
-    cover the input token for token; per-example labels one per row."""
+    """Token labels (text models', prompt routing's) match the input ``[batch, tokens]``; per-example ones, a row."""
     if not isinstance(labels, torch.Tensor):
         return
     if labels.dim() >= 2 or per_token:

@@ -1,8 +1,7 @@
 """Packed and padding-free batches (TRL's ``SFTConfig(packing=True)``, transformers' ``DataCollatorWithFlattening``):
-several sequences in one row, no attention mask, their starts told by ``position_ids``, ``cu_seq_lens_q`` or
-``seq_idx``. Each sequence is routed as an example of its own: a wrapped layer gathers its packed input into a padded
-batch of one sequence per row, runs the per-example path on it unchanged, and packs the output back; the wrapped module
-itself runs on the packed rows, with no work on padding."""
+several sequences per row, no attention mask, starts told by ``position_ids``, ``cu_seq_lens_q`` or ``seq_idx``. Each
+sequence routes as its own example: a wrapped layer unpacks its input to a padded batch (a sequence per row), runs the
+per-example path unchanged and packs the output back; the wrapped module runs on the packed rows, no padding work."""
 
 from __future__ import annotations
 
@@ -16,14 +15,11 @@ import torch.nn.functional as F
 
 BOUNDARY_SOURCES = ("position_ids", "cu_seq_lens_q", "seq_idx")
 PACKING_ARGUMENTS = (*BOUNDARY_SOURCES, "cu_seq_lens_k")
-"""The call arguments that may start a new sequence inside a row (``cu_seq_lens_k`` stands in for a missing
-``cu_seq_lens_q``): a call with none of them is an ordinary batch."""
+"""Arguments that may start a sequence in a row (``cu_seq_lens_k`` stands in for a missing ``cu_seq_lens_q``)."""
 
 
 class PackedLayout:
-    """Where each sequence of a packed call lies, and the index maths between the packed ``[rows, tokens]`` layout
-    and a padded batch ``[sequences, longest]``: built once per call from ``starts [rows, tokens]`` (true at the first
-    token of every sequence), then one gather per unpacked or packed tensor."""
+    """Index maths from packed ``[rows, tokens]`` to padded ``[sequences, longest]`` and back: a gather per tensor."""
 
     def __init__(self, starts: torch.Tensor) -> None:
         starts = starts.clone()
@@ -37,8 +33,7 @@ class PackedLayout:
         self.num_sequences, self.max_length = first_token.numel(), int(self.lengths.max())
         sequence_of_token = flat.long().cumsum(0) - 1
         offset = torch.arange(total, device=device) - first_token[sequence_of_token]
-        self.sequence_rows = first_token // self.row_length
-        """``[S]``: the row of the packed batch each sequence comes from."""
+        self.sequence_rows = first_token // self.row_length  # [S]: each sequence's row in the packed batch
         self.mask = torch.arange(self.max_length, device=device) < self.lengths.unsqueeze(1)
         """``[S, longest]`` bool: the real tokens of the padded batch."""
         positions = torch.arange(self.max_length, device=device).masked_fill(~self.mask, 0)
@@ -48,9 +43,8 @@ class PackedLayout:
         self._last_unpacked: tuple[weakref.ref, tuple[int, int], torch.Tensor] | None = None
 
     def unpack(self, x: torch.Tensor, shared: bool = False) -> torch.Tensor:
-        """A packed layer input or output ``[rows, tokens, ...]`` as ``[sequences, longest, ...]``; padded slots
-        repeat a real token of their sequence (finite; every mask of the call excludes them). ``shared``: a layer
-        input, unpacked once for the layers that read it too (q, k and v), so that they route it together."""
+        """``[rows, tokens, ...]`` -> ``[sequences, longest, ...]``; padded slots repeat a real token (finite, masked
+        out). ``shared``: a layer input unpacked once for all layers reading it (q, k, v), which route it together."""
         last = self._last_unpacked
         state = (x._version, torch._C._current_graph_task_id())  # a checkpointed recomputation unpacks anew
         if shared and last is not None and last[0]() is x and last[1] == state:
@@ -71,8 +65,7 @@ class PackedLayout:
         return self._gather(x, unpack=False)
 
     def unpack_tokens(self, values: torch.Tensor, fill: int | bool, name: str) -> torch.Tensor:
-        """A per-token input of the call (``labels``, ``input_ids``, a routing mask; ``[rows, tokens]``, or fewer
-        tokens for a routing mask) in the padded layout, ``fill`` at padded slots."""
+        """A per-token ``[rows, tokens]`` input (a routing mask may be shorter) unpacked, ``fill`` at padded slots."""
         if values.dim() != 2 or values.shape[0] != self.rows or values.shape[1] > self.row_length:
             raise ValueError(
                 f"{name} has shape {tuple(values.shape)} but the packed input is [{self.rows}, {self.row_length}]."
@@ -81,8 +74,7 @@ class PackedLayout:
         return self._gather(values, unpack=True).masked_fill(~self.mask.to(values.device), fill)
 
     def per_sequence(self, values: torch.Tensor, name: str) -> torch.Tensor:
-        """A per-example input (``smear_task_ids``): one value per sequence as given, or one per row, which every
-        sequence of that row takes."""
+        """A per-example input (``smear_task_ids``), given per sequence or per row (shared by its sequences)."""
         if values.shape[0] == self.num_sequences:
             return values
         if values.shape[0] == self.rows:
@@ -92,8 +84,7 @@ class PackedLayout:
             f"{self.num_sequences} sequences: give one per sequence (in order) or one per row."
         )
 
-    def _gather(self, x: torch.Tensor, unpack: bool) -> torch.Tensor:
-        """``x``'s two leading dimensions from the packed layout to the padded one (``unpack``) or back: one gather."""
+    def _gather(self, x: torch.Tensor, unpack: bool) -> torch.Tensor:  # x's leading 2 dims packed -> padded, or back
         if x.device not in self._indices:
             self._indices[x.device] = (self._unpack_index.to(x.device), self._pack_index.to(x.device))
         index = self._indices[x.device][0 if unpack else 1]
@@ -102,9 +93,8 @@ class PackedLayout:
 
 
 def packed_layout(arguments: Mapping[str, Any]) -> PackedLayout | None:
-    """The layout of a call (the wrapped model's arguments) whose rows pack several sequences, or ``None``: packed
-    means no attention mask, or an all-ones one, and boundaries (:data:`PACKING_ARGUMENTS`) inside a row. Sources that
-    disagree are an error: one of them would route some sequence on another's tokens."""
+    """The layout of a call packing several sequences per row, or ``None``: no attention mask (or all ones), boundaries
+    (:data:`PACKING_ARGUMENTS`) in a row. Disagreement is an error: a sequence would route on another's tokens."""
     arguments = {**arguments.get("kwargs", {}), **arguments}
     tokens = next((arguments[n] for n in ("input_ids", "inputs_embeds") if arguments.get(n) is not None), None)
     if tokens is None or tokens.dim() < 2 or tokens.shape[1] < 2:  # decode steps see one token: never packed
@@ -143,8 +133,7 @@ def _sequence_starts(name: str, value: torch.Tensor, rows: int, length: int) -> 
         starts = torch.ones(rows, length, dtype=torch.bool, device=value.device)
         starts[:, 1:] = value[:, 1:] != value[:, :-1] + step  # not the predecessor (plus one, for positions)
         return starts
-    # cu_seq_lens_*: cumulative lengths over the flattened batch, from 0 to rows * tokens
-    cumulative = value.flatten().long()
+    cumulative = value.flatten().long()  # cu_seq_lens_*: cumulative lengths over the flat batch, 0 to rows * tokens
     if cumulative.numel() < 2 or int(cumulative[0]) != 0 or int(cumulative[-1]) != rows * length:
         raise ValueError(
             f"{name} must run from 0 to the number of tokens in the batch ({rows * length}), got "

@@ -8,8 +8,8 @@ from .types import with_defaults
 
 
 class ProbabilityRouter(SmearRouter):
-    """SMEAR's router with the paper's defaults for the methods it compares SMEAR with: no load balancing and no
-    expert dropout unless set. A subclass names the method and overrides ``decide``."""
+    """SMEAR's router with the paper's defaults for its baselines (no load balancing, no expert dropout): a subclass
+    names the method and overrides ``decide(probs, inputs)``."""
 
     options = with_defaults(SmearRouter.options, router_balance_weight=0.0)
     default_expert_dropout = 0.0

@@ -1,10 +1,6 @@
-"""The one module that touches PEFT internals (and transformers' adapter loading).
-
-PEFT 0.21 has no public way to register a method whose name is not already in its own ``PeftType`` enum
-(``register_peft_method`` refuses it), so we write PEFT's registries directly. Everything else peft-smear needs from
-PEFT beyond its top-level API is imported here too, so that a PEFT release that moves something breaks in exactly one
-place, with a message that says which range is supported.
-"""
+"""The one module touching PEFT internals (and transformers' adapter loading). PEFT 0.21 cannot register a method
+outside its ``PeftType`` enum (``register_peft_method`` refuses), so we write its registries; all else needed beyond
+PEFT's top-level API is imported here too, so a PEFT release moving it breaks here, naming the supported range."""
 
 from __future__ import annotations
 
@@ -51,29 +47,25 @@ from peft.utils.other import AuxiliaryTrainingWrapper  # noqa: E402, F401  (modu
 from transformers.integrations import PeftAdapterMixin  # noqa: E402  (transformers' model.load_adapter)
 
 
-# LoRA experts (the default kind) wrap the same projections LoRA does, so LoRA's per-architecture defaults fit.
+# Defaults per architecture: LoRA experts take LoRA's targets, IA3 experts IA3's (and its input-scaled feed-forwards).
 DEFAULT_TARGET_MODULES: dict[str, list[str]] = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
-# IA3 experts default to what PEFT's IA3 wraps, and to its feed-forward modules (whose input is scaled).
 DEFAULT_IA3_TARGET_MODULES: dict[str, list[str]] = TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING
 DEFAULT_IA3_FEEDFORWARD_MODULES: dict[str, list[str]] = TRANSFORMERS_MODELS_TO_IA3_FEEDFORWARD_MODULES_MAPPING
 
 
 class SmearPeftType(str, enum.Enum):
-    """Our own PEFT type. Name and value must be equal: PEFT looks configs up by the plain string ``"SMEAR"``, and a
-    ``str`` enum member only hashes like its string when its name is that string."""
+    """Name must equal value: PEFT looks up the string ``"SMEAR"``, and a ``str`` enum member hashes by its name."""
 
     SMEAR = "SMEAR"
 
 
-# Wrappers that add a component to module names but not to state-dict keys: FSDP1's auto-wrapped units and activation
-# checkpointing. PEFT 0.21 strips only a leading FSDP component, so for an auto-wrapped model it matches no adapter key
-# and save_pretrained writes an empty adapter.
+# Wrappers adding a component to module names, not state-dict keys: FSDP1 auto-wrapped units, activation checkpointing.
+# PEFT 0.21 strips only a leading FSDP one, so for an auto-wrapped model save_pretrained writes an empty adapter.
 _WRAPPER_NAME_COMPONENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
 
 def adapter_state_dict_prefixes(model, adapter_name: str | None = None) -> set[str]:
-    """State-dict key prefixes of the tuner parameters in ``model`` (of ``adapter_name`` only, when given), as the keys
-    of ``model.state_dict()`` spell them even inside FSDP1 or activation-checkpointing wrappers."""
+    """State-dict key prefixes of ``model``'s tuner parameters (``adapter_name``'s, if given), inside wrappers too."""
     prefixes = _get_tuner_state_dict_key_prefixes(model, adapter_name=adapter_name)
     return {functools.reduce(lambda name, part: name.replace(part, ""), _WRAPPER_NAME_COMPONENTS, p) for p in prefixes}
 
@@ -89,8 +81,7 @@ def adapter_state_dict_keys(model, adapter_name: str) -> set[str]:
 
 
 def register(config_cls: type, tuner_cls: type, prefix: str) -> None:
-    """Make ``get_peft_model``, ``PeftModel.from_pretrained``, ``PeftConfig.from_pretrained`` and
-    ``AutoPeftModel*`` resolve ``"SMEAR"``. Idempotent, so re-importing (e.g. ``importlib.reload``) is harmless."""
+    """Make ``get_peft_model``, ``from_pretrained`` and ``AutoPeftModel*`` resolve ``"SMEAR"``; safe on reload."""
     key = SmearPeftType.SMEAR
     _peft_mapping.PEFT_TYPE_TO_CONFIG_MAPPING[key] = config_cls
     _peft_mapping.PEFT_TYPE_TO_TUNER_MAPPING[key] = tuner_cls
@@ -114,9 +105,7 @@ def route_peft_method(owner: type, name: str, routed: Callable) -> None:
 
 
 def route_peft_model_method(name: str, smear_method: Callable) -> None:
-    """Make ``PeftModel.<name>(...)`` call ``smear_method(peft_method, model, ...)`` when the model's active adapter
-    is SMEAR; every other PEFT model keeps PEFT's method. Used for ``push_to_hub`` and the atomic
-    ``save_pretrained``."""
+    """``PeftModel.<name>`` calls ``smear_method(peft_method, model, ...)`` for a SMEAR adapter (push, atomic save)."""
 
     def routed(peft_method: Callable, model: PeftModel, *args, **kwargs):
         if getattr(model.active_peft_config, "peft_type", None) == SmearPeftType.SMEAR:
@@ -127,9 +116,8 @@ def route_peft_model_method(name: str, smear_method: Callable) -> None:
 
 
 def keep_adapter_names(peft_init: Callable, peft_model: PeftModel, model, peft_config, *args, **kwargs) -> None:
-    """``PeftModel.__init__``, after which a SMEAR model's calls keep ``adapter_names=`` (mixed batches) for the tuner,
-    which takes it off the wrapped model's call like the ``smear_*`` inputs: PEFT removes it before calling the model
-    and hands it to a tuner only through ``_enable_peft_forward_hooks``, a call on every forward."""
+    """``PeftModel.__init__``, then keep ``adapter_names=`` in a SMEAR model's calls, for the tuner to take off like
+    ``smear_*`` inputs; PEFT strips it, passing it on only via ``_enable_peft_forward_hooks`` (a call per forward)."""
     peft_init(peft_model, model, peft_config, *args, **kwargs)
     if peft_config.peft_type == SmearPeftType.SMEAR:
         peft_model.special_peft_forward_args = peft_model.special_peft_forward_args - {"adapter_names"}
@@ -143,10 +131,9 @@ def install(
     save_pretrained: Callable,
     loading: Mapping[str, Callable],
 ) -> None:
-    """Everything ``import peft_smear`` changes in PEFT: the ``"SMEAR"`` type, resolved to ``tuner_cls``; the model
-    card (``model_card`` sees every model's), SMEAR's ``push_to_hub`` and atomic ``save_pretrained``; the loading
-    methods named in ``loading`` (PeftModel's, ``from_json_file``, transformers' ``load_adapter``); and
-    ``adapter_names=`` kept for the tuner."""
+    """What ``import peft_smear`` changes in PEFT: the ``"SMEAR"`` type (``tuner_cls``); the model card (``model_card``
+    sees every model's); SMEAR's ``push_to_hub`` and atomic ``save_pretrained``; the loaders in ``loading``
+    (PeftModel's, ``from_json_file``, transformers' ``load_adapter``); ``adapter_names=`` kept for the tuner."""
     register(config_cls, tuner_cls, tuner_cls.prefix)
     route_peft_method(PeftModel, "create_or_update_model_card", model_card)
     route_peft_model_method("push_to_hub", push_to_hub)

@@ -1,11 +1,6 @@
-"""What a routing method is: one :class:`Router` subclass, selectable by name once :func:`register_router` has seen
-it. SMEAR's router is one (:mod:`~peft_smear.core.smear`); the paper's baselines (:mod:`peft_smear.routers`) and the
-bank's routers (:mod:`peft_smear.bank`) register the way an outside method does.
-
-A router is one ``nn.Module`` per wrapped layer and adapter, in the layer's ``smear_router`` ``ModuleDict``. Its
-parameters are its own attributes, never nested modules: PEFT strips the adapter name from a saved key only when it
-is one of its last two components, so a nested parameter would stay uninitialised when loaded under another name.
-"""
+"""What a routing method is: a :class:`Router` subclass registered by :func:`register_router` (SMEAR's, the paper's
+baselines, the bank's), one ``nn.Module`` per layer and adapter. Its parameters are its own attributes, never nested
+modules: PEFT strips the adapter name only from a key's last two parts, so a nested one would load uninitialised."""
 
 from __future__ import annotations
 
@@ -23,65 +18,42 @@ if TYPE_CHECKING:
 
 
 class Router(nn.Module):
-    """One layer's router for one adapter: ``forward(inputs)`` reads what it needs of the batch from ``inputs`` (a
-    ``RouterInputs``) and returns the ``RoutingDecision``. A new method is a subclass (traits and options as class
-    attributes; settings read from the config in ``__init__``) and one call of :func:`register_router`."""
+    """A layer's router for an adapter: ``forward`` turns ``RouterInputs`` into a ``RoutingDecision``. A new method is
+    a subclass (traits, options as class attributes; config read in ``__init__``) given to :func:`register_router`."""
 
     name: ClassVar[str]
     """The ``SmearConfig.routing`` value that selects this method."""
-
     description: ClassVar[str] = ""
     """One line on what the method does with the experts (the model card's)."""
-
     options: ClassVar[tuple[Option, ...]] = ()
     """The method's own settings, passed to ``SmearConfig`` as keywords; setting one for another method fails."""
-
     options_before_declared: ClassVar[dict[str, Any]] = {}
-    """The values of options added since adapters stored every method's options as top-level keys, for configs saved
-    that way: what such an adapter was trained with."""
-
+    """For old configs (every method's options at top level): values of options added since, as they trained with."""
     call_inputs: ClassVar[tuple[CallInput, ...]] = ()
     """The ``smear_*`` keywords of the model call this method reads."""
-
     reads_content: ClassVar[bool] = True
     """Whether routing depends on the example's tokens or states (not only on a ``smear_*`` input, or on nothing)."""
-
     accepts_expert_dropout: ClassVar[bool] = False
     """Whether the method turns a probability distribution into its routing, so that experts can be dropped."""
-
     default_expert_dropout: ClassVar[float] = 0.0
     """``SmearConfig.expert_dropout`` when left unset."""
-
     default_num_experts: ClassVar[int] = 8
     """``SmearConfig.num_experts`` when left unset."""
-
     per_token: ClassVar[bool] = False
-    """Whether the router decides for every token (weights ``[batch, tokens, N]``): then every step of ``generate``
-    routes anew instead of reusing the decision made at prefill."""
-
+    """Whether it routes per token (``[batch, tokens, N]`` weights): then ``generate`` routes anew at every step."""
     expert_types: ClassVar[tuple[str, ...] | None] = None
     """The ``SmearConfig.expert_type`` values the method works with (``None``: every kind)."""
-
     keeps_training_clock: ClassVar[bool] = False
-    """Whether the router follows a schedule (a warm-up, an annealed temperature): it counts the training calls in a
-    buffer, ``training_calls``, saved with the adapter so that a resumed run continues the schedule."""
-
+    """Whether it follows a schedule (warm-up, annealing): ``training_calls`` counts calls, saved so runs resume."""
     finish_call: ClassVar[Callable[[Any], dict[str, torch.Tensor]] | None] = None
-    """A classmethod ``finish_call(call)`` of methods that add losses (by name, weighted) once the model's output
-    exists (a :class:`~peft_smear.core.model.ModelCall`): called once per model call."""
-
-    route_together: ClassVar[Callable[..., list] | None] = None
-    """A classmethod ``route_together(routers, inputs)`` of methods whose routers, in layers that read one input
-    alike (Llama's q, k and v), route in one go: a part each, which ``router.decided(part, inputs)`` turns into
-    ``router(inputs)``'s decision."""
-
+    """Classmethod ``finish_call(call)``: weighted losses by name after a :class:`~peft_smear.core.model.ModelCall`."""
+    route_together: ClassVar[Callable[..., tuple] | None] = None
+    """Classmethod ``route_together(routers, inputs, tables)`` of methods whose routers in layers reading one input
+    (Llama's q, k, v) route at once; ``router.decided(probs, routing, index, inputs)`` is then ``router(inputs)``."""
     exportable: ClassVar[bool] = True
-    """Whether a fixed routing of the method can be written as one plain adapter (export's trait): not for a
-    per-token router or an output mixture."""
-
+    """Whether a fixed routing can be exported as one plain adapter (not for per-token routers or output mixtures)."""
     default_lr_ratio: ClassVar[float] = 1.0
     """The router's learning rate over the experts' that :func:`peft_smear.create_router_optimizer` gives it."""
-
     over_existing_adapters: ClassVar[bool] = False
     """Whether the method routes over a bank of separately trained adapters (:func:`peft_smear.build_expert_bank`)."""
 
@@ -94,8 +66,7 @@ class Router(nn.Module):
 
     @classmethod
     def validate(cls, config: PeftConfig) -> None:
-        """Check what one option alone cannot when the config is built; each error names the offending value. Every
-        option has passed its own check already."""
+        """Check, when the config is built, what no option's own check can; errors name the offending value."""
 
     @classmethod
     def describe(cls, config: PeftConfig) -> str:
@@ -106,8 +77,7 @@ class Router(nn.Module):
         raise NotImplementedError
 
     def fixed_distribution(self, task: int | None = None) -> torch.Tensor | None:
-        """``[num_experts]`` fp32: how every example (of task ``task``) is routed at inference whatever its content,
-        where the method has such a routing (export's trait), else ``None``."""
+        """``[num_experts]`` fp32: the content-blind inference routing (of ``task``), if any (export's trait)."""
         return None
 
     def untrained_experts(self) -> list[int]:
@@ -116,9 +86,7 @@ class Router(nn.Module):
 
 
 class NormalisedInputRouter(Router):
-    """A linear map of ``LN(pooled)`` (no bias): ``weight [rows, features]`` and the input LayerNorm's gain and bias,
-    the parameters SMEAR's router shares with other methods' gates. Subclasses say what the ``rows`` are and turn the
-    logits into a decision."""
+    """``LN(pooled) @ weight.T`` (``[rows, features]``, no bias), as SMEAR's router and other gates share it."""
 
     def __init__(self, features: int, config: PeftConfig, module_name: str, rows: int | None = None) -> None:
         super().__init__(features, config, module_name)
@@ -133,8 +101,7 @@ ROUTERS: dict[str, type[Router]] = {}
 
 
 def register_router(router: type[Router]) -> type[Router]:
-    """Make ``router`` selectable as ``SmearConfig(routing=router.name)``; usable as a class decorator. Registering a
-    class again under its own name is harmless; another class under a taken name is refused."""
+    """Make ``router`` selectable as ``SmearConfig(routing=router.name)`` (a decorator too; names are its own)."""
     register(ROUTERS, router, Router, "routing", "register_router")
     return router
 
@@ -150,8 +117,6 @@ def mixed(weights: torch.Tensor) -> RoutingDecision:
 
 
 def one_expert(index: torch.Tensor, num_experts: int, output_scale: torch.Tensor | None = None) -> RoutingDecision:
-    """The expert ``index [batch]`` (in range, as every router's choice is) for each example, its output times
-    ``output_scale [batch]`` if given. Not ``F.one_hot``, which reads the indices back to check them: a host sync
-    per layer."""
+    """Each example's expert ``index [batch]``, output times ``output_scale``; no ``F.one_hot``: its check syncs."""
     weights = torch.zeros(index.shape[0], num_experts, device=index.device).scatter_(1, index.unsqueeze(1), 1.0)
     return RoutingDecision(weights=weights, expert_index=index, output_scale=output_scale)

@@ -1,37 +1,33 @@
-"""SMEAR on one page (Muqeeth, Liu & Raffel, *Soft Merging of Experts with Adaptive Routing*): SMEAR's router and its
-default experts, LoRAs, in the order a model call runs them.
-
-Once per call (:class:`~peft_smear.core.context.CallState`): the tokens each example is routed on, as weights
-``w [batch, tokens]`` (``1 / count`` at each of them), every router's expert dropout (``drop [G, batch, N]``), and,
-once the layers have run, the load-balancing loss over every router's distribution.
-
-Once per distinct input ``x [batch, tokens, in]``, for the G routers of the wrapped layers that read it (Llama's q,
-k and v read one, gate and up another):
+"""SMEAR on one page (Muqeeth, Liu & Raffel, *Soft Merging of Experts with Adaptive Routing*): its router and its
+default experts, LoRAs, in the order a model call runs them. Once per call (:mod:`~peft_smear.core.context`): the
+weights ``w [batch, tokens]`` of the tokens examples are routed on, expert dropout, every router's normalised rows
+(:class:`RouterTables`) and, after the layers, the load balancing. Once per distinct input ``x [batch, tokens, in]``,
+for the G routers of the layers that read it (Llama's q, k and v; gate and up):
 
 1. pool:  ``pooled = w @ x``                                   ``[batch, in]`` fp32
-2. route: ``p = softmax(LN(pooled) @ LN_rows(W).T)``           ``[G, batch, N]`` fp32, experts dropped in training
+2. route: ``p = softmax(LN(pooled) @ LN_rows(W).T)``           ``[batch, G, N]`` fp32, experts dropped in training
 
 Per wrapped layer, with its N LoRA experts ``A [N, r, in]``, ``B [N, out, r]``:
 
 3. merge: ``A_b = sum_n p_bn A_n``, ``B_b = sum_n p_bn B_n``     ``[batch, r, in]``, ``[batch, out, r]``
 4. apply: ``y = base(x) + (x @ A_b^T) @ B_b^T * scaling``      ``[batch, tokens, out]``
 
-A and B are merged separately: that is SMEAR's merged expert, not the mixture of the experts' outputs
-``sum_n p_n B_n A_n x``, and it costs one LoRA per example. ``reference_smear_forward`` in ``tests/conftest.py`` takes
-the same four steps one example at a time in float64, and the tests hold this page to it.
+A and B are merged separately (SMEAR's merged expert, not the mixture ``sum_n p_n B_n A_n x``): one LoRA's cost per
+example. ``reference_smear_forward`` (``tests/conftest.py``) takes these steps per example in float64, tests hold it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
 from itertools import repeat
-from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from .checks import integer, number, require_bool, require_probability
 from .experts import ExpertKind, register_expert_kind
@@ -46,77 +42,201 @@ if TYPE_CHECKING:
 # 1. Pool ---------------------------------------------------------------------------------------------------------
 
 
-def pool(hidden: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+def pool(hidden: Tensor, weights: Tensor | None) -> Tensor:
     """``[batch, tokens, features]`` -> ``[batch, features]`` fp32: each example's tokens weighted by ``weights``
-    (:func:`token_weights`), or their plain mean when ``None``. One batched matmul, in fp32 (half-precision inputs
-    upcast first, so the sum accumulates in fp32). Weighted-out positions must hold finite values, as transformers'
-    eager and SDPA attention keep padding. Compiled, an opaque operator (:mod:`~peft_smear.core.compiled`)."""
+    (:func:`token_weights`), or their mean; upcast first, so the sum accumulates in fp32 (weighted-out positions must
+    be finite, as transformers keeps padding). Compiled, an opaque operator (:mod:`~peft_smear.core.compiled`)."""
     if torch.compiler.is_compiling():
         return torch.ops.peft_smear.pool(hidden, weights)
     hidden = hidden.float()
     return hidden.mean(dim=1) if weights is None else torch.bmm(weights.unsqueeze(1), hidden).squeeze(1)
 
 
-def token_weights(token_mask: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+def token_weights(token_mask: Tensor, device: torch.device | None = None) -> Tensor:
     """``[batch, tokens]`` fp32: ``1 / count`` at the ``count`` nonzero positions of each row of ``token_mask``."""
     weights = (token_mask != 0).to(device=device, dtype=torch.float32)
     return weights / weights.sum(dim=1, keepdim=True).clamp(min=1)
 
 
-def masked_mean(hidden: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
+def masked_mean(hidden: Tensor, token_mask: Tensor | None) -> Tensor:
     """The mean over each example's tokens where ``token_mask`` is nonzero (all when ``None``), fp32."""
     return pool(hidden, None if token_mask is None else token_weights(token_mask, hidden.device))
 
 
 # 2. Route --------------------------------------------------------------------------------------------------------
 
-# Gain of the LayerNorm over the router's weight rows at initialisation. Small, so that initial routing is close to
-# uniform and every expert receives gradient early (the reference implementation's choice).
+# The rows' LayerNorm gain at initialisation: small, so that routing starts near uniform and every expert receives
+# gradient early (the reference implementation's choice).
 ROW_NORM_INIT_GAIN = 1e-2
+LAYER_NORM_EPS = 1e-5  # F.layer_norm's, the reference's
 
 
 def route(
-    summary: torch.Tensor, params: Sequence[Sequence[torch.Tensor]], drop: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """G routers' ``LN(summary)`` ``[G, batch, features]`` and distributions ``[G, batch, N]``, both fp32:
-    ``softmax(LN(summary) @ LN_rows(W).T)``. ``params``: the input LayerNorms' weights and biases and the rows'
-    LayerNorm gains, ``[features]`` each, and the rows ``[N, features]``, each a sequence over the routers (or
-    stacked); ``drop`` ``[G, batch, N]``, expert dropout: 0 for a kept expert, -inf for a dropped one, so that the
-    softmax renormalises over the rest (rescaling the probabilities instead gives a sharp router whose kept ones all
-    underflow a NaN gradient, ``1/sum**2``). Normalising both sides keeps the logits from saturating the softmax; the
-    rows' gain is learned, so routing can still sharpen. Compiled, an opaque operator
-    (:mod:`~peft_smear.core.compiled`)."""
-    if torch.compiler.is_compiling():
-        return torch.ops.peft_smear.route(
-            summary, [torch.stack(tuple(p)) if len(p) > 1 else p[0][None] for p in params], drop
-        )
-    features, summary, normed, rows = (summary.shape[-1],), summary.float(), [], []
-    # Each router's scales inside its LayerNorms: one operation each, whose backward gives their gradients too (a
-    # shared LayerNorm scaled after it takes a dozen for a group); a loop, not comprehensions: no Python call each.
-    for norm_weight, norm_bias, gain, router_rows in zip(*params, strict=True):
-        normed.append(F.layer_norm(summary, features, norm_weight.float(), norm_bias.float()))
-        rows.append(F.layer_norm(router_rows.float(), features, gain.float()))
-    normed, rows = (torch.stack(normed), torch.stack(rows)) if rows[1:] else (normed[0][None], rows[0][None])
-    if drop is None:
-        return normed, torch.bmm(normed, rows.transpose(1, 2)).softmax(dim=-1)
-    return normed, torch.baddbmm(drop, normed, rows.transpose(1, 2)).softmax(dim=-1)
+    summary: Tensor, rows: Tensor, scales: Tensor, shifts: Tensor, drop: Tensor, keep_normalised: bool = True
+) -> tuple[Tensor, tuple]:
+    """The fp32 distributions ``[batch, G, N]`` of G routers on one ``summary`` ``[batch, F]``: ``softmax(LN(summary)
+    @ LN_rows(W).T + drop)``, ``rows = LN_rows(W)`` ``[G, N, F]``, the input LayerNorm's ``scales``, ``shifts``
+    ``[G, 1, F]``: one normalisation, one batched matmul, a router's numbers the same in any group. ``drop``: -inf for
+    a dropped expert (rescaled probabilities would underflow to NaN gradients on a sharp router). Also returns what
+    :func:`route_backward` reads (``keep_normalised=False``: nothing; a lone router normalises in one operation)."""
+    if keep_normalised or rows.shape[0] > 1:
+        x_hat, mean, rstd = torch.native_layer_norm(summary, summary.shape[-1:], None, None, LAYER_NORM_EPS)
+        normed, saved = torch.addcmul(shifts, x_hat, scales), (x_hat, mean, rstd)
+    else:
+        normed, saved = F.layer_norm(summary, summary.shape[-1:], scales[0, 0], shifts[0, 0]).unsqueeze(0), ()
+    logits = summary.new_empty(summary.shape[0], *rows.shape[:2])  # laid out [batch, G, N], computed [G, batch, N]
+    torch.baddbmm(drop, normed, rows.transpose(1, 2), out=logits.transpose(0, 1))  # + 0: bitwise bmm's
+    return logits.softmax(dim=-1), saved
 
 
-def drop_experts(noise: torch.Tensor, p: float) -> torch.Tensor:
-    """Expert dropout, as :func:`route` adds it to the logits: 0 for a kept expert, -inf for one dropped, which it is
-    where ``noise`` (uniform) < ``p``, unless that would drop all of an example's."""
+def route_backward(
+    summary: Tensor, table: Tensor, probs: Tensor, saved: tuple, grad_probs: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`route`'s gradients: the ``summary``'s, and folded (``table = rows * scale``, ``bias = rows @ shift``)."""
+    x_hat, mean, rstd = saved
+    grad_logits = torch._softmax_backward_data(grad_probs, probs, -1, torch.float32)  # [batch, G, N]
+    grad_x_hat = grad_logits.flatten(1) @ table.flatten(0, 1)
+    grad_table = torch.bmm(grad_logits.permute(1, 2, 0), x_hat.expand(table.shape[0], -1, -1))
+    grad_summary = torch.ops.aten.native_layer_norm_backward(
+        grad_x_hat, summary, summary.shape[-1:], mean, rstd, None, None, (True, False, False)
+    )[0]
+    return grad_summary, grad_table, grad_logits.transpose(0, 1)
+
+
+def router_rows(weights: Tensor, gains: Tensor) -> tuple[Tensor, tuple]:
+    """``LN_rows(W)`` ``[R, N, F]`` fp32 of R routers' ``weights``, gains (over the temperature), and its saved."""
+    rows_hat, mean, rstd = torch.native_layer_norm(weights, weights.shape[-1:], None, None, LAYER_NORM_EPS)
+    return rows_hat * gains.unsqueeze(1), (rows_hat, mean, rstd)
+
+
+def router_rows_backward(
+    params: Sequence[Tensor], rows: Tensor, saved: tuple, grad_table: Tensor, grad_bias: Tensor
+) -> tuple[Tensor, ...]:
+    """R routers' weights', gains', input scales' and shifts' gradients from the folded (:func:`route_backward`)."""
+    weights, gains, scales, shifts = params
+    rows_hat, mean, rstd = saved
+    grad_bias = grad_bias.sum(dim=1)  # [R, N]
+    grad_rows = torch.addcmul(grad_table * scales.unsqueeze(1), grad_bias.unsqueeze(2), shifts.unsqueeze(1))
+    grad_weights = torch.ops.aten.native_layer_norm_backward(
+        grad_rows * gains.unsqueeze(1), weights, weights.shape[-1:], mean, rstd, None, None, (True, False, False)
+    )[0]
+    grad_shifts = torch.bmm(grad_bias.unsqueeze(1), rows).squeeze(1)
+    return grad_weights, (grad_rows * rows_hat).sum(dim=1), (grad_table * rows).sum(dim=1), grad_shifts
+
+
+class RouterTables(torch.autograd.Function):
+    """A call's routers (or a group's) made ready once, per group (``sizes``): the rows, input scales and shifts, the
+    folded table :func:`route_backward` reads and a zero ``bias`` routing takes for its gradient; from all weights,
+    then all gains, scales and shifts. Backward: one ``cat`` per kind, the parameters' gradients views of one."""
+
+    @staticmethod
+    def forward(ctx, sizes: tuple[int, ...], temperature: float, batch: int, *params: Tensor) -> tuple:
+        ctx.set_materialize_grads(False)
+        n = len(params) // 4
+        stacked = [torch.stack(params[i : i + n]) if n > 1 else params[i][None] for i in range(0, 4 * n, n)]
+        weights, gains, scales, shifts = map(torch.Tensor.float, stacked)
+        if temperature != 1:  # dividing the rows' gain divides the logits: the rows are normalised anyway
+            gains = gains / temperature
+        rows, saved = router_rows(weights, gains)
+        table, bias = rows * scales.unsqueeze(1), rows.new_zeros(()).expand(len(rows), batch, rows.shape[1])
+        # On ctx, not saved: checkpointing would tie them to the recomputation of the layer that made them.
+        ctx.kept, ctx.sizes = (weights, gains, scales, shifts, rows, *saved), sizes
+        ctx.temperature, ctx.batch = temperature, batch
+        outputs = []
+        for tensor in (rows, scales.unsqueeze(1), shifts.unsqueeze(1), table, bias):
+            outputs += tensor.split(sizes)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None) -> tuple:
+        weights, gains, scales, shifts, rows, *saved = ctx.kept
+        groups, grad_tables, grad_biases = len(ctx.sizes), [], []
+        for index, size in enumerate(ctx.sizes):  # a group that did not route in this backward has none
+            table, bias = grads[3 * groups + index], grads[4 * groups + index]
+            grad_tables.append(rows.new_zeros(size, *rows.shape[1:]) if table is None else table)
+            grad_biases.append(rows.new_zeros(size, ctx.batch, rows.shape[1]) if bias is None else bias)
+        gathered = (torch.cat(grad_tables), torch.cat(grad_biases)) if groups > 1 else (*grad_tables, *grad_biases)
+        grads = router_rows_backward((weights, gains, scales, shifts), rows, saved, *gathered)
+        grad_weights, grad_gains, grad_scales, grad_shifts = grads
+        if ctx.temperature != 1:
+            grad_gains = grad_gains / ctx.temperature
+        return None, None, None, *grad_weights, *grad_gains, *grad_scales, *grad_shifts
+
+
+ROUTER_PARAMETERS = ("weight", "row_norm_weight", "input_norm_weight", "input_norm_bias")
+
+
+def tables_of(routers: Sequence[SmearRouter], sizes: Sequence[int], batch: int) -> list[tuple[Tensor, ...]]:
+    """Each group's :class:`RouterTables` (rows, scales, shifts, table, bias), ``routers`` in groups of ``sizes``."""
+    params: list[Tensor] = []
+    for name in ROUTER_PARAMETERS:  # loops, not comprehensions: per call, but over every layer
+        for router in routers:
+            params.append(getattr(router, name))
+    outputs = RouterTables.apply(tuple(sizes), routers[0].temperature, batch, *params)
+    return [outputs[index :: len(sizes)] for index in range(len(sizes))]
+
+
+@dataclass(eq=False)
+class GroupRouting:
+    """A group's routing of one input: its members' LoRA merges write their gradients into ``grads`` ``[batch, G, N]``
+    (no ``stack``), marked with the backward's id; ``taken``: who applied a part (the load balancing's)."""
+
+    written: list[int | None]
+    taken: list[bool]
+    grads: Tensor | None = None
+
+    def gradient(self, incoming: Tensor | None) -> Tensor | None:
+        """Parts written in this backward (else zero) plus ``incoming`` (the load balancing, other merges)."""
+        backward = torch._C._current_graph_task_id()
+        if self.grads is None or backward not in self.written:
+            return incoming
+        for index, written in enumerate(self.written):
+            if written != backward:
+                self.grads[:, index].zero_()
+        return self.grads if incoming is None else self.grads.add_(incoming)
+
+
+class Route(torch.autograd.Function):
+    """:func:`route`, its backward reading the members' written gradients and handing its routers' folded on."""
+
+    @staticmethod
+    def forward(ctx, summary, rows, scales, shifts, table, bias, drop, routing: GroupRouting) -> Tensor:
+        ctx.set_materialize_grads(False)
+        summary, device = summary.float(), summary.device.type  # in fp32 under autocast too
+        with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else nullcontext():
+            drop = bias if drop is None else drop  # the zero bias where no expert is dropped
+            probs, saved = route(summary, rows, scales, shifts, drop, keep_normalised=any(ctx.needs_input_grad))
+        routing.grads = probs.new_empty(probs.shape)
+        ctx.save_for_backward(summary, table, probs, *saved)
+        ctx.routing = routing
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad_probs: Tensor | None) -> tuple:
+        summary, table, probs, *saved = ctx.saved_tensors
+        grad_probs = ctx.routing.gradient(grad_probs)
+        if grad_probs is None:
+            return (None,) * 8
+        grad_summary, grad_table, grad_bias = route_backward(summary, table, probs, saved, grad_probs)
+        return grad_summary, None, None, None, grad_table, grad_bias, None, None
+
+
+def recomputed() -> bool:
+    """Whether gradient checkpointing recomputes the layer in backward (never inside a compiled graph)."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
+def drop_experts(noise: Tensor, p: float) -> Tensor:
+    """Expert dropout's logit bias: -inf where ``noise`` < ``p`` (dropped), else 0; never all of an example's."""
     keep = noise >= p
     return (keep | ~keep.any(dim=-1, keepdim=True)).float().log()
 
 
 @register_router
 class SmearRouter(NormalisedInputRouter):
-    """SMEAR: the experts' parameters merged by ``softmax(LN(pooled) @ LN_rows(W).T / router_temperature)`` (fp32)
-    into one expert per example, with expert dropout in training. Against router collapse: the temperature, a warm-up
-    of uniform routing (the experts differentiate before the router commits), and a load-balancing loss
-    ``router_balance_weight * (N * sum_n mean_p_n^2 - 1)`` per router (``router_balance``), on by default (0.01): it
-    beat the paper's router on the collapse benchmark (``benchmarks/RESULTS.md``); ``router_balance_weight=0.0`` is
-    the paper's. Other methods turn the distribution into decisions of their own (``core/probability.py``)."""
+    """SMEAR: experts merged by ``softmax(LN(pooled) @ LN_rows(W).T / router_temperature)`` per example, expert
+    dropout in training. Against collapse: the temperature, a uniform warm-up, and load balancing
+    ``router_balance_weight * (N * sum_n mean_p_n^2 - 1)`` per router (0.01: it beat the paper's 0.0 on collapse)."""
 
     name = "smear"
     description = "the router's distribution averages the experts' parameters into one expert per example"
@@ -139,47 +259,65 @@ class SmearRouter(NormalisedInputRouter):
         self.temperature, self.warmup_steps, self.balance_weight = (config.routing_options[name] for name in names)
 
     def forward(self, inputs: RouterInputs) -> RoutingDecision:
-        return self.decided(self.route_together([self], inputs)[0], inputs)
+        probs, routing = self.route_together([self], inputs)
+        return self.decided(probs, routing, 0, inputs)
 
     @classmethod
-    def route_together(cls, routers: Sequence[SmearRouter], inputs: RouterInputs) -> list[tuple]:
-        """Each of ``routers``' part, its distribution and ``LN(summary)``, for routers that read one input alike: one
-        summary, one ``route``."""
-        first = routers[0]
-        summary = inputs.summary()  # 1. pooled: [batch, features] fp32
-        # Expert dropout [G, batch, N], as the call drew it (RoutingContext.draw_expert_dropout), else drawn here.
-        drop = inputs.memo.get(("expert dropout", first, len(routers)))
-        if first.training and first.expert_dropout and (drop is None or drop.shape[1] != summary.shape[0]):
-            noise = summary.new_empty(len(routers), summary.shape[0], first.num_experts).uniform_()
-            drop = drop_experts(noise, first.expert_dropout)  # no call draw: checkpointing, called alone
-            if routers[1:]:  # a member that reads another input routes alone with its row, as it would with the call's
-                inputs.memo.update({("expert dropout", r, 1): drop[i : i + 1] for i, r in enumerate(routers)})
-        drop = None if drop is None else drop.to(summary.device)
-        of_router = attrgetter("input_norm_weight", "input_norm_bias", "row_norm_weight", "weight")
-        params = [*zip(*map(of_router, routers), strict=True)]  # each parameter, a sequence over the routers
-        if first.temperature != 1:  # dividing the rows' gain divides the logits: the rows are normalised anyway
-            params[2] = [gain / first.temperature for gain in params[2]]
-        normed, probs = route(summary, params, drop)  # 2. [G, batch, *] fp32
+    def route_together(
+        cls, routers: Sequence[SmearRouter], inputs: RouterInputs, tables: tuple | None = None
+    ) -> tuple[Tensor, GroupRouting | None]:
+        """``routers``' distributions ``[batch, G, N]`` on one input and routing; ``tables``: the call's."""
+        first, summary = routers[0], inputs.summary()  # 1. pooled: [batch, features] fp32
+        batch, drop = summary.shape[0], None
+        if first.training and first.expert_dropout:
+            # Expert dropout [G, batch, N], as the call drew it (RoutingContext.draw_expert_dropout), else drawn here.
+            drop = inputs.memo.get(("expert dropout", first, len(routers)))
+            if drop is None or drop.shape[1] != batch:
+                noise = summary.new_empty(len(routers), batch, first.num_experts).uniform_()
+                drop = drop_experts(noise, first.expert_dropout)  # no call draw: checkpointing, called alone
+                for index, router in enumerate(routers[1:], 1):  # one reading another input routes with its row
+                    inputs.memo["expert dropout", router, 1] = drop[index : index + 1]
+            drop = drop.to(summary.device)
+        if torch.compiler.is_compiling():  # an opaque operator, its routers made ready inside (core/compiled.py)
+            params = []
+            for name in ROUTER_PARAMETERS:  # compiled, a layer routes alone: a view, no stack
+                tensors = [getattr(router, name) for router in routers]
+                params.append(torch.stack(tensors) if routers[1:] else tensors[0][None])
+            probs, routing = torch.ops.peft_smear.route(summary, params, drop, first.temperature), None
+        else:
+            tables = tables_of(routers, (len(routers),), batch)[0] if tables is None else tables
+            routing = GroupRouting([None] * len(routers), [False] * len(routers))
+            probs = Route.apply(summary, *tables, drop, routing)  # 2. [batch, G, N] fp32
         if first.warmup_steps and first.training:
             # Uniform (over the kept experts) while warming up, by arithmetic rather than a branch on the counter, so
             # that a compiled model neither breaks its graph nor recompiles; the router's gradient is zero meanwhile.
-            uniform = torch.zeros_like(probs) if drop is None else drop
+            uniform = torch.zeros_like(probs) if drop is None else drop.transpose(0, 1)
             warming = (first.training_calls <= first.warmup_steps).to(probs.dtype)
             probs = probs * (1 - warming) + uniform.softmax(dim=-1) * warming
-        if not routers[1:]:  # a view, whose backward is one too (unbind's stacks)
-            return [(probs.squeeze(0), normed.squeeze(0))]
-        return list(zip(probs.unbind(0), normed.unbind(0), strict=True))
+            if routing is not None:
+                routing.grads = None  # the merges read the mixed distributions through autograd
+        if first.training and first.balance_weight > 0:
+            inputs.aux.balance(probs, routing, first.balance_weight)
+        return probs, routing
 
-    def decided(self, routed: tuple[torch.Tensor, torch.Tensor], inputs: RouterInputs) -> RoutingDecision:
-        """This router's decision on its part of a group's routing, made in its layer's turn, random draws (a sampled
-        decision's) included; the call adds every router's load balancing at its end."""
-        probs, normed = routed
-        decision = self.decide(probs, normed, inputs)
-        if self.training and self.balance_weight > 0:
-            decision.balance = (probs, self.balance_weight)
+    def decided(
+        self, probs: Tensor, routing: GroupRouting | None, index: int, inputs: RouterInputs
+    ) -> RoutingDecision:
+        """This router's decision on its part, made in its layer's turn (random draws included); a SMEAR merge of it
+        writes its gradient in place (:class:`GroupRouting`). SMEAR's own made here: a Python call per layer fewer."""
+        part = probs[:, index]
+        decision = (
+            RoutingDecision(weights=part) if type(self).decide is SmearRouter.decide else self.decide(part, inputs)
+        )
+        if self.training and self.balance_weight > 0 and inputs.aux.without_autograd and recomputed():
+            inputs.aux.balance(probs[:, index : index + 1], None, self.balance_weight)  # its layer hangs it
+        if routing is not None:
+            routing.taken[index] = True
+            if routing.grads is not None and decision.weights is part and not decision.mixture:  # merged by it
+                decision.routed_by = (probs, routing, index)
         return decision
 
-    def decide(self, probs: torch.Tensor, normed: torch.Tensor, inputs: RouterInputs) -> RoutingDecision:
+    def decide(self, probs: Tensor, inputs: RouterInputs) -> RoutingDecision:
         """SMEAR's decision: merge the experts' parameters by the distribution (3., 4. below)."""
         return RoutingDecision(weights=probs)
 
@@ -187,21 +325,16 @@ class SmearRouter(NormalisedInputRouter):
 # 3. Merge --------------------------------------------------------------------------------------------------------
 
 
-def side_by_side(parameters: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``[N, sizes]``: each expert's parameters flattened and side by side, so that one matmul merges them all (a
-    ``map``: a comprehension would be one more Python call per module)."""
-    return torch.cat([*map(torch.flatten, parameters, repeat(1))], 1) if parameters[1:] else parameters[0].flatten(1)
-
-
 def merge_parameters(
-    parameters: Sequence[torch.Tensor], probs: torch.Tensor, dtype: torch.dtype, flat: torch.Tensor | None = None
-) -> list[torch.Tensor]:
-    """``sum_n probs[b, n] * parameter[n]`` as ``[batch, *parameter.shape[1:]]`` for each parameter, in ``dtype``: one
-    matmul of ``[batch, N]`` and the parameters side by side (``flat``, when made already) and one cast, a view of it
-    each (an einsum per parameter permutes and copies; a matmul and a cast each launch more)."""
-    flat = side_by_side(parameters) if flat is None else flat
+    parameters: Sequence[Tensor], probs: Tensor, dtype: torch.dtype, flat: Tensor | None = None
+) -> list[Tensor]:
+    """``sum_n probs[b, n] * parameter[n]`` per parameter in ``dtype``: one matmul, side by side, a view each."""
+    if flat is None:
+        flat = (
+            torch.cat([*map(torch.flatten, parameters, repeat(1))], 1) if parameters[1:] else parameters[0].flatten(1)
+        )
     merged, parts, start = (probs.to(flat.dtype) @ flat).to(dtype), [], 0
-    for parameter in parameters:  # a loop, not comprehensions: each of those is a Python call per module
+    for parameter in parameters:  # a loop: a comprehension is a Python call per module
         end = start + parameter.shape[1:].numel()
         parts.append(merged[:, start:end].view(-1, *parameter.shape[1:]))
         start = end
@@ -212,17 +345,11 @@ def merge_parameters(
 
 
 def add_per_example_experts(
-    y: torch.Tensor,
-    tokens: torch.Tensor,
-    expert_A: torch.Tensor,
-    expert_B: torch.Tensor,
-    scaling: float,
-    output_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``y [batch, tokens, out]`` plus ``tokens [batch, tokens, in]`` through each example's own expert
-    (``[batch, r, in]``, ``[batch, out, r]``), times ``scaling`` and each example's ``output_scale``: the cost of one
-    rank-r LoRA. The per-example scale goes on the rank-r hidden units and the second matmul adds into ``y`` with the
-    scaling as its ``alpha``, so no pass over the output is left."""
+    y: Tensor, tokens: Tensor, expert_A: Tensor, expert_B: Tensor, scaling: float, output_scale: Tensor | None = None
+) -> Tensor:
+    """``y [batch, tokens, out]`` plus ``tokens [batch, tokens, in]`` through each example's expert ``[batch, r, in]``,
+    ``[batch, out, r]``, times ``scaling`` and ``output_scale``: one rank-r LoRA's cost, the scale on the hidden units
+    and the scaling the second matmul's ``alpha`` (no pass over the output)."""
     hidden = torch.bmm(tokens, expert_A.transpose(1, 2))
     hidden = hidden if output_scale is None else scaled(hidden, output_scale)
     if hidden.dtype != y.dtype:  # e.g. an fp32 base output under autocast
@@ -231,40 +358,46 @@ def add_per_example_experts(
 
 
 class MergeAndApply(torch.autograd.Function):
-    """Steps 3 and 4 for LoRA experts in training, with the backward written out: each gradient one matmul in the
-    layout it is used in, where autograd's copies the merged experts' gradients into the merge's layout and the
-    parameters' gradients (views of one matmul's) into theirs, and the two merged gradients written side by side by
-    their matmuls, not concatenated (4 operations a module fewer in all: ``work_counts.py``)."""
+    """Steps 3 and 4 for LoRA experts in training, the backward written out: each gradient one matmul in its layout
+    (autograd's copies), the merged experts' side by side, the distribution's into its :class:`GroupRouting`."""
 
     @staticmethod
-    def forward(ctx, y, tokens, lora_A, lora_B, probs, scaling):
-        flat = side_by_side((lora_A, lora_B))  # [N, r * in + out * r]
-        expert_A, expert_B = merge_parameters((lora_A, lora_B), probs, tokens.dtype, flat)
+    def forward(ctx, y, tokens, lora_A, lora_B, probs, scaling, routing=None, index=0):
+        weights = probs if routing is None else probs[:, index]  # a group's distributions: [batch, G, N]
+        # merge_parameters for LoRA's pair, here: a Python call per layer fewer. flat: [N, r * in + out * r]
+        flat = torch.cat((lora_A.flatten(1), lora_B.flatten(1)), 1)
+        merged, size_A = (weights.to(flat.dtype) @ flat).to(tokens.dtype), lora_A.shape[1:].numel()
+        expert_A = merged[:, :size_A].view(-1, *lora_A.shape[1:])  # [batch, r, in]
+        expert_B = merged[:, size_A:].view(-1, *lora_B.shape[1:])  # [batch, out, r]
         hidden = torch.bmm(tokens, expert_A.transpose(1, 2))
-        ctx.save_for_backward(tokens, lora_A, lora_B, probs, flat, expert_A, expert_B, hidden)
-        ctx.scaling = scaling
+        ctx.save_for_backward(tokens, lora_A, lora_B, weights, flat, expert_A, expert_B, hidden)
+        ctx.scaling, ctx.routing, ctx.index = scaling, routing, index
         return torch.baddbmm(y, hidden, expert_B.transpose(1, 2), alpha=scaling)
 
     @staticmethod
     def backward(ctx, grad):
-        tokens, lora_A, lora_B, probs, flat, expert_A, expert_B, hidden = ctx.saved_tensors
+        tokens, lora_A, lora_B, weights, flat, expert_A, expert_B, hidden = ctx.saved_tensors
         # The merged experts' gradients side by side, [batch, r * in + out * r]: each matmul writes its part, no cat.
-        grad_merged, size_A = grad.new_empty(len(probs), flat.shape[1]), lora_A.shape[1:].numel()
+        grad_merged, size_A = grad.new_empty(len(weights), flat.shape[1]), lora_A.shape[1:].numel()
         grad_hidden = torch.bmm(grad, expert_B)  # [batch, tokens, r]
         grad_B = torch.bmm(grad.transpose(1, 2), hidden, out=grad_merged[:, size_A:].view_as(expert_B))
         if ctx.scaling != 1:  # after the matmuls, as autograd's baddbmm
             grad_hidden.mul_(ctx.scaling), grad_B.mul_(ctx.scaling)
         grad_tokens = torch.bmm(grad_hidden, expert_A) if ctx.needs_input_grad[1] else None
         torch.bmm(grad_hidden.transpose(1, 2), tokens, out=grad_merged[:, :size_A].view_as(expert_A))
-        grad_merged, needs, weights = grad_merged.to(flat.dtype), ctx.needs_input_grad, probs.to(flat.dtype).T
-        grad_lora_A = (weights @ grad_merged[:, :size_A]).view_as(lora_A) if needs[2] else None
-        grad_lora_B = (weights @ grad_merged[:, size_A:]).view_as(lora_B) if needs[3] else None
-        # In the parameters' dtype: autograd casts a gradient to its input's (probs: fp32).
-        grad_probs = grad_merged @ flat.T if needs[4] else None
-        return grad, grad_tokens, grad_lora_A, grad_lora_B, grad_probs, None
+        grad_merged, needs, transposed = grad_merged.to(flat.dtype), ctx.needs_input_grad, weights.to(flat.dtype).T
+        grad_lora_A = (transposed @ grad_merged[:, :size_A]).view_as(lora_A) if needs[2] else None
+        grad_lora_B = (transposed @ grad_merged[:, size_A:]).view_as(lora_B) if needs[3] else None
+        grad_probs = None
+        if ctx.routing is not None:  # into its place among the group's
+            torch.mm(grad_merged, flat.T, out=ctx.routing.grads[:, ctx.index])
+            ctx.routing.written[ctx.index] = torch._C._current_graph_task_id()
+        elif needs[4]:  # in the parameters' dtype: autograd casts a gradient to its input's (probs: fp32)
+            grad_probs = grad_merged @ flat.T
+        return grad, grad_tokens, grad_lora_A, grad_lora_B, grad_probs, None, None, None
 
 
-def scaled(contribution: torch.Tensor, output_scale: torch.Tensor) -> torch.Tensor:
+def scaled(contribution: Tensor, output_scale: Tensor) -> Tensor:
     """An expert's contribution times each example's ``output_scale [batch]`` (callers skip it when there is none)."""
     return contribution * output_scale.to(contribution.dtype).view(-1, *([1] * (contribution.dim() - 1)))
 
@@ -274,8 +407,7 @@ def scaled(contribution: torch.Tensor, output_scale: torch.Tensor) -> torch.Tens
 
 @register_expert_kind
 class LoraExperts(ExpertKind):
-    """N LoRA experts ``B_n A_n`` of rank ``r``, added to the module's output: ``y + (B_b A_b x) * scaling``, with
-    ``scaling = lora_alpha / r`` (``/ sqrt(r)`` with ``use_rslora``), exactly a PEFT LoRA's."""
+    """N LoRA experts of rank ``r``: ``y + (B_b A_b x) * scaling``, ``scaling`` exactly a PEFT LoRA's."""
 
     name = "lora"
     title = "LoRA"
@@ -298,10 +430,10 @@ class LoraExperts(ExpertKind):
     def describe(cls, config: PeftConfig) -> str:
         return f"LoRA, rank r={config.r}, alpha {config.lora_alpha:g}" + ", rsLoRA scaling" * config.use_rslora
 
-    def create_parameters(self, num_experts: int, init: bool | str) -> dict[str, torch.Tensor]:
-        """Each expert initialised on its own, so that the experts differ (SMEAR needs distinct experts to break
-        symmetry): A as PEFT LoRA's (``True``), normal with std ``1/r`` (``"gaussian"``) or 1e-2 (``"smear"``, the
-        reference implementation's); B zero, but normal with std 1e-2 for ``"smear"`` and random for ``False``."""
+    def create_parameters(self, num_experts: int, init: bool | str) -> dict[str, Tensor]:
+        """Each expert initialised on its own, so that they differ (breaking SMEAR's symmetry): A as PEFT LoRA's,
+        normal with std ``1/r`` (``"gaussian"``) or 1e-2 (``"smear"``, the reference's); B zero, normal
+        (``"smear"``) or random (``False``)."""
         lora_A = torch.empty(num_experts, self.r, self.in_features)
         lora_B = torch.empty(num_experts, self.out_features, self.r)
         std_A = {"gaussian": 1 / self.r, "smear": 1e-2}.get(init) if isinstance(init, str) else None
@@ -319,47 +451,43 @@ class LoraExperts(ExpertKind):
                     torch.nn.init.zeros_(expert_B)
         return {"smear_lora_A": lora_A, "smear_lora_B": lora_B}
 
-    def merge(self, params: Params, probs: torch.Tensor, dtype: torch.dtype) -> Expert:
+    def merge(self, params: Params, probs: Tensor, dtype: torch.dtype) -> Expert:
         return tuple(merge_parameters((params["smear_lora_A"], params["smear_lora_B"]), probs, dtype))
 
-    def apply(
-        self, x: torch.Tensor, y: torch.Tensor, expert: Expert, output_scale: torch.Tensor | None
-    ) -> torch.Tensor:
+    def apply(self, x: Tensor, y: Tensor, expert: Expert, output_scale: Tensor | None) -> Tensor:
         return add_per_example_experts(y, x, *expert, self.scaling, output_scale)
 
-    def merge_and_apply(self, x: torch.Tensor, y: torch.Tensor, params: Params, probs: torch.Tensor) -> torch.Tensor:
+    def merge_and_apply(
+        self, x: Tensor, y: Tensor, params: Params, probs: Tensor, routed_by: tuple | None = None
+    ) -> Tensor:
         if y.dtype != x.dtype or torch.compiler.is_compiling():  # inductor fuses the plain steps itself
             return super().merge_and_apply(x, y, params, probs)
-        return MergeAndApply.apply(y, x, params["smear_lora_A"], params["smear_lora_B"], probs, self.scaling)
+        lora_A, lora_B = params["smear_lora_A"], params["smear_lora_B"]
+        if routed_by is None or lora_A.dtype != torch.float32:  # the group's gradients are fp32
+            return MergeAndApply.apply(y, x, lora_A, lora_B, probs, self.scaling)
+        group_probs, routing, index = routed_by
+        return MergeAndApply.apply(y, x, lora_A, lora_B, group_probs, self.scaling, routing, index)
 
     def gather(
-        self, params: Params, expert_index: torch.Tensor, dtype: torch.dtype, up_index: torch.Tensor | None = None
+        self, params: Params, expert_index: Tensor, dtype: torch.dtype, up_index: Tensor | None = None
     ) -> Expert:
-        """The one chosen expert of each example, laid out like :meth:`merge`'s: gathered, not merged, so a discrete
-        routing costs exactly one rank-r LoRA."""
+        """Each example's chosen expert, laid out as :meth:`merge`'s: gathered, so discrete routing costs one LoRA."""
         up_index = expert_index if up_index is None else up_index
         return params["smear_lora_A"][expert_index].to(dtype), params["smear_lora_B"][up_index].to(dtype)
 
-    def mix(self, x: torch.Tensor, y: torch.Tensor, params: Params, weights: torch.Tensor) -> torch.Tensor:
+    def mix(self, x: Tensor, y: Tensor, params: Params, weights: Tensor) -> Tensor:
         return add_lora_mixture(y, x, params["smear_lora_A"], params["smear_lora_B"], weights, self.scaling)
 
-    def delta_weight(self, params: Params, distribution: torch.Tensor) -> torch.Tensor:
+    def delta_weight(self, params: Params, distribution: Tensor) -> Tensor:
         """The merged expert of a fixed routing as an update of the base weight, ``[out, in]``."""
         lora_A, lora_B = self.merge(params, distribution[None], params["smear_lora_A"].dtype)
         return (lora_B[0] @ lora_A[0]) * self.scaling
 
 
 def add_lora_mixture(
-    y: torch.Tensor,
-    tokens: torch.Tensor,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    weights: torch.Tensor,
-    scaling: float,
-) -> torch.Tensor:
-    """``y`` plus the experts' *outputs* mixed per example, ``sum_n w_n B_n A_n x`` (per token for ``weights``
-    ``[batch, tokens, N]``): one rank ``N * r`` LoRA whose rank dimensions are weighted by their expert's ``w_n``,
-    one dense matmul pair instead of N, but still N times the work of one expert."""
+    y: Tensor, tokens: Tensor, lora_A: Tensor, lora_B: Tensor, weights: Tensor, scaling: float
+) -> Tensor:
+    """``y + sum_n w_n B_n A_n x`` (per token for ``[batch, tokens, N]``): one rank-``N * r`` LoRA, N experts' work."""
     n, r, _ = lora_A.shape
     stacked_A = lora_A.reshape(n * r, -1).to(tokens.dtype)
     stacked_B = lora_B.permute(1, 0, 2).reshape(-1, n * r).to(tokens.dtype)
@@ -369,6 +497,6 @@ def add_lora_mixture(
     return torch.addmm(y.reshape(-1, y.shape[-1]), hidden.reshape(-1, n * r), stacked_B.T, alpha=scaling).view(y.shape)
 
 
-def per_token(weights: torch.Tensor) -> torch.Tensor:
+def per_token(weights: Tensor) -> Tensor:
     """Mixture weights as ``[batch, tokens or 1, N]``: per-example ``[batch, N]`` weights broadcast over the tokens."""
     return weights if weights.dim() == 3 else weights.unsqueeze(1)

@@ -1,7 +1,5 @@
-"""The vocabulary the method's modules share: what a router reads (:class:`RouterInputs`) and decides
-(:class:`RoutingDecision`), how a setting
-(:class:`Option`) or a ``smear_*`` input (:class:`CallInput`) is declared, and how expert parameters are passed. A
-leaf: it imports nothing of the package but the value checks."""
+"""The shared vocabulary: what a router reads (:class:`RouterInputs`) and decides (:class:`RoutingDecision`), how a
+setting (:class:`Option`) or ``smear_*`` input (:class:`CallInput`) is declared. A leaf: it imports only the checks."""
 
 from __future__ import annotations
 
@@ -15,9 +13,7 @@ from .checks import Check
 
 
 ROUTER_INPUTS = ("self", "prompt", "encoder")
-"""What a layer's router pools to route an example (``SmearConfig.router_input``, resolved per layer): the layer's own
-input over the example's real tokens, over its prompt tokens only (causal LMs), or the encoder's final hidden states
-(decoder layers of encoder-decoders)."""
+"""Resolved ``SmearConfig.router_input``: routers pool layer input over real or prompt tokens, or encoder states."""
 
 Params = Mapping[str, torch.Tensor]
 """A module's expert parameters of one adapter, by parameter name (``"smear_lora_A"`` -> ``[N, r, in]``)."""
@@ -28,8 +24,7 @@ Expert = tuple[torch.Tensor, ...]
 
 @dataclass(frozen=True)
 class Option:
-    """One setting of a routing method or an expert kind: passed as ``SmearConfig(<name>=...)``, kept in
-    ``config.routing_options`` (or ``config.expert_options``)."""
+    """A setting of a routing method or expert kind, ``SmearConfig(<name>=...)``, kept in ``config.*_options``."""
 
     name: str
     default: Any
@@ -45,20 +40,17 @@ def with_defaults(options: tuple[Option, ...], **defaults: Any) -> tuple[Option,
 
 @dataclass(frozen=True)
 class CallInput:
-    """A ``smear_*`` keyword of the model's call that routing reads (e.g. ``smear_task_ids``): taken off the call
-    before the wrapped model sees it, checked by ``prepare``, repeated per beam in ``generate`` and per packed
-    sequence. A ``smear_*`` keyword that no router declares is refused, so a typo never passes silently."""
+    """A ``smear_*`` call keyword routing reads (e.g. ``smear_task_ids``): hidden from the wrapped model, checked by
+    ``prepare``, repeated per beam in ``generate`` and per packed sequence. Undeclared ones (typos) are refused."""
 
     name: str
     help: str
     prepare: Callable[[Any], torch.Tensor]
     """The user's value as the tensor routers read; raises a ``ValueError`` that names the input otherwise."""
     per_token: bool = False
-    """``[batch, tokens]`` (unpacked like the labels when rows pack several sequences) rather than one row per
-    example (given per sequence, or per row for every sequence of it)."""
+    """``[batch, tokens]``, unpacked like labels, not one row per example (given per sequence or per packed row)."""
     example: Callable[[Any], str] | None = None
-    """Python lines that compute the input for an adapter of a given config and pass it to the model, for the model
-    card (``model`` and ``inputs`` are the loaded model and the tokenised batch)."""
+    """Model-card Python computing a config's input and passing it to loaded ``model`` with tokenised ``inputs``."""
 
 
 @dataclass
@@ -66,39 +58,27 @@ class RoutingDecision:
     """How one layer applies its experts to each example of a batch."""
 
     weights: torch.Tensor
-    """``[batch, num_experts]`` fp32: the merge weights, or the output-mixture weights when ``mixture``. Routers that
-    decide per token give ``[batch, tokens, num_experts]`` output-mixture weights (``mixture`` is then set)."""
-
+    """``[batch, N]`` fp32 merge weights, or output-mixture ones if ``mixture`` (per token: ``[batch, tokens, N]``)."""
     mixture: bool = False
     """Mix the experts' outputs instead of merging their parameters."""
-
     expert_index: torch.Tensor | None = None
     """``[batch]``: the one expert each example uses, when there is exactly one (applied by gathering it)."""
-
     up_expert_index: torch.Tensor | None = None
-    """``[batch]``: for kinds with a down and an up projection, the expert of the up projection, when it is not
-    ``expert_index``'s."""
-
+    """``[batch]``: the up projection's expert (kinds with down and up projections), if not ``expert_index``'s."""
     output_scale: torch.Tensor | None = None
     """``[batch]`` multiplier of the expert's output (e.g. the chosen expert's probability, so the router learns)."""
-
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Auxiliary losses of this decision, by name, already weighted (training only): the layer adds them to the
-    call's and carries them through gradient checkpointing."""
-
-    balance: tuple[torch.Tensor, float] | None = None
-    """A distribution ``[batch, N]`` and a weight: the load-balancing loss the call adds for this decision once its
-    layers have run, for every router at once (``router_balance``), when the decision is applied."""
-
+    """Weighted auxiliary losses by name (training only), added to the call's, also through gradient checkpointing."""
+    routed_by: tuple[torch.Tensor, Any, int] | None = None
+    """(``[batch, G, N]`` distributions, :class:`~peft_smear.core.smear.GroupRouting`, part index) when ``weights`` are
+    one part of a group's: a merge writes the part's gradient there (:class:`~peft_smear.core.smear.MergeAndApply`)."""
     per_example_expert: Expert | None = None
-    """Each example's expert (merged by ``weights``, or the chosen one), once built: kept so that a decision reused
-    across calls (every step of ``generate``) builds it only once."""
+    """Each example's merged or chosen expert, once built: a decision reused in ``generate``'s steps builds it once."""
 
 
 def register(table: dict[str, type], cls: type, base: type, setting: str, registrar: str) -> None:
-    """Put ``cls``, a ``base`` subclass, in ``table`` under its ``name``, the ``SmearConfig.<setting>`` value that
-    selects it (``registrar``: the public function that does it). The same class again is harmless; another class
-    under a taken name is refused."""
+    """Put ``cls``, a ``base`` subclass, in ``table`` under its ``name``, the ``SmearConfig.<setting>`` value selecting
+    it (``registrar``: the public caller). The same class again is harmless; another under a taken name is refused."""
     if not (isinstance(cls, type) and issubclass(cls, base)):
         raise TypeError(f"{registrar} takes a subclass of {base.__name__}, got {cls!r}.")
     name = getattr(cls, "name", None)
@@ -111,8 +91,7 @@ def register(table: dict[str, type], cls: type, base: type, setting: str, regist
 
 class RouterInputs(Protocol):
     """What one wrapped layer offers its router for one call: the routed tensor (the layer's input, or its output for
-    expert kinds that route on it; one example per row), and what the call says about its examples, each computed
-    only when the router asks."""
+    kinds routing on it; one example per row), and what the call says of its examples, each computed on demand."""
 
     routed: torch.Tensor
     router_input: str
@@ -122,8 +101,9 @@ class RouterInputs(Protocol):
     experts: Params
     """The adapter's expert parameters in this layer (read only), for routers that score the experts."""
     memo: dict[Any, Any]
-    """A scratch dict of the current call, shared by every layer: what a router computes once per call (a host
-    read), or keeps for its method's ``finish_call``."""
+    """The call's scratch for all layers: what a router computes once (a host read) or keeps for ``finish_call``."""
+    aux: Any
+    """The call's :class:`~peft_smear.core.context.AuxLosses`, where SMEAR's router adds its load balancing."""
 
     @property
     def batch_size(self) -> int: ...
@@ -150,6 +130,4 @@ class RouterInputs(Protocol):
         """``[batch, tokens]``: the call's padding mask, nonzero at real tokens (``None``: all are real)."""
 
     def require(self, holds: torch.Tensor, message: Callable[[], str], wait: bool = False) -> None:
-        """Raise ``ValueError(message())`` unless every element of the bool tensor ``holds`` is true, without making
-        the host wait for the device (read once its copy lands: at once on a CPU); ``wait``: read it now, for a
-        value the call cannot go on without (an index)."""
+        """``ValueError(message())`` unless ``holds`` is all true, read with no host wait (``wait``: now, an index)."""

@@ -33,7 +33,7 @@ class EnsembleRouter(ProbabilityRouter):
     default_expert_dropout = 0.1
     exportable = False
 
-    def decide(self, probs: torch.Tensor, normed: torch.Tensor, inputs: RouterInputs) -> RoutingDecision:
+    def decide(self, probs: torch.Tensor, inputs: RouterInputs) -> RoutingDecision:
         return mixed(probs)
 
 
@@ -59,7 +59,7 @@ class TopKRouter(ProbabilityRouter):
     def validate(cls, config: SmearConfig) -> None:
         require_top_k(config, "top_k")
 
-    def decide(self, probs: torch.Tensor, normed: torch.Tensor, inputs: RouterInputs) -> RoutingDecision:
+    def decide(self, probs: torch.Tensor, inputs: RouterInputs) -> RoutingDecision:
         if self.k == 1:
             index = probs.argmax(dim=-1)
             return one_expert(index, probs.shape[-1], output_scale=probs.gather(1, index[:, None]).squeeze(1))
@@ -103,7 +103,7 @@ class STGumbelRouter(ProbabilityRouter):
             options["gumbel_min_temperature"],
         )
 
-    def decide(self, probs: torch.Tensor, normed: torch.Tensor, inputs: RouterInputs) -> RoutingDecision:
+    def decide(self, probs: torch.Tensor, inputs: RouterInputs) -> RoutingDecision:
         if not self.training:
             return one_expert(probs.argmax(dim=-1), probs.shape[-1])
         start, rate, floor = self.schedule
@@ -179,15 +179,16 @@ class ReinforceRouter(ProbabilityRouter):
         hidden = torch.relu(normed @ self.baseline_hidden_weight.float().T + self.baseline_hidden_bias.float())
         return hidden @ self.baseline_output_weight.float() + self.baseline_output_bias.float()
 
-    def decide(self, probs: torch.Tensor, normed: torch.Tensor, inputs: RouterInputs) -> RoutingDecision:
+    def decide(self, probs: torch.Tensor, inputs: RouterInputs) -> RoutingDecision:
         if not self.training:
             return one_expert(probs.argmax(dim=-1), probs.shape[-1])
         index = torch.multinomial(probs.detach(), 1).squeeze(1)
         log_prob = probs.gather(1, index[:, None]).squeeze(1).clamp_min(1e-20).log()
         policy, entropy, value = self.loss_weights
-        # The baseline reads a detached input: its value loss trains the baseline alone, not the router's LayerNorm
-        # nor, through the pooled summary, the layers below.
-        baseline = self.baseline(normed.detach())
+        # The baseline reads the router's normalised input, detached: its value loss trains the baseline alone, not
+        # the router's LayerNorm nor, through the pooled summary, the layers below.
+        summary, weight, bias = inputs.summary().detach(), self.input_norm_weight, self.input_norm_bias
+        baseline = self.baseline(F.layer_norm(summary, summary.shape[-1:], weight.float(), bias.float()).detach())
         step = PolicyStep(log_prob, probs, baseline, policy, entropy, value, torch.is_grad_enabled())
         inputs.memo.setdefault(POLICY_STEPS, []).append(step)
         return one_expert(index, probs.shape[-1])
