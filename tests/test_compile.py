@@ -213,6 +213,32 @@ def test_auxiliary_losses_train_when_compiled_under_reentrant_checkpointing(comp
         torch.testing.assert_close(compiled[name], grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_a_call_with_one_layer_compiled_balances_every_router_as_eager_mode_does():
+    """A compiled layer's routers give the call's load balancing one ``[batch, N]`` part each, an eager layer's group
+    one ``[batch, G, N]`` part: summed in one loss, they give eager mode's loss and gradients."""
+    inputs = inputs_for("prompt")
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = smear_model("prompt", expert_dropout=0.0, router_balance_weight=1.0).train()
+        for name, parameter in model.named_parameters():
+            if name.endswith("row_norm_weight"):  # routed far from uniform: a load balancing that weighs
+                parameter.data.fill_(3.0)
+        if compiled:
+            model.base_model.model.model.layers[0].compile(backend="aot_eager")
+        output = model(**inputs)
+        output.loss.backward()
+        grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+        results.append((output.smear_aux_losses["router_balance"].detach(), output.loss.detach(), grads))
+    (balance, loss, grads), (compiled_balance, compiled_loss, compiled_grads) = results
+    assert balance > 0.01, "the load balancing takes part"
+    torch.testing.assert_close(compiled_balance, balance, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(compiled_loss, loss, atol=1e-6, rtol=1e-5)
+    assert any("router" in name for name in grads) and grads.keys() == compiled_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
 def test_a_compiled_training_call_draws_every_routers_expert_dropout_in_one_aten_uniform():
     """Inductor turns ``rand``/``rand_like`` into generated code with the op's seed index written into it, a kernel
     compiled for each; ``uniform_`` it leaves to ATen's kernel. A compiled training call draws its routers' expert

@@ -439,7 +439,7 @@ class AuxLosses:
         if recomputed():
             if not self.without_autograd or not (losses or hung):  # non-reentrant: the forward's graph trains them
                 return output
-            total = sum(value for _, value in losses) + sum(load_balance(p, w) for p, w in hung)
+            total = sum(value for _, value in losses) + sum(load_balance(p[:, None], w) for p, w in hung)
             return AuxLossHook.apply(output, total, self.gradient_scale.to(total.device))
         if losses and not torch.is_grad_enabled():
             self.without_autograd = True
@@ -456,7 +456,8 @@ class AuxLosses:
         for probs, routing, weight in self.balanced:
             if routing is not None and not all(routing.taken):  # members that read another input routed alone
                 probs = probs[:, [index for index, taken in enumerate(routing.taken) if taken]]
-            groups.setdefault((weight, probs.shape[0], probs.shape[-1]), []).append(probs)
+            part = probs if probs.dim() == 3 else probs[:, None]  # a compiled layer's: its own [batch, N]
+            groups.setdefault((weight, probs.shape[0], probs.shape[-1]), []).append(part)
         self.balanced = []
         for (weight, *_), parts in groups.items():
             self.add("router_balance", load_balance(torch.cat(parts, dim=1) if parts[1:] else parts[0], weight))

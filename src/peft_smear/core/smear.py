@@ -296,7 +296,7 @@ class SmearRouter(NormalisedInputRouter):
             probs = probs * (1 - warming) + uniform.softmax(dim=-1) * warming
             if routing is not None:
                 routing.grads = None  # the merges read the mixed distributions through autograd
-        if first.training and first.balance_weight > 0:
+        if first.training and first.balance_weight > 0 and routing is not None:  # compiled: each part (decided)
             inputs.aux.balance(probs, routing, first.balance_weight)
         return probs, routing
 
@@ -305,12 +305,13 @@ class SmearRouter(NormalisedInputRouter):
     ) -> RoutingDecision:
         """This router's decision on its part, made in its layer's turn (random draws included); a SMEAR merge of it
         writes its gradient in place (:class:`GroupRouting`). SMEAR's own made here: a Python call per layer fewer."""
-        part = probs[:, index]
+        part = probs[:, index] if probs.shape[1] > 1 else probs.squeeze(1)  # alone: a view both ways
         decision = (
             RoutingDecision(weights=part) if type(self).decide is SmearRouter.decide else self.decide(part, inputs)
         )
-        if self.training and self.balance_weight > 0 and inputs.aux.without_autograd and recomputed():
-            inputs.aux.balance(probs[:, index : index + 1], None, self.balance_weight)  # its layer hangs it
+        alone = routing is None or (inputs.aux.without_autograd and recomputed())  # compiled; or reentrant's hung
+        if self.training and self.balance_weight > 0 and alone:
+            inputs.aux.balance(part, None, self.balance_weight)
         if routing is not None:
             routing.taken[index] = True
             if routing.grads is not None and decision.weights is part and not decision.mixture:  # merged by it
