@@ -213,6 +213,33 @@ def test_auxiliary_losses_train_when_compiled_under_reentrant_checkpointing(comp
         torch.testing.assert_close(compiled[name], grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_a_compiled_routers_load_balancing_reads_the_distribution_its_merge_reads(monkeypatch):
+    """Compiled, each router of a group registers its load balancing on its decision's weights, the very view its
+    merge reads, so inductor sums the two gradients once per router: on a slice of its own it generated a kernel per
+    router for that sum (the cold first step rose to 1.9x LoRA's). The call's loss is each router's own."""
+    from types import SimpleNamespace
+
+    from peft_smear.core.context import AuxLosses
+    from peft_smear.core.smear import SmearRouter
+
+    torch.manual_seed(0)
+    config = peft_smear.SmearConfig(num_experts=3, expert_dropout=0.0, router_balance_weight=0.5)
+    group = [SmearRouter(16, config, f"layer{index}") for index in range(3)]
+    for router in group:
+        router.train().row_norm_weight.data.fill_(3.0)  # routed far from uniform: a balancing that weighs
+    summary, aux = torch.randn(5, 16), AuxLosses()
+    inputs = SimpleNamespace(summary=lambda: summary, memo={}, aux=aux)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the compiled path, run eagerly
+    probs, routing = SmearRouter.route_together(group, inputs)
+    decisions = [router.decided(probs, routing, index, inputs) for index, router in enumerate(group)]
+    monkeypatch.undo()
+    assert routing is None and len(aux.balanced) == len(group)
+    for (part, _, weight), decision in zip(aux.balanced, decisions, strict=True):
+        assert part is decision.weights and weight == 0.5
+    expected = sum(0.5 * (3 * decision.weights.mean(dim=0).square().sum() - 1) for decision in decisions)
+    torch.testing.assert_close(aux.totals()["router_balance"], expected)
+
+
 def test_a_call_with_one_layer_compiled_balances_every_router_as_eager_mode_does():
     """A compiled layer's routers give the call's load balancing one ``[batch, N]`` part each, an eager layer's group
     one ``[batch, G, N]`` part: summed in one loss, they give eager mode's loss and gradients."""

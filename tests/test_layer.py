@@ -605,19 +605,34 @@ def test_a_training_forward_makes_few_python_calls_into_the_package_per_wrapped_
     assert sum(calls.values()) <= 12 * modules, (sum(calls.values()) / modules, calls.most_common(12))
 
 
+def tables_made(monkeypatch, model) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """The sizes of the router tables a training step of ``model`` makes (after a first call has learned which layers
+    read another input), and its gradients."""
+    from peft_smear.core import context
+    from peft_smear.core import smear as smear_page
+
+    batch = random_batch(2, 6)
+    batch["labels"] = batch["input_ids"].masked_fill(torch.arange(6) < 3, -100)
+    model(**batch)
+    made, tables_of = [], smear_page.tables_of
+    for page in (context, smear_page):
+        monkeypatch.setattr(
+            page, "tables_of", lambda routers, *args: made.append(len(routers)) or tables_of(routers, *args)
+        )
+    model(**batch).loss.backward()
+    monkeypatch.undo()
+    return made, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
 def test_a_layer_whose_routers_are_sharded_makes_its_own_tables_with_the_same_numbers(monkeypatch):
     """A call makes its routers ready once, reading every layer's (``RoutingContext.call_tables``); FSDP and ZeRO-3
     gather a layer's routers for its own forward only, elsewhere another shape or no plain parameter. Such a layer's
     groups make their own, with the same outputs and gradients."""
-    from peft_smear.core import context
-    from peft_smear.core import smear as smear_page
 
     class Sharded(torch.nn.Parameter):
         """What FSDP2 leaves outside a layer's forward: a parameter of another type (a DTensor there)."""
 
-    batch = random_batch(2, 6)
-    batch["labels"] = batch["input_ids"].masked_fill(torch.arange(6) < 3, -100)
-    made, results, tables_of = [], [], smear_page.tables_of
+    results = []
     for sharded in (False, True):
         torch.manual_seed(0)
         model = smear(tiny_llama(), router_input="prompt", expert_dropout=0.0).train()
@@ -626,17 +641,28 @@ def test_a_layer_whose_routers_are_sharded_makes_its_own_tables_with_the_same_nu
                 if isinstance(module, SmearLinear):
                     router = module.smear_router["default"]
                     router.weight = Sharded(router.weight.detach().clone())
-        model(**batch)  # the first call learns which layers read another input
-        made.clear()
-        for page in (context, smear_page):
-            monkeypatch.setattr(
-                page, "tables_of", lambda routers, *args: made.append(len(routers)) or tables_of(routers, *args)
-            )
-        model(**batch).loss.backward()
-        monkeypatch.undo()
-        results.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+        made, grads = tables_made(monkeypatch, model)
+        results.append(grads)
         # The call's tables, one per width: 2 layers' q, k, v, o, gate and up, and their down; or the first layer's
         # 6 and 1, and then each group of the second its own (q, k and v; o; gate and up; down).
         assert made == ([12, 2] if not sharded else [6, 1, 3, 1, 2, 1]), made
     for name, grad in results[0].items():
         torch.testing.assert_close(results[1][name], grad, msg=name)
+
+
+def test_frozen_routers_route_with_the_calls_tables_and_the_same_numbers(monkeypatch):
+    """Routers that do not train (frozen, e.g. to train the experts under a fixed router) make tables without
+    autograd: the layers use the call's all the same, not one set per group, and the experts' gradients are those
+    of the same model with its routers training."""
+    results = []
+    for frozen in (False, True):
+        torch.manual_seed(0)
+        model = smear(tiny_llama(), router_input="prompt", expert_dropout=0.0).train()
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_(not (frozen and "smear_router" in name))
+        made, grads = tables_made(monkeypatch, model)
+        assert made == [12, 2], made
+        results.append(grads)
+    assert results[1] and not [name for name in results[1] if "smear_router" in name]
+    for name, grad in results[1].items():
+        torch.testing.assert_close(grad, results[0][name], msg=name)

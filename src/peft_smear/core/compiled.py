@@ -39,10 +39,9 @@ def route_op(summary: Tensor, params: list[Tensor], drop: Tensor | None, tempera
 
 def routed(summary: Tensor, params: list[Tensor], drop: Tensor | None, temperature: float) -> tuple:
     """G routers' :func:`route` (``params``: stacked weights, gains, input scales, shifts) and what backwards read."""
-    weights, gains, scales, shifts = (param.float() for param in params)
-    rows, rows_saved = router_rows(weights, gains / temperature)
+    rows, rows_saved = router_rows(params, temperature)
     drop = rows.new_zeros(()).expand(len(rows), len(summary), rows.shape[1]) if drop is None else drop
-    probs, route_saved = route(summary, rows, scales.unsqueeze(1), shifts.unsqueeze(1), drop)
+    probs, route_saved = route(summary, rows, rows_saved[2].unsqueeze(1), rows_saved[3].unsqueeze(1), drop)
     return probs, rows, rows_saved, route_saved
 
 
@@ -52,12 +51,9 @@ def route_backward_op(
 ) -> list[Tensor]:
     """Gradients of summary and ``params`` via routing and rows (recomputed: cheap), in fp32, cast to their dtypes."""
     probs, rows, rows_saved, route_saved = routed(summary, params, drop, temperature)
-    weights, gains, scales, shifts = (param.float() for param in params)
-    table = rows * scales.unsqueeze(1)
+    table = rows * rows_saved[2].unsqueeze(1)
     grad_summary, grad_table, grad_bias = route_backward(summary, table, probs, route_saved, grad_probs)
-    params32 = (weights, gains / temperature, scales, shifts)
-    grads = router_rows_backward(params32, rows, rows_saved, grad_table, grad_bias)
-    grads = (grad_summary, grads[0], grads[1] / temperature, grads[2], grads[3])
+    grads = (grad_summary, *router_rows_backward(rows, rows_saved, grad_table, grad_bias))
     return [grad.to(t.dtype) for grad, t in zip(grads, (summary, *params), strict=True)]
 
 

@@ -550,7 +550,7 @@ class RoutingContext:
             self.call.memo[family], groups, routers = True, [], []
             for members in dict.fromkeys(self.groups.values()):  # a group's routers are alike, in one layer's parent
                 layer, adapter = members[0]
-                router = layer.smear_router[adapter] if adapter == name in layer.active_adapters else None
+                router = layer.smear_router[name] if adapter == name and name in layer.active_adapters else None
                 weight = getattr(router, "weight", None)
                 alike = type(weight) is nn.Parameter and (weight.shape, weight.device) == family[3:5]
                 if type(router) is family[2] and alike:

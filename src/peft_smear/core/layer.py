@@ -214,11 +214,11 @@ class SmearLinear(nn.Module, BaseTunerLayer):
                     group, routers = (key,) if key in context.splits else context.groups[key], []
                     for layer, name in group:
                         routers.append(layer.smear_router[name])
-                    # The call's (call_tables); the group's own where they lack the autograd a recomputation needs
-                    # (reentrant checkpointing's forward runs without).
+                    # The call's (call_tables); the group's own where training routers' lack the autograd a
+                    # recomputation needs (reentrant checkpointing's forward runs without).
                     tables = memo.get(("tables", group, len(routed))) or context.call_tables(group, len(routed))
-                    if tables and torch.is_grad_enabled() and not tables[3].requires_grad:
-                        tables = None
+                    stale = tables and torch.is_grad_enabled() and not tables[3].requires_grad
+                    tables = None if stale and router.weight.requires_grad else tables
                     probs, routing = router.route_together(routers, inputs, tables)
                     kept = (weakref.ref(routed), routed._version)
                     for index, member in enumerate(group):  # each member takes its own part

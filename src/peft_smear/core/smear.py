@@ -103,25 +103,26 @@ def route_backward(
     return grad_summary, grad_table, grad_logits.transpose(0, 1)
 
 
-def router_rows(weights: Tensor, gains: Tensor) -> tuple[Tensor, tuple]:
-    """``LN_rows(W)`` ``[R, N, F]`` fp32 of R routers' ``weights``, gains (over the temperature), and its saved."""
+def router_rows(params: Sequence[Tensor], temperature: float) -> tuple[Tensor, tuple]:
+    """``LN_rows(W) * gain / temperature`` ``[R, N, F]`` of R routers' stacked weights, gains, input scales and shifts
+    (dividing the rows' gain divides the logits: the rows are normalised anyway), and what its backward reads."""
+    weights, gains, scales, shifts = map(torch.Tensor.float, params)
+    gains = gains if temperature == 1 else gains / temperature
     rows_hat, mean, rstd = torch.native_layer_norm(weights, weights.shape[-1:], None, None, LAYER_NORM_EPS)
-    return rows_hat * gains.unsqueeze(1), (rows_hat, mean, rstd)
+    return rows_hat * gains.unsqueeze(1), (weights, gains, scales, shifts, temperature, rows_hat, mean, rstd)
 
 
-def router_rows_backward(
-    params: Sequence[Tensor], rows: Tensor, saved: tuple, grad_table: Tensor, grad_bias: Tensor
-) -> tuple[Tensor, ...]:
+def router_rows_backward(rows: Tensor, saved: tuple, grad_table: Tensor, grad_bias: Tensor) -> tuple[Tensor, ...]:
     """R routers' weights', gains', input scales' and shifts' gradients from the folded (:func:`route_backward`)."""
-    weights, gains, scales, shifts = params
-    rows_hat, mean, rstd = saved
+    weights, gains, scales, shifts, temperature, rows_hat, mean, rstd = saved
     grad_bias = grad_bias.sum(dim=1)  # [R, N]
     grad_rows = torch.addcmul(grad_table * scales.unsqueeze(1), grad_bias.unsqueeze(2), shifts.unsqueeze(1))
     grad_weights = torch.ops.aten.native_layer_norm_backward(
         grad_rows * gains.unsqueeze(1), weights, weights.shape[-1:], mean, rstd, None, None, (True, False, False)
     )[0]
-    grad_shifts = torch.bmm(grad_bias.unsqueeze(1), rows).squeeze(1)
-    return grad_weights, (grad_rows * rows_hat).sum(dim=1), (grad_table * rows).sum(dim=1), grad_shifts
+    grad_gains, grad_shifts = (grad_rows * rows_hat).sum(dim=1), torch.bmm(grad_bias.unsqueeze(1), rows).squeeze(1)
+    grad_gains = grad_gains if temperature == 1 else grad_gains / temperature
+    return grad_weights, grad_gains, (grad_table * rows).sum(dim=1), grad_shifts
 
 
 class RouterTables(torch.autograd.Function):
@@ -134,32 +135,25 @@ class RouterTables(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         n = len(params) // 4
         stacked = [torch.stack(params[i : i + n]) if n > 1 else params[i][None] for i in range(0, 4 * n, n)]
-        weights, gains, scales, shifts = map(torch.Tensor.float, stacked)
-        if temperature != 1:  # dividing the rows' gain divides the logits: the rows are normalised anyway
-            gains = gains / temperature
-        rows, saved = router_rows(weights, gains)
-        table, bias = rows * scales.unsqueeze(1), rows.new_zeros(()).expand(len(rows), batch, rows.shape[1])
+        rows, saved = router_rows(stacked, temperature)
+        scales, shifts = saved[2].unsqueeze(1), saved[3].unsqueeze(1)
+        table, bias = rows * scales, rows.new_zeros(()).expand(len(rows), batch, rows.shape[1])
         # On ctx, not saved: checkpointing would tie them to the recomputation of the layer that made them.
-        ctx.kept, ctx.sizes = (weights, gains, scales, shifts, rows, *saved), sizes
-        ctx.temperature, ctx.batch = temperature, batch
+        ctx.kept, ctx.sizes, ctx.batch = (rows, saved), sizes, batch
         outputs = []
-        for tensor in (rows, scales.unsqueeze(1), shifts.unsqueeze(1), table, bias):
+        for tensor in (rows, scales, shifts, table, bias):
             outputs += tensor.split(sizes)
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx, *grads: Tensor | None) -> tuple:
-        weights, gains, scales, shifts, rows, *saved = ctx.kept
-        groups, grad_tables, grad_biases = len(ctx.sizes), [], []
+        (rows, saved), groups, grad_tables, grad_biases = ctx.kept, len(ctx.sizes), [], []
         for index, size in enumerate(ctx.sizes):  # a group that did not route in this backward has none
             table, bias = grads[3 * groups + index], grads[4 * groups + index]
             grad_tables.append(rows.new_zeros(size, *rows.shape[1:]) if table is None else table)
             grad_biases.append(rows.new_zeros(size, ctx.batch, rows.shape[1]) if bias is None else bias)
         gathered = (torch.cat(grad_tables), torch.cat(grad_biases)) if groups > 1 else (*grad_tables, *grad_biases)
-        grads = router_rows_backward((weights, gains, scales, shifts), rows, saved, *gathered)
-        grad_weights, grad_gains, grad_scales, grad_shifts = grads
-        if ctx.temperature != 1:
-            grad_gains = grad_gains / ctx.temperature
+        grad_weights, grad_gains, grad_scales, grad_shifts = router_rows_backward(rows, saved, *gathered)
         return None, None, None, *grad_weights, *grad_gains, *grad_scales, *grad_shifts
 
 
@@ -326,14 +320,9 @@ class SmearRouter(NormalisedInputRouter):
 # 3. Merge --------------------------------------------------------------------------------------------------------
 
 
-def merge_parameters(
-    parameters: Sequence[Tensor], probs: Tensor, dtype: torch.dtype, flat: Tensor | None = None
-) -> list[Tensor]:
+def merge_parameters(parameters: Sequence[Tensor], probs: Tensor, dtype: torch.dtype) -> list[Tensor]:
     """``sum_n probs[b, n] * parameter[n]`` per parameter in ``dtype``: one matmul, side by side, a view each."""
-    if flat is None:
-        flat = (
-            torch.cat([*map(torch.flatten, parameters, repeat(1))], 1) if parameters[1:] else parameters[0].flatten(1)
-        )
+    flat = torch.cat([*map(torch.flatten, parameters, repeat(1))], 1) if parameters[1:] else parameters[0].flatten(1)
     merged, parts, start = (probs.to(flat.dtype) @ flat).to(dtype), [], 0
     for parameter in parameters:  # a loop: a comprehension is a Python call per module
         end = start + parameter.shape[1:].numel()
