@@ -94,6 +94,33 @@ def test_every_method_trains_a_tiny_bert(routing):
             assert torch.isfinite(param).all(), name
 
 
+@pytest.mark.parametrize("routing", [method for method in ROUTERS if method != "hash"])  # hash hashes ids on the host
+def test_every_method_trains_on_another_device_without_a_tensor_on_the_cpu(routing, monkeypatch):
+    """CI has no GPU: the meta device stands in for one. A training step of a Llama with every linear wrapped (a bf16
+    base: routers grouped by input, the call's tables, balance loss, dropout) makes no tensor on the CPU, which on a
+    GPU is an error; its host checks are the one copy to the CPU, by design, and read a tensor of the model's
+    device."""
+    checked_on = []
+
+    def require(checks, holds, message, warn=False, wait=False):
+        checked_on.append(holds.device.type)
+
+    monkeypatch.setattr(peft_smear.core.context.HostChecks, "require", require)
+    settings = {"num_experts": 4, "r": 4, "target_modules": "all-linear", "init_weights": False}
+    if routing == "single":
+        settings.pop("num_experts")
+    config = SmearConfig(routing=routing, **{**settings, **METHOD_SETTINGS.get(routing, {})})
+    model = get_peft_model(tiny_llama(), config).train().to("meta", dtype=torch.bfloat16)
+    ids = torch.randint(2, VOCAB, (2, 7)).to("meta")
+    extra = {"smear_task_ids": torch.tensor([0, 2]), "smear_query_embeddings": torch.eye(4)[:2]}
+    outputs = model(input_ids=ids, labels=ids, **{name: value.to("meta") for name, value in extra.items()})
+    outputs.loss.backward()
+    assert outputs.loss.device.type == "meta"
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert trained and all(p.grad is not None and p.grad.device.type == "meta" for p in trained)
+    assert set(checked_on) <= {"meta"}, checked_on
+
+
 def layer_of(model) -> SmearLinear:
     return next(m for m in model.modules() if isinstance(m, SmearLinear))
 
