@@ -666,3 +666,55 @@ def test_frozen_routers_route_with_the_calls_tables_and_the_same_numbers(monkeyp
     assert results[1] and not [name for name in results[1] if "smear_router" in name]
     for name, grad in results[1].items():
         torch.testing.assert_close(grad, results[0][name], msg=name)
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "k_proj", "v_proj"], ["q_proj"]], ids=["group", "alone"])
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "no_grad"])
+def test_routing_runs_in_fp32_under_autocast(grad, targets):
+    """Under bf16 autocast the routers compute their distributions in fp32, as the paper's code does and as without
+    autocast: its bf16 logits would move a peaked router's distribution by about 1e-2. The first layer's q (and k,
+    v) read the same input either way (the embeddings, normalised in fp32), so their distributions must be equal."""
+    from peft_smear.training.recording import recording_routing
+
+    model = smear(tiny_llama(), target_modules=targets).eval()
+    with torch.no_grad():
+        for router in (m for m in model.modules() if isinstance(m, peft_smear.Router)):
+            router.row_norm_weight.fill_(60.0)
+    first_layer = model.base_model.model.model.layers[0]
+    batch = random_batch(3, 6, seed=2)
+
+    def distributions(autocast: bool) -> dict[str, torch.Tensor]:
+        cast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+        with recording_routing(model) as recorded, torch.set_grad_enabled(grad), cast:
+            model(**batch)
+        return {name: recorded[getattr(first_layer.self_attn, name), "default"] for name in targets}
+
+    plain, autocast = distributions(False), distributions(True)
+    for name, weights in autocast.items():
+        assert weights.dtype == torch.float32
+        assert (plain[name] - plain[name].mean(-1, keepdim=True)).abs().max() > 0.05  # peaked: bf16 would show
+        torch.testing.assert_close(weights, plain[name], rtol=1e-6, atol=1e-7)
+
+
+def test_an_evaluation_call_routes_without_an_autograd_function(monkeypatch):
+    """Without gradients a call computes what the router tables and the group's routing compute, and needs none of
+    their backward: it calls no ``autograd.Function``, whose call alone costs the host more than a small operation
+    (about twenty Python and builtin calls each), and routes with the same numbers as with gradients."""
+    from peft_smear.training.recording import recording_routing
+
+    model = smear(tiny_llama(), target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]).eval()
+    batch = random_batch(3, 6, seed=2)
+    with recording_routing(model) as recorded:
+        model(**batch)
+    with_grad = dict(recorded)
+    applied = []
+    apply = torch.autograd.Function.apply.__func__
+    monkeypatch.setattr(
+        torch.autograd.Function, "apply", classmethod(lambda cls, *a: applied.append(cls) or apply(cls, *a))
+    )
+    with recording_routing(model) as recorded, torch.no_grad():
+        model(**batch)
+    assert not applied, applied
+    assert recorded.keys() == with_grad.keys()
+    for key, weights in recorded.items():
+        torch.testing.assert_close(weights, with_grad[key], rtol=0, atol=0)

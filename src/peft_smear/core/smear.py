@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from itertools import repeat
 from typing import TYPE_CHECKING
@@ -78,7 +77,8 @@ def route(
     @ LN_rows(W).T + drop)``, ``rows = LN_rows(W)`` ``[G, N, F]``, the input LayerNorm's ``scales``, ``shifts``
     ``[G, 1, F]``: one normalisation, one batched matmul, a router's numbers the same in any group. ``drop``: -inf for
     a dropped expert (rescaled probabilities would underflow to NaN gradients on a sharp router). Also returns what
-    :func:`route_backward` reads (``keep_normalised=False``: nothing; a lone router normalises in one operation)."""
+    :func:`route_backward` reads (``keep_normalised=False``: nothing; a lone router normalises in one operation). In
+    fp32 under autocast too: autocast casts no ``out=`` operation, and its LayerNorms run in fp32."""
     if keep_normalised or rows.shape[0] > 1:
         x_hat, mean, rstd = torch.native_layer_norm(summary, summary.shape[-1:], None, None, LAYER_NORM_EPS)
         normed, saved = torch.addcmul(shifts, x_hat, scales), (x_hat, mean, rstd)
@@ -133,17 +133,10 @@ class RouterTables(torch.autograd.Function):
     @staticmethod
     def forward(ctx, sizes: tuple[int, ...], temperature: float, batch: int, *params: Tensor) -> tuple:
         ctx.set_materialize_grads(False)
-        n = len(params) // 4
-        stacked = [torch.stack(params[i : i + n]) if n > 1 else params[i][None] for i in range(0, 4 * n, n)]
-        rows, saved = router_rows(stacked, temperature)
-        scales, shifts = saved[2].unsqueeze(1), saved[3].unsqueeze(1)
-        table, bias = rows * scales, rows.new_zeros(()).expand(len(rows), batch, rows.shape[1])
         # On ctx, not saved: checkpointing would tie them to the recomputation of the layer that made them.
-        ctx.kept, ctx.sizes, ctx.batch = (rows, saved), sizes, batch
-        outputs = []
-        for tensor in (rows, scales, shifts, table, bias):
-            outputs += tensor.split(sizes)
-        return tuple(outputs)
+        outputs, ctx.kept = made_ready(sizes, temperature, batch, params)
+        ctx.sizes, ctx.batch = sizes, batch
+        return outputs
 
     @staticmethod
     def backward(ctx, *grads: Tensor | None) -> tuple:
@@ -166,8 +159,25 @@ def tables_of(routers: Sequence[SmearRouter], sizes: Sequence[int], batch: int) 
     for name in ROUTER_PARAMETERS:  # loops, not comprehensions: per call, but over every layer
         for router in routers:
             params.append(getattr(router, name))
-    outputs = RouterTables.apply(tuple(sizes), routers[0].temperature, batch, *params)
+    if torch.is_grad_enabled():
+        outputs = RouterTables.apply(tuple(sizes), routers[0].temperature, batch, *params)
+    else:  # no autograd Function: its call costs the host more than the operations it runs
+        outputs = made_ready(tuple(sizes), routers[0].temperature, batch, params)[0]
     return [outputs[index :: len(sizes)] for index in range(len(sizes))]
+
+
+def made_ready(sizes: tuple[int, ...], temperature: float, batch: int, params: Sequence[Tensor]) -> tuple:
+    """:class:`RouterTables`' outputs (``rows, scales, shifts, table, bias``, each split by ``sizes``) and what its
+    backward reads."""
+    n = len(params) // 4
+    stacked = [torch.stack(params[i : i + n]) if n > 1 else params[i][None] for i in range(0, 4 * n, n)]
+    rows, saved = router_rows(stacked, temperature)
+    scales, shifts = saved[2].unsqueeze(1), saved[3].unsqueeze(1)
+    table, bias = rows * scales, rows.new_zeros(()).expand(len(rows), batch, rows.shape[1])
+    outputs = []
+    for tensor in (rows, scales, shifts, table, bias):
+        outputs += tensor.split(sizes)
+    return tuple(outputs), (rows, saved)
 
 
 @dataclass(eq=False)
@@ -196,10 +206,8 @@ class Route(torch.autograd.Function):
     @staticmethod
     def forward(ctx, summary, rows, scales, shifts, table, bias, drop, routing: GroupRouting) -> Tensor:
         ctx.set_materialize_grads(False)
-        summary, device = summary.float(), summary.device.type  # in fp32 under autocast too
-        with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else nullcontext():
-            drop = bias if drop is None else drop  # the zero bias where no expert is dropped
-            probs, saved = route(summary, rows, scales, shifts, drop, keep_normalised=any(ctx.needs_input_grad))
+        summary, drop = summary.float(), bias if drop is None else drop  # the zero bias where none is dropped
+        probs, saved = route(summary, rows, scales, shifts, drop, keep_normalised=any(ctx.needs_input_grad))
         routing.grads = probs.new_empty(probs.shape)
         ctx.save_for_backward(summary, table, probs, *saved)
         ctx.routing = routing
@@ -280,8 +288,12 @@ class SmearRouter(NormalisedInputRouter):
             probs, routing = torch.ops.peft_smear.route(summary, params, drop, first.temperature), None
         else:
             tables = tables_of(routers, (len(routers),), batch)[0] if tables is None else tables
-            routing = GroupRouting([None] * len(routers), [False] * len(routers))
-            probs = Route.apply(summary, *tables, drop, routing)  # 2. [batch, G, N] fp32
+            if torch.is_grad_enabled():
+                routing = GroupRouting([None] * len(routers), [False] * len(routers))
+                probs = Route.apply(summary, *tables, drop, routing)  # 2. [batch, G, N] fp32
+            else:  # no autograd Function: its call costs the host more than the operations it runs
+                drop = tables[4] if drop is None else drop
+                probs, routing = route(summary.float(), *tables[:3], drop, keep_normalised=False)[0], None
         if first.warmup_steps and first.training:
             # Uniform (over the kept experts) while warming up, by arithmetic rather than a branch on the counter, so
             # that a compiled model neither breaks its graph nor recompiles; the router's gradient is zero meanwhile.
