@@ -27,6 +27,18 @@ validation, NVIDIA H200”), so the operations that launch no kernel, host work 
 * **Package calls per wrapped module**: every Python function call into the adapter's package (``peft_smear`` for
   the SMEAR methods, ``peft/tuners/lora`` for LoRA) during one training forward of the 2-layer model, divided by its
   14 wrapped modules, per-call work included.
+* **Interpreter calls per decoder layer**: every Python function call and every call of a builtin (a tensor method,
+  ``isinstance``, ``getattr``, ...) the interpreter makes in a training step and an evaluation forward, in any
+  library (the package, PEFT, transformers, torch's own Python: an ``autograd.Function``'s call is about twenty),
+  3-layer model minus 2-layer, the model's mode set before (not counted). On the CPU only: there a backward's Python
+  runs in the calling thread, which the count sees; on a GPU autograd runs it in threads of its own.
+* **Host time per decoder layer**, measured (not counted, so noisy: methods interleaved, the median of
+  ``--host-repeats`` steps): the same Llama at width 16, a batch of 2 × 8 tokens, on one CPU thread, where each
+  operation's arithmetic is nearly nothing and a step costs what the host does, as it does on a GPU at the shapes
+  users train small models (8-layer model minus 2-layer, over 6). The counts above are what this time is made of;
+  it is the check that they price it: run on the code the H200 measured (commit 5b51e51: a training step 2.13×
+  LoRA's there), it read 2.0× to 2.6× across runs, where that code's operations read 1.42×. It is the nearest a CPU
+  comes to a GPU's eager step at those shapes; the counts alone were not.
 
 The model is a Llama built from a config with all seven linears of every block wrapped (``speed.py``'s target
 modules and adapters: N = 8 experts of rank r = 8, LoRA of rank r, ``lora_alpha = r``), with bf16 and fp32 bases (a
@@ -38,11 +50,13 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import peft
 import torch
@@ -73,6 +87,9 @@ MODEL = {
     "pad_token_id": 0,
 }
 BATCH, SEQUENCE = 4, 32
+# The host-time model: so small that a step costs what the host does.
+HOST_MODEL = {**MODEL, "hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1}
+HOST_BATCH, HOST_LAYERS = (2, 8), (2, 8)
 # The issue's targets: SMEAR's kernel-launching operations per layer over LoRA's.
 TARGETS = {("train", "bf16"): 1.30, ("eval", "bf16"): 1.20, ("train", "fp32"): 1.40}
 CALLS_PER_MODULE_TARGET = 12
@@ -108,11 +125,11 @@ def _data_dependent(name: str, args: tuple, kwargs: dict) -> bool:
     return False
 
 
-def build(method: str, layers: int, dtype: torch.dtype, device: str) -> torch.nn.Module:
+def build(method: str, layers: int, dtype: torch.dtype, device: str, model: dict = MODEL) -> torch.nn.Module:
     """A random Llama of ``layers`` blocks with ``method``'s adapter on all seven linears of each."""
     torch.manual_seed(0)
     with torch.device(device):
-        base = LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, **MODEL)).to(dtype)
+        base = LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, **model)).to(dtype)
     common = {"target_modules": TARGET_MODULES, "task_type": "CAUSAL_LM"}
     if method == "lora":
         return get_peft_model(base, LoraConfig(r=8, lora_alpha=8, **common))
@@ -120,23 +137,27 @@ def build(method: str, layers: int, dtype: torch.dtype, device: str) -> torch.nn
     return get_peft_model(base, peft_smear.SmearConfig(r=8, lora_alpha=8, routing=method, **num_experts, **common))
 
 
-def batch(device: str) -> dict[str, torch.Tensor]:
+def batch(device: str, size: tuple[int, int] = (BATCH, SEQUENCE)) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(1, MODEL["vocab_size"], (BATCH, SEQUENCE), generator=generator)
+    input_ids = torch.randint(1, MODEL["vocab_size"], size, generator=generator)
     labels = input_ids.clone()
-    labels[:, : SEQUENCE // 2] = -100
+    labels[:, : size[1] // 2] = -100
     inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
     return {name: value.to(device) for name, value in inputs.items()}
 
 
 def step(model: torch.nn.Module, inputs: dict[str, torch.Tensor], mode: str) -> None:
-    """One training step's forward and backward, or one evaluation forward."""
+    """One training step's forward and backward, or one evaluation forward, in the model's mode for it."""
+    model.train(mode == "train")
+    run(model, inputs, mode)
+    model.zero_grad(set_to_none=True)
+
+
+def run(model: torch.nn.Module, inputs: dict[str, torch.Tensor], mode: str) -> None:
+    """:func:`step` without setting the mode or clearing gradients (each walks every module, as no step does)."""
     if mode == "train":
-        model.train()
         model(**inputs).loss.backward()
-        model.zero_grad(set_to_none=True)
         return
-    model.eval()
     with torch.no_grad():
         model(**{name: value for name, value in inputs.items() if name != "labels"})
 
@@ -170,23 +191,70 @@ def package_of(method: str) -> str:
     return str(Path(peft_smear.__file__).parent)
 
 
-def package_calls(model: torch.nn.Module, inputs: dict[str, torch.Tensor], package: str) -> int:
-    """Python calls into ``package`` during one training forward of ``model``."""
-    model.train()
-    model(**inputs)  # once before, as for the operations
+def calls_during(work: Callable[[], object], counted: Callable[[Any, str], bool]) -> int:
+    """The calls the interpreter makes while ``work()`` runs that ``counted(frame, event)`` selects (``event``:
+    ``"call"`` of a Python function, ``"c_call"`` of a builtin)."""
     calls = 0
 
     def profile(frame, event, arg) -> None:
         nonlocal calls
-        if event == "call" and frame.f_code.co_filename.startswith(package):
-            calls += 1
+        calls += arg is not sys.setprofile and counted(frame, event)  # not the call that ends the count
 
     sys.setprofile(profile)
     try:
-        model(**inputs)
+        work()
     finally:
         sys.setprofile(None)
     return calls
+
+
+def package_calls(model: torch.nn.Module, inputs: dict[str, torch.Tensor], package: str) -> int:
+    """Python calls into ``package`` during one training forward of ``model``."""
+    model.train()
+    model(**inputs)  # once before, as for the operations
+    return calls_during(
+        lambda: model(**inputs), lambda frame, event: event == "call" and frame.f_code.co_filename.startswith(package)
+    )
+
+
+def interpreter_calls(model: torch.nn.Module, inputs: dict[str, torch.Tensor], mode: str) -> int:
+    """Python function calls and builtin calls during one step of ``model`` (after one not counted)."""
+    step(model, inputs, mode)
+    model.train(mode == "train")
+    calls = calls_during(lambda: run(model, inputs, mode), lambda frame, event: event in ("call", "c_call"))
+    model.zero_grad(set_to_none=True)
+    return calls
+
+
+def host_seconds_per_layer(methods: tuple[str, ...], dtype: torch.dtype, repeats: int) -> dict[str, dict[str, float]]:
+    """Each method's median seconds per decoder layer of a training step and an evaluation forward of the host-time
+    model (:data:`HOST_MODEL`) on one CPU thread: every method's steps at both depths interleaved, so that a drift in
+    the machine's speed reaches all alike."""
+    inputs, threads, seconds = batch("cpu", HOST_BATCH), torch.get_num_threads(), {}
+    models = {
+        (method, layers): build(method, layers, dtype, "cpu", HOST_MODEL)
+        for method in methods
+        for layers in HOST_LAYERS
+    }
+    torch.set_num_threads(1)
+    try:
+        for mode in MODES:
+            times: dict[tuple[str, int], list[float]] = {key: [] for key in models}
+            for model in models.values():
+                step(model, inputs, mode)  # built lazily: not timed
+            for _ in range(repeats):
+                for key, model in models.items():
+                    start = time.perf_counter()
+                    run(model, inputs, mode)
+                    times[key].append(time.perf_counter() - start)
+                    model.zero_grad(set_to_none=True)
+            median = {key: statistics.median(values) for key, values in times.items()}
+            (shallow, deep), depth = HOST_LAYERS, HOST_LAYERS[1] - HOST_LAYERS[0]
+            for method in methods:
+                seconds.setdefault(method, {})[mode] = (median[method, deep] - median[method, shallow]) / depth
+    finally:
+        torch.set_num_threads(threads)
+    return seconds
 
 
 @dataclass
@@ -199,6 +267,8 @@ class Row:
     top_operations: dict[str, list[tuple[str, int]]] = field(default_factory=dict)  # by mode, per layer
     compiled_nodes_per_layer: int = 0
     without_kernel_per_layer: dict[str, int] = field(default_factory=dict)  # by mode: views, detach, allocations
+    interpreter_calls_per_layer: dict[str, int] = field(default_factory=dict)  # by mode; on the CPU only
+    host_seconds_per_layer: dict[str, float] = field(default_factory=dict)  # by mode; measured, on the CPU only
 
 
 def measure(
@@ -207,8 +277,10 @@ def measure(
     device: str,
     log: Callable[[str], None],
     progress: Callable[[list[Row]], None] = lambda rows: None,
+    host_repeats: int = 0,
 ) -> list[Row]:
-    """Every method's row in each dtype, ``progress`` told the rows so far after each (a run cut short keeps them)."""
+    """Every method's row in each dtype, ``progress`` told the rows so far after each (a run cut short keeps them);
+    on the CPU with the interpreter's calls, and with ``host_repeats`` the host time too."""
     rows = []
     inputs = batch(device)
     for dtype_name in dtypes:
@@ -223,6 +295,10 @@ def measure(
                 row.without_kernel_per_layer[mode] = large.without_kernel.total() - small.without_kernel.total()
                 row.top_operations[mode] = [(name, n) for name, n in per_layer.most_common() if n > 0]
                 row.host_reads_per_call[mode] = sum(large.host_reads.values())
+                if device == "cpu":
+                    row.interpreter_calls_per_layer[mode] = interpreter_calls(three, inputs, mode) - interpreter_calls(
+                        two, inputs, mode
+                    )
             wrapped = sum(1 for name, _ in two.named_modules() if name.split(".")[-1] in TARGET_MODULES)
             row.calls_per_module = package_calls(two, inputs, package_of(method)) / wrapped
             row.compiled_nodes_per_layer = compiled_nodes(three, inputs) - compiled_nodes(two, inputs)
@@ -232,6 +308,12 @@ def measure(
                 f"compiled graph nodes per layer {row.compiled_nodes_per_layer}"
             )
             rows.append(row)
+            progress(rows)
+        if host_repeats and device == "cpu":
+            host = host_seconds_per_layer(methods, DTYPES[dtype_name], host_repeats)
+            for row in rows[-len(methods) :]:
+                row.host_seconds_per_layer = host[row.method]
+            log(f"{dtype_name} host seconds per layer: {host}")
             progress(rows)
     return rows
 
@@ -261,6 +343,24 @@ def markdown_table(rows: list[Row]) -> str:
             f"{row.ops_per_layer['eval']} | {ratios[1]:.2f}× | {no_kernel} | {syncs} | {row.calls_per_module:.1f} | "
             f"{row.compiled_nodes_per_layer} | {compiled:.2f}× |"
         )
+    return "\n".join(lines)
+
+
+def host_table(rows: list[Row]) -> str:
+    """The host's work per decoder layer: the interpreter's calls (counted) and the host time (measured)."""
+    lines = [
+        "| base | method | interpreter calls / layer, train | ratio | eval | ratio | host time / layer, train (µs) | "
+        "ratio | eval (µs) | ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lora, cells = lora_row(rows, row.dtype), []
+        for measure_name, scale in (("interpreter_calls_per_layer", 1), ("host_seconds_per_layer", 1e6)):
+            ours, theirs = getattr(row, measure_name), getattr(lora, measure_name, {})
+            for mode in MODES:
+                known = mode in ours and theirs.get(mode)
+                cells += [f"{ours[mode] * scale:.0f}", f"{ours[mode] / theirs[mode]:.2f}×"] if known else ["—", "—"]
+        lines.append(f"| {row.dtype} | {row.method} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -306,14 +406,18 @@ def operations_table(rows: list[Row], method: str = "smear", limit: int = 12) ->
     return "\n".join(lines)
 
 
-def results_section(rows: list[Row], device: str, command: str, load: tuple[tuple, tuple], seconds: float) -> str:
+def results_section(
+    rows: list[Row], device: str, command: str, load: tuple[tuple, tuple], seconds: float, host_repeats: int
+) -> str:
+    timed = f"measured: median of {host_repeats} interleaved steps" if host_repeats else "not measured in this run"
     lines = [
         f"## Work counts, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
         f"- Command: `{command}`",
         f"- Machine: {machine_description(device)}",
         f"- Load average (1, 5, 15 min) before / after the run: {load_description(load, 'nothing changes')}.",
-        f"- Wall time: {seconds:.0f} s. Counts are deterministic: they do not depend on the load or the machine.",
+        f"- Wall time: {seconds:.0f} s. Counts are deterministic: they do not depend on the load or the machine (the "
+        "host times do).",
         "- Kernel-launching ATen operations per decoder layer (3-layer model minus 2-layer), a training step (forward "
         "and backward) and an evaluation forward; the training step's other ATen operations (views, `detach`, "
         "allocations: no kernel, but host work); host syncs per call of the 3-layer model (LoRA's in brackets); "
@@ -322,6 +426,15 @@ def results_section(rows: list[Row], device: str, command: str, load: tuple[tupl
         "Ratios are to PEFT LoRA of rank r on the same base.",
         "",
         markdown_table(rows),
+        "",
+        "### The host's work per decoder layer",
+        "",
+        "Python function calls and builtin calls the interpreter makes in a training step and an evaluation forward "
+        "(counted, on the CPU), and the host time of each at width 16, a batch of 2 × 8 tokens, on one CPU thread "
+        f"({timed}, {HOST_LAYERS[1]}-layer model minus {HOST_LAYERS[0]}-layer): where each operation's arithmetic "
+        "is nearly nothing, a step costs what the host does. Ratios are to LoRA's.",
+        "",
+        host_table(rows),
         "",
         "### Targets (issue 43)",
         "",
@@ -340,6 +453,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=list(DTYPES))
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--host-repeats", type=int, default=40, help="steps timed per method for the host time (0: not measured)"
+    )
     add_results_option(parser)
     return parser.parse_args(argv)
 
@@ -349,15 +465,17 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
     if "lora" not in args.methods:
         args.methods.insert(0, "lora")  # every ratio is to LoRA's
     load_before, start = os.getloadavg(), time.perf_counter()
-    rows = measure(tuple(args.methods), tuple(args.dtypes), args.device, log)
+    rows = measure(tuple(args.methods), tuple(args.dtypes), args.device, log, host_repeats=args.host_repeats)
     seconds, load_after = time.perf_counter() - start, os.getloadavg()
     log(markdown_table(rows))
+    log(host_table(rows))
     for verdict in verdicts(rows):
         log(verdict)
     if args.append_results is not None:
         command = command_line("work_counts.py", argv)
         write_results(
-            args.append_results, results_section(rows, args.device, command, (load_before, load_after), seconds)
+            args.append_results,
+            results_section(rows, args.device, command, (load_before, load_after), seconds, args.host_repeats),
         )
         log(f"wrote {args.append_results}")
     return 0

@@ -37,6 +37,37 @@ def test_package_calls_counts_the_calls_into_the_package_only():
     assert work_counts.package_calls(model, inputs, "/no/such/package") == 0
 
 
+def test_calls_during_counts_the_python_and_builtin_calls_it_selects():
+    def twice(items):
+        return len(items) + len(items)
+
+    def work():
+        for _ in range(3):
+            twice([1, 2])
+
+    assert work_counts.calls_during(work, lambda frame, event: event == "call" and frame.f_code is twice.__code__) == 3
+    assert work_counts.calls_during(work, lambda frame, event: event == "c_call") == 6  # len, twice per call
+    assert work_counts.calls_during(work, lambda frame, event: False) == 0
+
+
+def test_interpreter_calls_grow_by_the_same_count_with_each_decoder_layer():
+    """Per layer is a difference of depths, as for the operations; the mode's walk over every module (which no
+    step makes) is left out, so a step in either mode counts the same each time."""
+    inputs = work_counts.batch("cpu")
+    for mode in work_counts.MODES:
+        models = [work_counts.build("smear", n, torch.float32, "cpu") for n in (2, 3, 4)]
+        calls = [work_counts.interpreter_calls(model, inputs, mode) for model in models]
+        assert calls[2] - calls[1] == calls[1] - calls[0] > 0, (mode, calls)
+        assert work_counts.interpreter_calls(models[0], inputs, mode) == calls[0]
+
+
+def test_host_time_is_per_layer_for_every_method_and_mode():
+    seconds = work_counts.host_seconds_per_layer(("lora", "single"), torch.float32, repeats=2)
+    assert set(seconds) == {"lora", "single"}
+    assert all(set(modes) == set(work_counts.MODES) for modes in seconds.values())
+    assert all(isinstance(value, float) for modes in seconds.values() for value in modes.values())
+
+
 def test_compiled_graph_nodes_grow_by_the_same_count_with_each_decoder_layer():
     """Per layer is a difference of depths: it means something only if every layer adds the same nodes, as a fourth
     layer shows. Each count is the forward's and the backward's graph together, as this test's own backend, which
@@ -71,17 +102,18 @@ def test_compiled_graph_nodes_grow_by_the_same_count_with_each_decoder_layer():
 def test_a_run_writes_its_table_and_targets(tmp_path):
     results = tmp_path / "RESULTS.md"
     lines = []
-    run_script_main(
-        work_counts, ["--methods", "single", "--dtypes", "fp32", "--append-results", results], lines.append
-    )
+    arguments = ["--methods", "single", "--dtypes", "fp32", "--host-repeats", "2", "--append-results", results]
+    run_script_main(work_counts, arguments, lines.append)
     text = results.read_text()
     assert "## Work counts" in text and "| fp32 | lora |" in text and "| fp32 | single |" in text
-    # LoRA's own row is its own reference.
-    row = next(line for line in text.splitlines() if line.startswith("| fp32 | lora |"))
-    assert row.count("1.00×") == 3
+    # LoRA's own rows are their own reference: the counts' table, then the host's.
+    row, host_row = [line for line in text.splitlines() if line.startswith("| fp32 | lora |")]
+    assert row.count("1.00×") == 3 and host_row.count("1.00×") == 4
     cells = [cell.strip() for cell in row.split("|")]
     views, lora_views = cells[7].replace("(", "").replace(")", "").split()  # its operations launching no kernel
     assert views == lora_views and int(views) > 0
+    single = next(line for line in text.splitlines()[text.splitlines().index(host_row) :] if "| single |" in line)
+    assert "—" not in single and "median of 2 interleaved steps" in text
 
 
 def test_a_target_is_met_only_within_its_limit():
