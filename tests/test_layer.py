@@ -718,3 +718,21 @@ def test_an_evaluation_call_routes_without_an_autograd_function(monkeypatch):
     assert recorded.keys() == with_grad.keys()
     for key, weights in recorded.items():
         torch.testing.assert_close(weights, with_grad[key], rtol=0, atol=0)
+
+
+def test_a_training_call_without_gradients_balances_and_routes_as_with_them():
+    """In training mode under ``no_grad`` (an evaluation loop that leaves the model training), each router registers
+    its own part for the load balancing, with no group to register: the loss and the balance equal a call's with
+    gradients."""
+    model = smear(tiny_llama(), num_experts=4, expert_dropout=0.0, task_type="CAUSAL_LM").train()
+    with torch.no_grad():
+        for router in (m for m in model.modules() if isinstance(m, peft_smear.Router)):
+            router.row_norm_weight.fill_(3.0)  # peaked: a balance that weighs
+    batch = random_batch(3, 6, seed=1)
+    batch["labels"] = batch["input_ids"].masked_fill(torch.arange(6) < 3, -100)
+    with_grad = model(**batch)
+    with torch.no_grad():
+        without = model(**batch)
+    assert with_grad.smear_aux_losses["router_balance"] > 0
+    torch.testing.assert_close(without.smear_aux_losses, with_grad.smear_aux_losses, rtol=1e-6, atol=0)
+    torch.testing.assert_close(without.loss, with_grad.loss, rtol=1e-6, atol=0)
