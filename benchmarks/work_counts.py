@@ -37,7 +37,7 @@ validation, NVIDIA H200”), so the operations that launch no kernel, host work 
   operation's arithmetic is nearly nothing and a step costs what the host does, as it does on a GPU at the shapes
   users train small models (8-layer model minus 2-layer, over 6). The counts above are what this time is made of;
   it is the check that they price it: run on the code the H200 measured (commit 5b51e51: a training step 2.13×
-  LoRA's there), it read 2.0× to 2.6× across runs, where that code's operations read 1.42×. It is the nearest a CPU
+  LoRA's there), it read 2.1× to 2.6× across runs, where that code's operations read 1.42×. It is the nearest a CPU
   comes to a GPU's eager step at those shapes; the counts alone were not.
 
 The model is a Llama built from a config with all seven linears of every block wrapped (``speed.py``'s target
