@@ -40,7 +40,6 @@ def route_op(summary: Tensor, params: list[Tensor], drop: Tensor | None, tempera
 def routed(summary: Tensor, params: list[Tensor], drop: Tensor | None, temperature: float) -> tuple:
     """G routers' :func:`route` (``params``: stacked weights, gains, input scales, shifts) and what backwards read."""
     rows, rows_saved = router_rows(params, temperature)
-    drop = rows.new_zeros(()).expand(len(rows), len(summary), rows.shape[1]) if drop is None else drop
     probs, route_saved = route(summary, rows, rows_saved[2].unsqueeze(1), rows_saved[3].unsqueeze(1), drop)
     return probs, rows, rows_saved, route_saved
 

@@ -43,12 +43,17 @@ if TYPE_CHECKING:
 
 def pool(hidden: Tensor, weights: Tensor | None) -> Tensor:
     """``[batch, tokens, features]`` -> ``[batch, features]`` fp32: each example's tokens weighted by ``weights``
-    (:func:`token_weights`), or their mean; upcast first, so the sum accumulates in fp32 (weighted-out positions must
-    be finite, as transformers keeps padding). Compiled, an opaque operator (:mod:`~peft_smear.core.compiled`)."""
+    (:func:`token_weights`), or their mean; in fp32, under autocast too (it would round bmm's output), weighted-out
+    positions finite as transformers keeps padding. Compiled, an opaque operator (:mod:`~peft_smear.core.compiled`)."""
     if torch.compiler.is_compiling():
         return torch.ops.peft_smear.pool(hidden, weights)
     hidden = hidden.float()
-    return hidden.mean(dim=1) if weights is None else torch.bmm(weights.unsqueeze(1), hidden).squeeze(1)
+    if weights is None:
+        return hidden.mean(dim=1)
+    if torch.amp.is_autocast_available(device := hidden.device.type) and torch.is_autocast_enabled(device):
+        with torch.autocast(device, enabled=False):
+            return pool(hidden, weights)
+    return torch.bmm(weights.unsqueeze(1), hidden).squeeze(1)
 
 
 def token_weights(token_mask: Tensor, device: torch.device | None = None) -> Tensor:
@@ -71,12 +76,13 @@ LAYER_NORM_EPS = 1e-5  # F.layer_norm's, the reference's
 
 
 def route(
-    summary: Tensor, rows: Tensor, scales: Tensor, shifts: Tensor, drop: Tensor, keep_normalised: bool = True
+    summary: Tensor, rows: Tensor, scales: Tensor, shifts: Tensor, drop: Tensor | None, keep_normalised: bool = True
 ) -> tuple[Tensor, tuple]:
     """The fp32 distributions ``[batch, G, N]`` of G routers on one ``summary`` ``[batch, F]``: ``softmax(LN(summary)
     @ LN_rows(W).T + drop)``, ``rows = LN_rows(W)`` ``[G, N, F]``, the input LayerNorm's ``scales``, ``shifts``
     ``[G, 1, F]``: one normalisation, one batched matmul, a router's numbers the same in any group. ``drop``: -inf for
-    a dropped expert (rescaled probabilities would underflow to NaN gradients on a sharp router). Also returns what
+    a dropped expert (rescaled probabilities would underflow to NaN gradients on a sharp router), ``None``: none
+    dropped. Also returns what
     :func:`route_backward` reads (``keep_normalised=False``: nothing; a lone router normalises in one operation). In
     fp32 under autocast too: autocast casts no ``out=`` operation, and its LayerNorms run in fp32."""
     if keep_normalised or rows.shape[0] > 1:
@@ -85,7 +91,10 @@ def route(
     else:
         normed, saved = F.layer_norm(summary, summary.shape[-1:], scales[0, 0], shifts[0, 0]).unsqueeze(0), ()
     logits = summary.new_empty(summary.shape[0], *rows.shape[:2])  # laid out [batch, G, N], computed [G, batch, N]
-    torch.baddbmm(drop, normed, rows.transpose(1, 2), out=logits.transpose(0, 1))  # + 0: bitwise bmm's
+    if drop is None:
+        torch.bmm(normed, rows.transpose(1, 2), out=logits.transpose(0, 1))
+    else:
+        torch.baddbmm(drop, normed, rows.transpose(1, 2), out=logits.transpose(0, 1))
     return logits.softmax(dim=-1), saved
 
 
@@ -159,16 +168,13 @@ def tables_of(routers: Sequence[SmearRouter], sizes: Sequence[int], batch: int) 
     for name in ROUTER_PARAMETERS:  # loops, not comprehensions: per call, but over every layer
         for router in routers:
             params.append(getattr(router, name))
-    if torch.is_grad_enabled():
-        outputs = RouterTables.apply(tuple(sizes), routers[0].temperature, batch, *params)
-    else:  # no autograd Function: its call costs the host more than the operations it runs
-        outputs = made_ready(tuple(sizes), routers[0].temperature, batch, params)[0]
+    settings = (tuple(sizes), routers[0].temperature, batch)  # without gradients no autograd Function: it costs more
+    outputs = RouterTables.apply(*settings, *params) if torch.is_grad_enabled() else made_ready(*settings, params)[0]
     return [outputs[index :: len(sizes)] for index in range(len(sizes))]
 
 
 def made_ready(sizes: tuple[int, ...], temperature: float, batch: int, params: Sequence[Tensor]) -> tuple:
-    """:class:`RouterTables`' outputs (``rows, scales, shifts, table, bias``, each split by ``sizes``) and what its
-    backward reads."""
+    """:class:`RouterTables`' outputs (rows, scales, shifts, table, bias; split by ``sizes``), what backward reads."""
     n = len(params) // 4
     stacked = [torch.stack(params[i : i + n]) if n > 1 else params[i][None] for i in range(0, 4 * n, n)]
     rows, saved = router_rows(stacked, temperature)
@@ -206,7 +212,6 @@ class Route(torch.autograd.Function):
     @staticmethod
     def forward(ctx, summary, rows, scales, shifts, table, bias, drop, routing: GroupRouting) -> Tensor:
         ctx.set_materialize_grads(False)
-        summary, drop = summary.float(), bias if drop is None else drop  # the zero bias where none is dropped
         probs, saved = route(summary, rows, scales, shifts, drop, keep_normalised=any(ctx.needs_input_grad))
         routing.grads = probs.new_empty(probs.shape)
         ctx.save_for_backward(summary, table, probs, *saved)
@@ -292,8 +297,7 @@ class SmearRouter(NormalisedInputRouter):
                 routing = GroupRouting([None] * len(routers), [False] * len(routers))
                 probs = Route.apply(summary, *tables, drop, routing)  # 2. [batch, G, N] fp32
             else:  # no autograd Function: its call costs the host more than the operations it runs
-                drop = tables[4] if drop is None else drop
-                probs, routing = route(summary.float(), *tables[:3], drop, keep_normalised=False)[0], None
+                probs, routing = route(summary, *tables[:3], drop, keep_normalised=False)[0], None
         if first.warmup_steps and first.training:
             # Uniform (over the kept experts) while warming up, by arithmetic rather than a branch on the counter, so
             # that a compiled model neither breaks its graph nor recompiles; the router's gradient is zero meanwhile.
