@@ -249,3 +249,26 @@ def test_per_example_labels_must_have_one_row_per_example():
     model(**random_batch(2, 6), labels=torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="labels have 3 rows, but the batch has 2 examples"):
         model(**random_batch(2, 6), labels=torch.tensor([0, 1, 2]))
+
+
+def replicated(module: torch.nn.Module) -> torch.nn.Module:
+    """``torch.nn.parallel.replicate``'s tree of replicas (each ``_replicate_for_data_parallel``), without the CUDA
+    broadcast of its parameters, which the replicas here share."""
+    replica = module._replicate_for_data_parallel()
+    for name, child in module._modules.items():
+        replica._modules[name] = None if child is None else replicated(child)
+    for name, param in module._parameters.items():
+        object.__setattr__(replica, name, param)
+    return replica
+
+
+def test_data_parallel_replicas_are_refused_in_one_line_naming_the_launchers():
+    """``Trainer`` wraps a model in ``nn.DataParallel`` when a plain ``python`` run sees several GPUs; its replicas run
+    in threads and would share one call's routing state, so a SMEAR model refuses them (CI has no GPUs to replicate
+    on: the replicas are built as ``replicate`` builds them)."""
+    model = get_peft_model(tiny_llama(), SmearConfig(num_experts=2, r=2, target_modules=["q_proj", "v_proj"]))
+    batch = random_batch(2, 5)
+    model(**batch)  # the model itself runs
+    with pytest.raises(RuntimeError, match=r"nn\.DataParallel.*torchrun or accelerate launch") as raised:
+        replicated(model)(**batch)
+    assert "\n" not in str(raised.value)

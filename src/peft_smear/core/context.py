@@ -160,12 +160,9 @@ def prompt_mask(
 
 def several_prompts(labels: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
     """``[batch]`` bool: whether a row has several labelled runs (a packed row, or a multi-turn conversation)."""
-    labelled = labels != -100
-    if real is not None:
-        labelled &= real.to(labelled.device).bool()
-    run_starts = labelled.clone()
-    run_starts[:, 1:] &= ~labelled[:, :-1]
-    return run_starts.sum(dim=1) > 1
+    labelled = (labels != -100) & (True if real is None else real.to(labels.device).bool())
+    starts = labelled[:, 1:] & ~labelled[:, :-1]  # a labelled token after an unlabelled one
+    return labelled[:, 0] + starts.sum(dim=1) > 1
 
 
 @dataclass

@@ -42,8 +42,13 @@ def known_call_inputs() -> dict[str, CallInput]:
     return inputs
 
 
-def record_call(record: Callable, signature: inspect.Signature, _: nn.Module, args: tuple, kwargs: dict) -> tuple:
+def record_call(record: Callable, signature: inspect.Signature, module: nn.Module, args: tuple, kwargs: dict) -> tuple:
     """Forward pre-hook: ``record(arguments, call_inputs)``, the ``smear_*`` inputs first taken off the kwargs."""
+    if module.__dict__.get("_is_replica"):  # nn.DataParallel's replicas share this hook and the context it fills
+        raise RuntimeError(
+            "SMEAR does not run under torch.nn.DataParallel (Trainer's for a plain `python` run that sees several "
+            "GPUs): its replicas would share one call's routing state. Use torchrun or accelerate launch, or one GPU."
+        )
     call_inputs = take_call_inputs(kwargs)
     record(signature.bind_partial(*args, **kwargs).arguments if args else kwargs, call_inputs)
     return args, kwargs

@@ -82,9 +82,8 @@ def route(
     @ LN_rows(W).T + drop)``, ``rows = LN_rows(W)`` ``[G, N, F]``, the input LayerNorm's ``scales``, ``shifts``
     ``[G, 1, F]``: one normalisation, one batched matmul, a router's numbers the same in any group. ``drop``: -inf for
     a dropped expert (rescaled probabilities would underflow to NaN gradients on a sharp router), ``None``: none
-    dropped. Also returns what
-    :func:`route_backward` reads (``keep_normalised=False``: nothing; a lone router normalises in one operation). In
-    fp32 under autocast too: autocast casts no ``out=`` operation, and its LayerNorms run in fp32."""
+    dropped. Also returns what :func:`route_backward` reads (``keep_normalised=False``: nothing, a lone router
+    normalises in one operation). fp32 under autocast too: it casts no ``out=`` operation; LayerNorms run in fp32."""
     if keep_normalised or rows.shape[0] > 1:
         x_hat, mean, rstd = torch.native_layer_norm(summary, summary.shape[-1:], None, None, LAYER_NORM_EPS)
         normed, saved = torch.addcmul(shifts, x_hat, scales), (x_hat, mean, rstd)
