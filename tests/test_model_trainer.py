@@ -133,3 +133,40 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path, schedule):
     assert full_params.keys() == resumed_params.keys()
     for name, value in full_params.items():
         torch.testing.assert_close(resumed_params[name], value, atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("reentrant", [None, True])
+def test_accumulated_micro_batches_weigh_the_routers_losses_as_one_batch(tmp_path, reentrant):
+    """``Trainer`` hands a model whose forward takes ``**kwargs`` (every causal LM) ``num_items_in_batch``, the label
+    tokens of all the micro-batches it accumulates, and sums their losses undivided: the routers' losses of each must
+    be weighed by its share, as its tokens' loss is. Two micro-batches of the same examples then step exactly as one
+    (SGD, no clipping: Adam would hide a scale), also when reentrant checkpointing hangs the losses on the layers;
+    before, the load balancing weighed twice as much."""
+    example = lm_data(1)[0]
+    settings = {"num_experts": 4, "r": 4, "expert_dropout": 0.0, "router_balance_weight": 1.0, "init_weights": False}
+    checkpointing = {} if reentrant is None else {"gradient_checkpointing": True}
+    checkpointing |= {} if reentrant is None else {"gradient_checkpointing_kwargs": {"use_reentrant": reentrant}}
+
+    def stepped(accumulation: int) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        config = peft_smear.SmearConfig(task_type="CAUSAL_LM", routing_prefix_length=2, **settings)
+        model = get_peft_model(tiny_llama(), config)
+        args = training_args(
+            tmp_path / str(accumulation),
+            max_steps=1,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=accumulation,
+            optim="sgd",
+            learning_rate=1.0,
+            lr_scheduler_type="constant",
+            max_grad_norm=0,
+            **checkpointing,
+        )
+        data = [example] * (2 * accumulation)
+        Trainer(model=model, args=args, train_dataset=data, data_collator=pad_collator).train()
+        return {name: param.detach().clone() for name, param in model.named_parameters() if param.requires_grad}
+
+    once, accumulated = stepped(1), stepped(2)
+    assert any("smear_router" in name for name in once)
+    for name, param in once.items():
+        torch.testing.assert_close(accumulated[name], param, rtol=1e-5, atol=1e-6, msg=name)

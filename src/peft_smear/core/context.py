@@ -274,11 +274,7 @@ class CallState:
             return
         labels = self.labels
         if ROUTING_MASK.name not in self.inputs and labels is not None and labels.dim() == 2:
-
-            def warned() -> str:
-                self._warned_unmarked_packing = True
-                return UNMARKED_PACKING
-
+            warned = lambda: setattr(self, "_warned_unmarked_packing", True) or UNMARKED_PACKING  # noqa: E731 (marks it shown)
             self.checks.require(~several_prompts(labels, self.attention_mask), warned, warn=True)
 
 
@@ -460,15 +456,16 @@ class AuxLosses:
             self.add("router_balance", load_balance(torch.cat(parts, dim=1) if parts[1:] else parts[0], weight))
         return self.values
 
-    def added_to(self, loss: torch.Tensor, training: bool) -> torch.Tensor:
-        """``loss`` plus the call's losses (:meth:`totals`), by the probe where made without a graph (reentrant)."""
+    def added_to(self, loss: torch.Tensor, training: bool, share: torch.Tensor | float = 1) -> torch.Tensor:
+        """``loss`` plus the call's losses (:meth:`totals`) times ``share``, by the probe where made without a graph
+        (reentrant): its gradient, the layers' hooks' scale, is then ``share`` too."""
         total = sum(self.values.values())
         if self.without_autograd and training and torch.is_grad_enabled():
             # The probe carries the value; those with a graph (layers outside checkpointed blocks) train via a 0 term.
             anchor = torch.zeros((), device=loss.device, requires_grad=True)
             probe = LossGradientProbe.apply(anchor, total.to(loss.device, loss.dtype), self.gradient_scale)
-            return loss + probe + (total - total.detach() if total.requires_grad else 0)
-        return loss + total
+            return loss + (probe + (total - total.detach() if total.requires_grad else 0)) * share
+        return loss + total * share
 
 
 def load_balance(probs: torch.Tensor, weight: float) -> torch.Tensor:

@@ -102,8 +102,6 @@ def register_expert_kind(kind: type[ExpertKind]) -> type[ExpertKind]:
     taken = {p for other in EXPERT_KINDS.values() if other.name != name for p in other.parameter_names}
     for parameter in getattr(kind, "parameter_names", ()):
         if not parameter.startswith("smear_") or parameter in taken:
-            raise ValueError(
-                f"{kind.__name__}'s parameter {parameter!r} must start with 'smear_' and belong to no other kind."
-            )
+            raise ValueError(f"{kind.__name__}'s parameter {parameter!r} must start with 'smear_', in no other kind.")
     register(EXPERT_KINDS, kind, ExpertKind, "expert_type", "register_expert_kind")
     return kind

@@ -80,7 +80,7 @@ class SmearModel(BaseTuner):
         self.routing_context = RoutingContext()
         self._generating = False
         self._second_pass = False
-        self._call_labels: torch.Tensor | None = None
+        self._call_labels, self._call_keywords = None, {}  # the call's labels, and all its arguments by name
         self._decoder_prefix: str | None = None
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._head_hooks: list[torch.utils.hooks.RemovableHandle] = []  # a mixed batch's, on modules_to_save
@@ -111,7 +111,7 @@ class SmearModel(BaseTuner):
             raise ValueError("The batch is empty (0 examples): a SMEAR model routes each example, so give it one.")
         if call_inputs or not self._generating:
             self._set_call_inputs(call_inputs, tokens)
-        self._call_labels = arguments.get("labels")
+        self._call_labels, self._call_keywords = arguments.get("labels"), {**arguments.get("kwargs", {}), **arguments}
         if tokens is not None and not self._is_encoder_decoder:
             _check_labels(self._call_labels, tokens.shape[:2], per_token=self._generates_text)
         self.routing_context.call.checks.resolve(wait=True)  # the previous call's
@@ -119,12 +119,9 @@ class SmearModel(BaseTuner):
         if self.model.training and self.routing_context.clocks:  # every scheduled router's, in one in-place add
             torch._foreach_add_([*map(attrgetter("training_calls"), list(self.routing_context.clocks))], 1)
         if not self._is_encoder_decoder:  # an encoder-decoder's mask is recorded when its encoder runs
-            named, packing = {**arguments.get("kwargs", {}), **arguments}, None
-            for name in PACKING_ARGUMENTS:  # only a call naming boundaries packs sequences
-                if named.get(name) is not None:
-                    packing = packed_layout(named)
-                    break
-            self._start_context(arguments, arguments.get("labels"), packing, tokens)
+            named = self._call_keywords  # only a call naming boundaries packs sequences
+            packing = packed_layout(named) if any(named.get(name) is not None for name in PACKING_ARGUMENTS) else None
+            self._start_context(arguments, self._call_labels, packing, tokens)
 
     def _start_encoder(self, arguments: dict[str, Any], call_inputs: dict[str, Any]) -> None:
         self._start_context(arguments, None, None, call_tokens(arguments))
@@ -167,14 +164,25 @@ class SmearModel(BaseTuner):
         labels = self._call_labels
         loss = output[0] if isinstance(output, tuple) else getattr(output, "loss", None)
         if loss is not None and (labels is not None or not isinstance(output, tuple)):
-            loss = aux.added_to(loss, model.training) if aux.values else loss  # totalled above
-            loss = loss + sum(finished.values()) if finished else loss
+            share = self._loss_share(labels)  # of a batch Trainer accumulates
+            loss = aux.added_to(loss, model.training, share) if aux.values else loss  # totalled above
+            loss = loss + sum(finished.values()) * share if finished else loss
         if isinstance(output, tuple):  # return_dict=False: the loss, when there is one, comes first
             return (loss, *output[1:]) if labels is not None else output
         if loss is not None:
             output.loss = loss
         output.smear_aux_losses = dict(zip(losses, map(torch.Tensor.detach, losses.values()), strict=True))
         return output
+
+    def _loss_share(self, labels: torch.Tensor | None) -> torch.Tensor | float:
+        """The call's share of a batch ``Trainer`` accumulates, passing ``num_items_in_batch`` (the label tokens of all
+        its micro-batches, which the model divides its loss by): the call's, counted as ``Trainer`` does, over them."""
+        items, counted = self._call_keywords.get("num_items_in_batch"), self._call_keywords.get("shift_labels")
+        if items is None or labels is None:
+            return 1
+        shifts = self._generates_text and not self._is_encoder_decoder  # a causal LM's loss shifts its labels
+        counted = (labels[..., 1:] if shifts else labels) if counted is None else counted
+        return counted.ne(-100).sum() / items
 
     def _record_encoder_summary(self, arguments: dict[str, Any], routing_inputs: dict[str, Any]) -> None:
         states = arguments.get("encoder_hidden_states")
@@ -199,9 +207,7 @@ class SmearModel(BaseTuner):
         if names is None:
             return
         if self.model.training:
-            raise ValueError(
-                "adapter_names= serves a mixed batch in eval mode; call model.eval() first (as for LoRA)."
-            )
+            raise ValueError("adapter_names= serves a mixed batch in eval mode: call model.eval() first, as for LoRA.")
         if not isinstance(names, (list, tuple)) or not all(isinstance(name, str) for name in names):
             raise ValueError(f"adapter_names must be a list of adapter names, one per example, got {names!r}.")
         unknown = sorted(set(names) - set(self.peft_config) - {"__base__"})
@@ -375,8 +381,5 @@ def _check_labels(labels: Any, tokens: tuple[int, ...], per_token: bool) -> None
 
 def _padding_mask(mask: torch.Tensor | None, name: str) -> torch.Tensor | None:
     if mask is not None and mask.dim() != 2:
-        raise ValueError(
-            f"SMEAR routes on a [batch, tokens] padding mask, but {name} has shape {tuple(mask.shape)}. "
-            "Pass the 2-D padding mask to the model."
-        )
+        raise ValueError(f"SMEAR routes on a [batch, tokens] padding mask; {name} has shape {tuple(mask.shape)}.")
     return mask
