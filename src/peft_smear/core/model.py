@@ -119,8 +119,11 @@ class SmearModel(BaseTuner):
         if self.model.training and self.routing_context.clocks:  # every scheduled router's, in one in-place add
             torch._foreach_add_([*map(attrgetter("training_calls"), list(self.routing_context.clocks))], 1)
         if not self._is_encoder_decoder:  # an encoder-decoder's mask is recorded when its encoder runs
-            named = self._call_keywords  # only a call naming boundaries packs sequences
-            packing = packed_layout(named) if any(named.get(name) is not None for name in PACKING_ARGUMENTS) else None
+            named, packing = self._call_keywords, None
+            for name in PACKING_ARGUMENTS:  # only a call naming boundaries packs sequences; a loop: no Python call
+                if named.get(name) is not None:
+                    packing = packed_layout(named)
+                    break
             self._start_context(arguments, self._call_labels, packing, tokens)
 
     def _start_encoder(self, arguments: dict[str, Any], call_inputs: dict[str, Any]) -> None:

@@ -93,9 +93,8 @@ class PackedLayout:
 
 
 def packed_layout(arguments: Mapping[str, Any]) -> PackedLayout | None:
-    """The layout of a call packing several sequences per row, or ``None``: no attention mask (or all ones), boundaries
-    (:data:`PACKING_ARGUMENTS`) in a row. Disagreement is an error: a sequence would route on another's tokens."""
-    arguments = {**arguments.get("kwargs", {}), **arguments}
+    """The layout of a call (``arguments`` by name) packing several sequences per row, or ``None``: no attention mask
+    (or all ones), boundaries (:data:`PACKING_ARGUMENTS`) in a row. Disagreeing ones: an error (another's tokens)."""
     tokens = next((arguments[n] for n in ("input_ids", "inputs_embeds") if arguments.get(n) is not None), None)
     if tokens is None or tokens.dim() < 2 or tokens.shape[1] < 2:  # decode steps see one token: never packed
         return None
