@@ -39,6 +39,11 @@ validation, NVIDIA H200”), so the operations that launch no kernel, host work 
   it is the check that they price it: run on the code the H200 measured (commit 5b51e51: a training step 2.13×
   LoRA's there), it read 2.1× to 2.6× across runs, where that code's operations read 1.42×. It is the nearest a CPU
   comes to a GPU's eager step at those shapes; the counts alone were not.
+* **Compiled host time per decoder layer**: the same training step of the model ``torch.compile`` made (default mode,
+  inductor), LoRA and SMEAR only. The CPU presets of ``compile_speed.py`` are bound by arithmetic, where a compiled
+  step's host work does not show; here it is what the step costs, as on a GPU without CUDA graphs. Operators the
+  compiler keeps opaque (SMEAR's pooling and routing, :mod:`peft_smear.core.compiled`) run their Python and eager
+  operations at every call, inside the compiled graph.
 
 The model is a Llama built from a config with all seven linears of every block wrapped (``speed.py``'s target
 modules and adapters: N = 8 experts of rank r = 8, LoRA of rank r, ``lora_alpha = r``), with bf16 and fp32 bases (a
@@ -93,6 +98,7 @@ HOST_BATCH, HOST_LAYERS = (2, 8), (2, 8)
 # The issue's targets: SMEAR's kernel-launching operations per layer over LoRA's.
 TARGETS = {("train", "bf16"): 1.30, ("eval", "bf16"): 1.20, ("train", "fp32"): 1.40}
 CALLS_PER_MODULE_TARGET = 12
+COMPILED_HOST_METHODS = ("lora", "smear")  # each compiles in about a minute: the others are not timed compiled
 
 
 class DispatchCounter(TorchDispatchMode):
@@ -226,10 +232,13 @@ def interpreter_calls(model: torch.nn.Module, inputs: dict[str, torch.Tensor], m
     return calls
 
 
-def host_seconds_per_layer(methods: tuple[str, ...], dtype: torch.dtype, repeats: int) -> dict[str, dict[str, float]]:
+def host_seconds_per_layer(
+    methods: tuple[str, ...], dtype: torch.dtype, repeats: int, compiled: bool = False
+) -> dict[str, dict[str, float]]:
     """Each method's median seconds per decoder layer of a training step and an evaluation forward of the host-time
     model (:data:`HOST_MODEL`) on one CPU thread: every method's steps at both depths interleaved, so that a drift in
-    the machine's speed reaches all alike."""
+    the machine's speed reaches all alike. ``compiled``: the training step of the model ``torch.compile`` made
+    (default mode, inductor), after the steps that compile it."""
     inputs, threads, seconds = batch("cpu", HOST_BATCH), torch.get_num_threads(), {}
     models = {
         (method, layers): build(method, layers, dtype, "cpu", HOST_MODEL)
@@ -238,7 +247,9 @@ def host_seconds_per_layer(methods: tuple[str, ...], dtype: torch.dtype, repeats
     }
     torch.set_num_threads(1)
     try:
-        for mode in MODES:
+        if compiled:
+            models = {key: torch.compile(model) for key, model in models.items()}
+        for mode in ("train",) if compiled else MODES:
             times: dict[tuple[str, int], list[float]] = {key: [] for key in models}
             for model in models.values():
                 step(model, inputs, mode)  # built lazily: not timed
@@ -269,6 +280,7 @@ class Row:
     without_kernel_per_layer: dict[str, int] = field(default_factory=dict)  # by mode: views, detach, allocations
     interpreter_calls_per_layer: dict[str, int] = field(default_factory=dict)  # by mode; on the CPU only
     host_seconds_per_layer: dict[str, float] = field(default_factory=dict)  # by mode; measured, on the CPU only
+    compiled_host_seconds_per_layer: dict[str, float] = field(default_factory=dict)  # "train"; torch.compile's
 
 
 def measure(
@@ -278,9 +290,11 @@ def measure(
     log: Callable[[str], None],
     progress: Callable[[list[Row]], None] = lambda rows: None,
     host_repeats: int = 0,
+    compiled_repeats: int = 0,
 ) -> list[Row]:
     """Every method's row in each dtype, ``progress`` told the rows so far after each (a run cut short keeps them);
-    on the CPU with the interpreter's calls, and with ``host_repeats`` the host time too."""
+    on the CPU with the interpreter's calls, with ``host_repeats`` the host time too, and with ``compiled_repeats``
+    the compiled training step's (:data:`COMPILED_HOST_METHODS`)."""
     rows = []
     inputs = batch(device)
     for dtype_name in dtypes:
@@ -314,6 +328,13 @@ def measure(
             for row in rows[-len(methods) :]:
                 row.host_seconds_per_layer = host[row.method]
             log(f"{dtype_name} host seconds per layer: {host}")
+            progress(rows)
+        timed_compiled = tuple(method for method in methods if method in COMPILED_HOST_METHODS)
+        if compiled_repeats and device == "cpu" and timed_compiled:
+            host = host_seconds_per_layer(timed_compiled, DTYPES[dtype_name], compiled_repeats, compiled=True)
+            for row in rows[-len(methods) :]:
+                row.compiled_host_seconds_per_layer = host.get(row.method, {})
+            log(f"{dtype_name} compiled host seconds per layer: {host}")
             progress(rows)
     return rows
 
@@ -350,14 +371,19 @@ def host_table(rows: list[Row]) -> str:
     """The host's work per decoder layer: the interpreter's calls (counted) and the host time (measured)."""
     lines = [
         "| base | method | interpreter calls / layer, train | ratio | eval | ratio | host time / layer, train (µs) | "
-        "ratio | eval (µs) | ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "ratio | eval (µs) | ratio | compiled, train (µs) | ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    measures = (
+        ("interpreter_calls_per_layer", 1, MODES),
+        ("host_seconds_per_layer", 1e6, MODES),
+        ("compiled_host_seconds_per_layer", 1e6, ("train",)),
+    )
     for row in rows:
         lora, cells = lora_row(rows, row.dtype), []
-        for measure_name, scale in (("interpreter_calls_per_layer", 1), ("host_seconds_per_layer", 1e6)):
+        for measure_name, scale, modes in measures:
             ours, theirs = getattr(row, measure_name), getattr(lora, measure_name, {})
-            for mode in MODES:
+            for mode in modes:
                 known = mode in ours and theirs.get(mode)
                 cells += [f"{ours[mode] * scale:.0f}", f"{ours[mode] / theirs[mode]:.2f}×"] if known else ["—", "—"]
         lines.append(f"| {row.dtype} | {row.method} | " + " | ".join(cells) + " |")
@@ -407,9 +433,16 @@ def operations_table(rows: list[Row], method: str = "smear", limit: int = 12) ->
 
 
 def results_section(
-    rows: list[Row], device: str, command: str, load: tuple[tuple, tuple], seconds: float, host_repeats: int
+    rows: list[Row],
+    device: str,
+    command: str,
+    load: tuple[tuple, tuple],
+    seconds: float,
+    host_repeats: int,
+    compiled_repeats: int = 0,
 ) -> str:
     timed = f"measured: median of {host_repeats} interleaved steps" if host_repeats else "not measured in this run"
+    compiled = f"median of {compiled_repeats} steps" if compiled_repeats else "not measured in this run"
     lines = [
         f"## Work counts, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
@@ -432,7 +465,9 @@ def results_section(
         "Python function calls and builtin calls the interpreter makes in a training step and an evaluation forward "
         "(counted, on the CPU), and the host time of each at width 16, a batch of 2 × 8 tokens, on one CPU thread "
         f"({timed}, {HOST_LAYERS[1]}-layer model minus {HOST_LAYERS[0]}-layer): where each operation's arithmetic "
-        "is nearly nothing, a step costs what the host does. Ratios are to LoRA's.",
+        "is nearly nothing, a step costs what the host does. Compiled: the same training step of the model "
+        f"`torch.compile` made (default mode, inductor), {' and '.join(COMPILED_HOST_METHODS)} only, after the steps "
+        f"that compile it ({compiled}). Ratios are to LoRA's.",
         "",
         host_table(rows),
         "",
@@ -456,6 +491,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--host-repeats", type=int, default=40, help="steps timed per method for the host time (0: not measured)"
     )
+    parser.add_argument(
+        "--compiled-repeats",
+        type=int,
+        default=20,
+        help="compiled training steps timed per method (0: not measured; each method compiles in about a minute)",
+    )
     add_results_option(parser)
     return parser.parse_args(argv)
 
@@ -465,7 +506,14 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
     if "lora" not in args.methods:
         args.methods.insert(0, "lora")  # every ratio is to LoRA's
     load_before, start = os.getloadavg(), time.perf_counter()
-    rows = measure(tuple(args.methods), tuple(args.dtypes), args.device, log, host_repeats=args.host_repeats)
+    rows = measure(
+        tuple(args.methods),
+        tuple(args.dtypes),
+        args.device,
+        log,
+        host_repeats=args.host_repeats,
+        compiled_repeats=args.compiled_repeats,
+    )
     seconds, load_after = time.perf_counter() - start, os.getloadavg()
     log(markdown_table(rows))
     log(host_table(rows))
@@ -475,7 +523,15 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
         command = command_line("work_counts.py", argv)
         write_results(
             args.append_results,
-            results_section(rows, args.device, command, (load_before, load_after), seconds, args.host_repeats),
+            results_section(
+                rows,
+                args.device,
+                command,
+                (load_before, load_after),
+                seconds,
+                args.host_repeats,
+                args.compiled_repeats,
+            ),
         )
         log(f"wrote {args.append_results}")
     return 0

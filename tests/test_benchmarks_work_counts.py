@@ -78,6 +78,51 @@ def test_host_time_is_per_layer_for_every_method_and_mode(monkeypatch):
             assert abs(value - 2e-3) < 4e-4, (method, mode, value)
 
 
+def test_compiled_host_time_times_the_compiled_training_step_of_the_compiled_methods_only(monkeypatch):
+    """The compiled host time runs each model ``torch.compile`` made, in training only (an evaluation would compile
+    another graph), per decoder layer as the eager one; a measured run reports it for LoRA and SMEAR alone."""
+    import time
+
+    compiled_models, modes = [], []
+
+    def compile_model(model):
+        compiled_models.append(model)
+        return model
+
+    def run(model, inputs, mode):
+        assert model in compiled_models
+        modes.append(mode)
+        time.sleep(1e-3 + 2e-3 * model.config.num_hidden_layers)
+
+    monkeypatch.setattr(torch, "compile", compile_model)
+    monkeypatch.setattr(work_counts, "run", run)
+    seconds = work_counts.host_seconds_per_layer(("lora", "smear"), torch.float32, repeats=3, compiled=True)
+    assert set(modes) == {"train"} and len(compiled_models) == 2 * len(work_counts.HOST_LAYERS)
+    assert {method: set(values) for method, values in seconds.items()} == {"lora": {"train"}, "smear": {"train"}}
+    for method, values in seconds.items():
+        assert abs(values["train"] - 2e-3) < 4e-4, (method, values)
+
+    monkeypatch.setattr(
+        work_counts,
+        "host_seconds_per_layer",
+        lambda methods, *args, **kwargs: {method: {"train": 1e-3 if method == "lora" else 3e-3} for method in methods},
+    )
+    monkeypatch.setattr(work_counts, "counted", lambda model, inputs, mode: work_counts.DispatchCounter())
+    monkeypatch.setattr(work_counts, "interpreter_calls", lambda model, inputs, mode: 0)
+    monkeypatch.setattr(work_counts, "package_calls", lambda model, inputs, package: 0)
+    monkeypatch.setattr(work_counts, "compiled_nodes", lambda model, inputs: 1)
+    rows = work_counts.measure(
+        ("lora", "smear", "single"), ("fp32",), "cpu", lambda line: None, host_repeats=0, compiled_repeats=2
+    )
+    assert [row.compiled_host_seconds_per_layer for row in rows] == [{"train": 1e-3}, {"train": 3e-3}, {}]
+    table = work_counts.host_table(rows).splitlines()
+    assert (
+        table[2].endswith("| 1000 | 1.00× |")
+        and table[3].endswith("| 3000 | 3.00× |")
+        and table[4].endswith("| — | — |")
+    )
+
+
 def test_compiled_graph_nodes_grow_by_the_same_count_with_each_decoder_layer():
     """Per layer is a difference of depths: it means something only if every layer adds the same nodes, as a fourth
     layer shows. Each count is the forward's and the backward's graph together, as this test's own backend, which
@@ -112,18 +157,20 @@ def test_compiled_graph_nodes_grow_by_the_same_count_with_each_decoder_layer():
 def test_a_run_writes_its_table_and_targets(tmp_path):
     results = tmp_path / "RESULTS.md"
     lines = []
-    arguments = ["--methods", "single", "--dtypes", "fp32", "--host-repeats", "2", "--append-results", results]
+    arguments = ["--methods", "single", "--dtypes", "fp32", "--host-repeats", "2", "--compiled-repeats", "0"]
+    arguments += ["--append-results", results]
     run_script_main(work_counts, arguments, lines.append)
     text = results.read_text()
     assert "## Work counts" in text and "| fp32 | lora |" in text and "| fp32 | single |" in text
     # LoRA's own rows are their own reference: the counts' table, then the host's.
     row, host_row = [line for line in text.splitlines() if line.startswith("| fp32 | lora |")]
-    assert row.count("1.00×") == 3 and host_row.count("1.00×") == 4
+    assert row.count("1.00×") == 3 and host_row.count("1.00×") == 4 and host_row.endswith("| — | — |")
     cells = [cell.strip() for cell in row.split("|")]
     views, lora_views = cells[7].replace("(", "").replace(")", "").split()  # its operations launching no kernel
     assert views == lora_views and int(views) > 0
     single = next(line for line in text.splitlines()[text.splitlines().index(host_row) :] if "| single |" in line)
-    assert "—" not in single and "median of 2 interleaved steps" in text
+    assert single.endswith("| — | — |") and "—" not in single.removesuffix("| — | — |")  # not compiled: not timed
+    assert "median of 2 interleaved steps" in text
 
 
 def test_a_target_is_met_only_within_its_limit():
