@@ -170,3 +170,35 @@ def test_accumulated_micro_batches_weigh_the_routers_losses_as_one_batch(tmp_pat
     assert any("smear_router" in name for name in once)
     for name, param in once.items():
         torch.testing.assert_close(accumulated[name], param, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_model_whose_loss_ignores_the_accumulated_items_keeps_its_routers_losses_whole():
+    """BERT's classification loss is a mean whatever ``num_items_in_batch`` says (so ``Trainer`` sums its
+    accumulated losses undivided): its routers' losses stay beside it at their full weight, as without it."""
+    torch.manual_seed(0)
+    settings = {"num_experts": 4, "r": 4, "expert_dropout": 0.0, "router_balance_weight": 1.0}
+    config = peft_smear.SmearConfig(task_type="SEQ_CLS", router_temperature=0.01, **settings)  # peaked routers
+    model = get_peft_model(tiny_bert(), config).train()
+    batch = pad_collator(classification_data(4))
+    torch.manual_seed(1)  # the same dropout in both calls
+    plain = model(**batch)
+    torch.manual_seed(1)
+    with_items = model(**batch, num_items_in_batch=torch.tensor(100))
+    assert plain.smear_aux_losses["router_balance"] > 0.1 * plain.loss
+    torch.testing.assert_close(with_items.loss, plain.loss)
+
+
+def test_a_causal_lm_weighs_its_routers_losses_by_its_share_of_the_accumulated_label_tokens():
+    """With ``num_items_in_batch`` a causal LM's loss is its label tokens' summed loss over those items, so the
+    whole loss, the routers' included, is the loss without it times the call's tokens over the items: the tokens
+    counted as ``Trainer`` counts them, the labels shifted as the loss shifts them (padded rows here)."""
+    torch.manual_seed(0)
+    settings = {"routing_prefix_length": 2, "num_experts": 4, "r": 4, "expert_dropout": 0.0}
+    settings |= {"router_balance_weight": 1.0, "router_temperature": 0.01}  # peaked routers: a loss to weigh
+    model = get_peft_model(tiny_llama(), peft_smear.SmearConfig(task_type="CAUSAL_LM", **settings))
+    batch = pad_collator(lm_data(3))
+    plain, items = model.train()(**batch), torch.tensor(50)
+    shared = model(**batch, num_items_in_batch=items)
+    counted = (batch["labels"][:, 1:] != -100).sum()
+    assert plain.smear_aux_losses["router_balance"] > 0.1 * plain.loss and counted < (batch["labels"] != -100).sum()
+    torch.testing.assert_close(shared.loss, plain.loss * counted / items)

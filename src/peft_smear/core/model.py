@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
 from .base_layers import check_base_layer
 from .config import SmearConfig
@@ -178,13 +179,12 @@ class SmearModel(BaseTuner):
         return output
 
     def _loss_share(self, labels: torch.Tensor | None) -> torch.Tensor | float:
-        """The call's share of a batch ``Trainer`` accumulates, passing ``num_items_in_batch`` (the label tokens of all
-        its micro-batches, which the model divides its loss by): the call's, counted as ``Trainer`` does, over them."""
+        """This call's share of the label tokens of a batch ``Trainer`` accumulates (``num_items_in_batch``)."""
         items, counted = self._call_keywords.get("num_items_in_batch"), self._call_keywords.get("shift_labels")
-        if items is None or labels is None:
-            return 1
-        shifts = self._generates_text and not self._is_encoder_decoder  # a causal LM's loss shifts its labels
-        counted = (labels[..., 1:] if shifts else labels) if counted is None else counted
+        if items is None or labels is None or not self._generates_text or self._is_encoder_decoder:
+            return 1  # a causal LM's loss is divided by the items; others' are means (BERT's, T5's), left as they are
+        shifted = LOSS_MAPPING.get(getattr(self.model, "loss_type", None)) is ForCausalLMLoss  # as Trainer counts
+        counted = (labels[..., 1:] if shifted else labels) if counted is None else counted
         return counted.ne(-100).sum() / items
 
     def _record_encoder_summary(self, arguments: dict[str, Any], routing_inputs: dict[str, Any]) -> None:
