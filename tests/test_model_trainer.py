@@ -202,3 +202,18 @@ def test_a_causal_lm_weighs_its_routers_losses_by_its_share_of_the_accumulated_l
     counted = (batch["labels"][:, 1:] != -100).sum()
     assert plain.smear_aux_losses["router_balance"] > 0.1 * plain.loss and counted < (batch["labels"] != -100).sum()
     torch.testing.assert_close(shared.loss, plain.loss * counted / items)
+
+
+def test_no_argument_of_a_call_outlives_it():
+    """The share is read when the call starts: the model keeps none of the call's arguments (``generate``'s would
+    include its KV cache) once the caller lets them go."""
+    import gc
+    import weakref
+
+    model = get_peft_model(tiny_llama(), peft_smear.SmearConfig(task_type="CAUSAL_LM", routing_prefix_length=2))
+    batch, items = pad_collator(lm_data(2)), torch.tensor(40)
+    kept = weakref.ref(items)
+    model.train()(**batch, num_items_in_batch=items)
+    del items
+    gc.collect()
+    assert kept() is None

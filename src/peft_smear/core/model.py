@@ -81,7 +81,7 @@ class SmearModel(BaseTuner):
         self.routing_context = RoutingContext()
         self._generating = False
         self._second_pass = False
-        self._call_labels, self._call_keywords = None, {}  # the call's labels, and all its arguments by name
+        self._call_labels, self._call_share = None, 1  # the call's labels, and its share of an accumulated batch
         self._decoder_prefix: str | None = None
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._head_hooks: list[torch.utils.hooks.RemovableHandle] = []  # a mixed batch's, on modules_to_save
@@ -112,7 +112,8 @@ class SmearModel(BaseTuner):
             raise ValueError("The batch is empty (0 examples): a SMEAR model routes each example, so give it one.")
         if call_inputs or not self._generating:
             self._set_call_inputs(call_inputs, tokens)
-        self._call_labels, self._call_keywords = arguments.get("labels"), {**arguments.get("kwargs", {}), **arguments}
+        named = {**arguments.get("kwargs", {}), **arguments}  # read now: no argument outlives its call (a KV cache)
+        self._call_labels, self._call_share = arguments.get("labels"), self._loss_share(arguments.get("labels"), named)
         if tokens is not None and not self._is_encoder_decoder:
             _check_labels(self._call_labels, tokens.shape[:2], per_token=self._generates_text)
         self.routing_context.call.checks.resolve(wait=True)  # the previous call's
@@ -120,7 +121,7 @@ class SmearModel(BaseTuner):
         if self.model.training and self.routing_context.clocks:  # every scheduled router's, in one in-place add
             torch._foreach_add_([*map(attrgetter("training_calls"), list(self.routing_context.clocks))], 1)
         if not self._is_encoder_decoder:  # an encoder-decoder's mask is recorded when its encoder runs
-            named, packing = self._call_keywords, None
+            packing = None
             for name in PACKING_ARGUMENTS:  # only a call naming boundaries packs sequences; a loop: no Python call
                 if named.get(name) is not None:
                     packing = packed_layout(named)
@@ -168,9 +169,8 @@ class SmearModel(BaseTuner):
         labels = self._call_labels
         loss = output[0] if isinstance(output, tuple) else getattr(output, "loss", None)
         if loss is not None and (labels is not None or not isinstance(output, tuple)):
-            share = self._loss_share(labels)  # of a batch Trainer accumulates
-            loss = aux.added_to(loss, model.training, share) if aux.values else loss  # totalled above
-            loss = loss + sum(finished.values()) * share if finished else loss
+            loss = aux.added_to(loss, model.training, self._call_share) if aux.values else loss  # totalled above
+            loss = loss + sum(finished.values()) * self._call_share if finished else loss
         if isinstance(output, tuple):  # return_dict=False: the loss, when there is one, comes first
             return (loss, *output[1:]) if labels is not None else output
         if loss is not None:
@@ -178,9 +178,9 @@ class SmearModel(BaseTuner):
         output.smear_aux_losses = dict(zip(losses, map(torch.Tensor.detach, losses.values()), strict=True))
         return output
 
-    def _loss_share(self, labels: torch.Tensor | None) -> torch.Tensor | float:
-        """This call's share of the label tokens of a batch ``Trainer`` accumulates (``num_items_in_batch``)."""
-        items, counted = self._call_keywords.get("num_items_in_batch"), self._call_keywords.get("shift_labels")
+    def _loss_share(self, labels: torch.Tensor | None, named: dict[str, Any]) -> torch.Tensor | float:
+        """A call's share of the label tokens of a batch ``Trainer`` accumulates (``num_items_in_batch``)."""
+        items, counted = named.get("num_items_in_batch"), named.get("shift_labels")
         if items is None or labels is None or not self._generates_text or self._is_encoder_decoder:
             return 1  # a causal LM's loss is divided by the items; others' are means (BERT's, T5's), left as they are
         shifted = LOSS_MAPPING.get(getattr(self.model, "loss_type", None)) is ForCausalLMLoss  # as Trainer counts
