@@ -338,6 +338,28 @@ def test_packing_without_boundaries_warns_once():
     assert sum("more than once" in str(w.message) for w in caught) == 1
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_row_is_flagged_exactly_when_it_has_several_labelled_runs(masked):
+    """The warning's test, against a count of runs made token by token: a labelled token (on a real one) after an
+    unlabelled one, or first in its row, starts a run; rows that start labelled and rows of padding included."""
+    from peft_smear.core.context import several_prompts
+
+    generator = torch.Generator().manual_seed(0)
+    labels = torch.where(torch.rand(64, 7, generator=generator) < 0.5, -100, 3)
+    labels[0], labels[1] = (
+        torch.tensor([3, 3, -100, 3, -100, -100, -100]),
+        torch.tensor([3, 3, 3, -100, -100, -100, 3]),
+    )
+    real = (torch.rand(64, 7, generator=generator) < 0.8).long() if masked else None
+
+    def runs(row: int) -> int:
+        marked = [labels[row, t] != -100 and (real is None or real[row, t] == 1) for t in range(7)]
+        return sum(1 for t in range(7) if marked[t] and (t == 0 or not marked[t - 1]))
+
+    assert several_prompts(labels, real).tolist() == [runs(row) > 1 for row in range(64)]
+    assert masked or several_prompts(labels, real)[:2].tolist() == [True, True]  # each starts with a labelled run
+
+
 def test_packing_with_boundaries_or_one_prompt_per_row_does_not_warn():
     model = smear(tiny_llama())
     with warnings.catch_warnings():
