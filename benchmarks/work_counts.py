@@ -36,9 +36,12 @@ validation, NVIDIA H200”), so the operations that launch no kernel, host work 
   ``--host-repeats`` steps): the same Llama at width 16, a batch of 2 × 8 tokens, on one CPU thread, where each
   operation's arithmetic is nearly nothing and a step costs what the host does, as it does on a GPU at the shapes
   users train small models (8-layer model minus 2-layer, over 6). The counts above are what this time is made of;
-  it is the check that they price it: run on the code the H200 measured (commit 5b51e51: a training step 2.13×
-  LoRA's there), it read 2.1× to 2.6× across runs, where that code's operations read 1.42×. It is the nearest a CPU
-  comes to a GPU's eager step at those shapes; the counts alone were not.
+  it is the check that they price it. This script run on the code the H200 measured (commit 5b51e51: a bf16 training
+  step 2.13× LoRA's there, inference 1.73×) by ``git worktree add /tmp/h200 5b51e51``, this file copied into its
+  ``benchmarks/`` and ``OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/work_counts.py --methods smear
+  --compiled-repeats 0`` there, read 2.12× for a bf16 training step and 1.96× for an evaluation (fp32: 2.30×, 2.00×)
+  on 2026-12-06, where that code's operations read 1.42× and 1.35×. It is the nearest a CPU comes to a GPU's eager
+  step at those shapes; the counts alone were not.
 * **Compiled host time per decoder layer**: the same training step of the model ``torch.compile`` made (default mode,
   inductor), LoRA and SMEAR only. The CPU presets of ``compile_speed.py`` are bound by arithmetic, where a compiled
   step's host work does not show; here it is what the step costs, as on a GPU without CUDA graphs. Operators the
@@ -323,19 +326,15 @@ def measure(
             )
             rows.append(row)
             progress(rows)
-        if host_repeats and device == "cpu":
-            host = host_seconds_per_layer(methods, DTYPES[dtype_name], host_repeats)
-            for row in rows[-len(methods) :]:
-                row.host_seconds_per_layer = host[row.method]
-            log(f"{dtype_name} host seconds per layer: {host}")
-            progress(rows)
-        timed_compiled = tuple(method for method in methods if method in COMPILED_HOST_METHODS)
-        if compiled_repeats and device == "cpu" and timed_compiled:
-            host = host_seconds_per_layer(timed_compiled, DTYPES[dtype_name], compiled_repeats, compiled=True)
-            for row in rows[-len(methods) :]:
-                row.compiled_host_seconds_per_layer = host.get(row.method, {})
-            log(f"{dtype_name} compiled host seconds per layer: {host}")
-            progress(rows)
+        compiled_methods = tuple(method for method in methods if method in COMPILED_HOST_METHODS)
+        for timed, repeats, compiled in ((methods, host_repeats, False), (compiled_methods, compiled_repeats, True)):
+            if repeats and device == "cpu" and timed:
+                host = host_seconds_per_layer(timed, DTYPES[dtype_name], repeats, compiled)
+                name = f"{'compiled_' * compiled}host_seconds_per_layer"
+                for row in rows[-len(methods) :]:
+                    setattr(row, name, host.get(row.method, {}))
+                log(f"{dtype_name} {name.replace('_', ' ')}: {host}")
+                progress(rows)
     return rows
 
 
