@@ -43,10 +43,11 @@ validation, NVIDIA H200”), so the operations that launch no kernel, host work 
   on 2026-12-06, where that code's operations read 1.42× and 1.35×. It is the nearest a CPU comes to a GPU's eager
   step at those shapes; the counts alone were not.
 * **Compiled host time per decoder layer**: the same training step of the model ``torch.compile`` made (default mode,
-  inductor), LoRA and SMEAR only. The CPU presets of ``compile_speed.py`` are bound by arithmetic, where a compiled
-  step's host work does not show; here it is what the step costs, as on a GPU without CUDA graphs. Operators the
-  compiler keeps opaque (SMEAR's pooling and routing, :mod:`peft_smear.core.compiled`) run their Python and eager
-  operations at every call, inside the compiled graph.
+  inductor), LoRA and SMEAR only, and the interpreter's calls per decoder layer in one such step (counted, as above).
+  The CPU presets of ``compile_speed.py`` are bound by arithmetic, where a compiled step's host work does not show;
+  here it is what the step costs, as on a GPU without CUDA graphs. An operator the compiler keeps opaque (SMEAR's
+  routing, :mod:`peft_smear.core.compiled`) runs its Python and eager operations at every call, inside the compiled
+  graph: the calls count them, where the time varied by a third between runs.
 
 The model is a Llama built from a config with all seven linears of every block wrapped (``speed.py``'s target
 modules and adapters: N = 8 experts of rank r = 8, LoRA of rank r, ``lora_alpha = r``), with bf16 and fp32 bases (a
@@ -63,6 +64,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -226,11 +228,16 @@ def package_calls(model: torch.nn.Module, inputs: dict[str, torch.Tensor], packa
     )
 
 
+def is_call(frame, event: str) -> bool:
+    """A Python function's call or a builtin's."""
+    return event in ("call", "c_call")
+
+
 def interpreter_calls(model: torch.nn.Module, inputs: dict[str, torch.Tensor], mode: str) -> int:
     """Python function calls and builtin calls during one step of ``model`` (after one not counted)."""
     step(model, inputs, mode)
     model.train(mode == "train")
-    calls = calls_during(lambda: run(model, inputs, mode), lambda frame, event: event in ("call", "c_call"))
+    calls = calls_during(lambda: run(model, inputs, mode), is_call)
     model.zero_grad(set_to_none=True)
     return calls
 
@@ -241,7 +248,8 @@ def host_seconds_per_layer(
     """Each method's median seconds per decoder layer of a training step and an evaluation forward of the host-time
     model (:data:`HOST_MODEL`) on one CPU thread: every method's steps at both depths interleaved, so that a drift in
     the machine's speed reaches all alike. ``compiled``: the training step of the model ``torch.compile`` made
-    (default mode, inductor), after the steps that compile it."""
+    (default mode, inductor), after the steps that compile it, and (``"calls"``) the interpreter's calls per decoder
+    layer in one such step: the compiled step's host work counted, which no load changes."""
     inputs, threads, seconds = batch("cpu", HOST_BATCH), torch.get_num_threads(), {}
     models = {
         (method, layers): build(method, layers, dtype, "cpu", HOST_MODEL)
@@ -266,6 +274,13 @@ def host_seconds_per_layer(
             (shallow, deep), depth = HOST_LAYERS, HOST_LAYERS[1] - HOST_LAYERS[0]
             for method in methods:
                 seconds.setdefault(method, {})[mode] = (median[method, deep] - median[method, shallow]) / depth
+            if compiled:
+                calls = {}
+                for key, model in models.items():  # once the timed steps ran: counted, not timed
+                    calls[key] = calls_during(partial(run, model, inputs, mode), is_call)
+                    model.zero_grad(set_to_none=True)
+                for method in methods:
+                    seconds[method]["calls"] = (calls[method, deep] - calls[method, shallow]) / depth
     finally:
         torch.set_num_threads(threads)
     return seconds
@@ -284,6 +299,7 @@ class Row:
     interpreter_calls_per_layer: dict[str, int] = field(default_factory=dict)  # by mode; on the CPU only
     host_seconds_per_layer: dict[str, float] = field(default_factory=dict)  # by mode; measured, on the CPU only
     compiled_host_seconds_per_layer: dict[str, float] = field(default_factory=dict)  # "train"; torch.compile's
+    compiled_interpreter_calls_per_layer: dict[str, float] = field(default_factory=dict)  # "train": in that step
 
 
 def measure(
@@ -332,7 +348,10 @@ def measure(
                 host = host_seconds_per_layer(timed, DTYPES[dtype_name], repeats, compiled)
                 name = f"{'compiled_' * compiled}host_seconds_per_layer"
                 for row in rows[-len(methods) :]:
-                    setattr(row, name, host.get(row.method, {}))
+                    measured = host.get(row.method, {})
+                    if "calls" in measured:
+                        row.compiled_interpreter_calls_per_layer = {"train": measured.pop("calls")}
+                    setattr(row, name, measured)
                 log(f"{dtype_name} {name.replace('_', ' ')}: {host}")
                 progress(rows)
     return rows
@@ -370,12 +389,13 @@ def host_table(rows: list[Row]) -> str:
     """The host's work per decoder layer: the interpreter's calls (counted) and the host time (measured)."""
     lines = [
         "| base | method | interpreter calls / layer, train | ratio | eval | ratio | host time / layer, train (µs) | "
-        "ratio | eval (µs) | ratio | compiled, train (µs) | ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "ratio | eval (µs) | ratio | compiled, train: interpreter calls / layer | ratio | µs | ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     measures = (
         ("interpreter_calls_per_layer", 1, MODES),
         ("host_seconds_per_layer", 1e6, MODES),
+        ("compiled_interpreter_calls_per_layer", 1, ("train",)),
         ("compiled_host_seconds_per_layer", 1e6, ("train",)),
     )
     for row in rows:

@@ -80,7 +80,8 @@ def test_host_time_is_per_layer_for_every_method_and_mode(monkeypatch):
 
 def test_compiled_host_time_times_the_compiled_training_step_of_the_compiled_methods_only(monkeypatch):
     """The compiled host time runs each model ``torch.compile`` made, in training only (an evaluation would compile
-    another graph), per decoder layer as the eager one; a measured run reports it for LoRA and SMEAR alone."""
+    another graph), per decoder layer as the eager one, and counts the interpreter's calls per layer in one such
+    step; a measured run reports both for LoRA and SMEAR alone."""
     import time
 
     compiled_models, modes = [], []
@@ -92,20 +93,28 @@ def test_compiled_host_time_times_the_compiled_training_step_of_the_compiled_met
     def run(model, inputs, mode):
         assert model in compiled_models
         modes.append(mode)
+        for _ in range(model.config.num_hidden_layers):  # a builtin's call per layer
+            abs(0)
         time.sleep(1e-3 + 2e-3 * model.config.num_hidden_layers)
 
     monkeypatch.setattr(torch, "compile", compile_model)
     monkeypatch.setattr(work_counts, "run", run)
     seconds = work_counts.host_seconds_per_layer(("lora", "smear"), torch.float32, repeats=3, compiled=True)
     assert set(modes) == {"train"} and len(compiled_models) == 2 * len(work_counts.HOST_LAYERS)
-    assert {method: set(values) for method, values in seconds.items()} == {"lora": {"train"}, "smear": {"train"}}
+    assert {method: set(values) for method, values in seconds.items()} == {
+        "lora": {"train", "calls"},
+        "smear": {"train", "calls"},
+    }
     for method, values in seconds.items():
-        assert abs(values["train"] - 2e-3) < 4e-4, (method, values)
+        assert abs(values["train"] - 2e-3) < 4e-4 and values["calls"] == 1, (method, values)
 
     monkeypatch.setattr(
         work_counts,
         "host_seconds_per_layer",
-        lambda methods, *args, **kwargs: {method: {"train": 1e-3 if method == "lora" else 3e-3} for method in methods},
+        lambda methods, *args, **kwargs: {
+            method: {"train": 1e-3, "calls": 100} if method == "lora" else {"train": 3e-3, "calls": 250}
+            for method in methods
+        },
     )
     monkeypatch.setattr(work_counts, "counted", lambda model, inputs, mode: work_counts.DispatchCounter())
     monkeypatch.setattr(work_counts, "interpreter_calls", lambda model, inputs, mode: 0)
@@ -115,11 +124,12 @@ def test_compiled_host_time_times_the_compiled_training_step_of_the_compiled_met
         ("lora", "smear", "single"), ("fp32",), "cpu", lambda line: None, host_repeats=0, compiled_repeats=2
     )
     assert [row.compiled_host_seconds_per_layer for row in rows] == [{"train": 1e-3}, {"train": 3e-3}, {}]
+    assert [row.compiled_interpreter_calls_per_layer for row in rows] == [{"train": 100}, {"train": 250}, {}]
     table = work_counts.host_table(rows).splitlines()
     assert (
-        table[2].endswith("| 1000 | 1.00× |")
-        and table[3].endswith("| 3000 | 3.00× |")
-        and table[4].endswith("| — | — |")
+        table[2].endswith("| 100 | 1.00× | 1000 | 1.00× |")
+        and table[3].endswith("| 250 | 2.50× | 3000 | 3.00× |")
+        and table[4].endswith("| — | — | — | — |")
     )
 
 
@@ -169,7 +179,7 @@ def test_a_run_writes_its_table_and_targets(tmp_path):
     views, lora_views = cells[7].replace("(", "").replace(")", "").split()  # its operations launching no kernel
     assert views == lora_views and int(views) > 0
     single = next(line for line in text.splitlines()[text.splitlines().index(host_row) :] if "| single |" in line)
-    assert single.endswith("| — | — |") and "—" not in single.removesuffix("| — | — |")  # not compiled: not timed
+    assert single.endswith("| — | — | — | — |") and "—" not in single.removesuffix("| — | — | — | — |")  # not compiled
     assert "median of 2 interleaved steps" in text
 
 

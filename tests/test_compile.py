@@ -15,7 +15,7 @@ from peft import LoraConfig, get_peft_model
 
 import peft_smear
 from conftest import VOCAB, normalized, random_batch, tiny_bert, tiny_llama, tiny_t5
-from peft_smear.core.smear import drop_experts, token_weights
+from peft_smear.core.smear import drop_experts, pool, token_weights
 
 
 KINDS = {
@@ -349,15 +349,17 @@ def operator_inputs(hidden, token_mask, noise, p):
 @pytest.mark.parametrize("masked", [True, False])
 @pytest.mark.parametrize("dropped", [True, False])
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
-def test_the_opaque_router_operators_compute_pool_and_route_and_their_gradients(dtype, masked, dropped, temperature):
-    """What a compiled model runs for steps 1 and 2 (``peft_smear::pool``, ``peft_smear::route``; their backwards
-    are written by hand) equals a float64 computation, outputs and every input's gradient, in each input dtype: the
+def test_pooling_and_the_opaque_routing_operator_compute_steps_1_and_2_and_their_gradients(
+    dtype, masked, dropped, temperature
+):
+    """What a compiled model runs for steps 1 and 2 (:func:`pool`, traced; ``peft_smear::route``, its backward
+    written by hand) equals a float64 computation, outputs and every input's gradient, in each input dtype: the
     pooled states' gradient in the hidden states' dtype, the routers' in their parameters'. The temperature divides
     the rows' gains."""
     hidden, token_mask, params, noise, p = router_case(dtype, masked, dropped)
     weights, drop = operator_inputs(hidden, token_mask, noise, p)
-    pooled = torch.ops.peft_smear.pool(hidden, weights)
-    probs = torch.ops.peft_smear.route(pooled, params, drop, temperature)
+    pooled = pool(hidden, weights)
+    probs = torch.ops.peft_smear.route(pooled, params, drop, temperature)[0]
     scaled = [params[0], params[1] / temperature, *params[2:]]
     expected = reference_pool_and_route(hidden, token_mask, scaled, noise, p)
     if dropped:
@@ -376,34 +378,45 @@ def test_the_opaque_router_operators_compute_pool_and_route_and_their_gradients(
 
 
 @pytest.mark.parametrize(("masked", "dropped"), [(True, True), (False, False)])
-def test_the_opaque_router_operators_pass_torch_library_opcheck(masked, dropped):
+def test_the_opaque_routing_operator_passes_torch_library_opcheck(masked, dropped):
     """Schema, fake (meta) implementation, autograd registration and AOT dispatch with dynamic shapes."""
     hidden, token_mask, params, noise, p = router_case(torch.float32, masked, dropped)
-    weights, drop = operator_inputs(hidden, token_mask, noise, p)
-    for result in (
-        torch.library.opcheck(torch.ops.peft_smear.pool.default, (hidden, weights)),
-        torch.library.opcheck(
-            torch.ops.peft_smear.route.default, (hidden[:, 0].detach().float().requires_grad_(), params, drop, 2.0)
-        ),
-    ):
-        assert set(result.values()) == {"SUCCESS"}, result
+    _, drop = operator_inputs(hidden, token_mask, noise, p)
+    summary = hidden[:, 0].detach().float().requires_grad_()
+    result = torch.library.opcheck(torch.ops.peft_smear.route.default, (summary, params, drop, 2.0))
+    assert set(result.values()) == {"SUCCESS"}, result
 
 
-def test_the_pooling_operator_keeps_no_copy_of_its_input_for_backward():
-    """Its backward needs the token weights and the input's dtype only: keeping ``[batch, tokens, features]`` alive
-    until backward would cost a layer input per router where the experts are frozen."""
+def test_pooling_keeps_no_copy_of_its_input_for_backward():
+    """Its backward needs the token weights only: keeping ``[batch, tokens, features]`` alive until backward would
+    cost a layer input per router where the experts are frozen."""
     hidden, token_mask, *_ = router_case(torch.float32, True, False)
     kept = []
     with torch.autograd.graph.saved_tensors_hooks(lambda tensor: kept.append(tensor) or tensor, lambda tensor: tensor):
-        pooled = torch.ops.peft_smear.pool(hidden, token_weights(token_mask))
-    assert [tuple(tensor.shape) for tensor in kept] == [(3, 5)]
+        pooled = pool(hidden, token_weights(token_mask))
+    assert [tuple(tensor.shape) for tensor in kept] == [(3, 1, 5)]  # the weights, the matmul's left operand
     (grad,) = torch.autograd.grad(pooled.sum(), hidden)
     torch.testing.assert_close(grad[2], torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0]).unsqueeze(1).expand(5, 8))
 
 
-def test_compiled_training_routes_through_the_opaque_operators():
-    """Every router of a compiled training step pools and routes through the two operators, forward and backward, so
-    that inductor generates no kernel for them (``benchmarks/compile_speed.py`` measures the cold compile)."""
+def test_the_routing_operators_backward_reads_the_forwards_results_rather_than_routing_again():
+    """Each operation an opaque operator runs is a launch the host pays at every compiled step: its backward takes
+    the normalised summary and rows, their statistics and the distributions from the forward, so it normalises
+    nothing and takes no softmax (only their backwards)."""
+    hidden, token_mask, params, noise, p = router_case(torch.float32, True, True)
+    weights, drop = operator_inputs(hidden, token_mask, noise, p)
+    probs = torch.ops.peft_smear.route(pool(hidden, weights), params, drop, 2.0)[0]
+    with torch.profiler.profile() as profile:
+        probs.sum().backward()
+    ran = {event.name for event in profile.events()}
+    assert {"peft_smear::route_backward", "aten::_softmax_backward_data", "aten::native_layer_norm_backward"} <= ran
+    assert not {"aten::_softmax", "aten::native_layer_norm", "aten::baddbmm"} & ran  # the forward's (with dropout)
+
+
+def test_compiled_training_routes_through_the_opaque_operator_and_pools_in_the_graph():
+    """Every router of a compiled training step routes through the operator, forward and backward, so that inductor
+    generates no kernel for routing (``benchmarks/compile_speed.py`` measures the cold compile); pooling is traced,
+    one matmul per input its routers read, where an operator cost Python at every step."""
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
 
@@ -425,11 +438,9 @@ def test_compiled_training_routes_through_the_opaque_operators():
     torch.compile(model, backend=recording)(**inputs_for("prompt")).loss.backward()
     counts = {part: collections.Counter(found) for part, found in targets.items()}
     routers = len(model.base_model.targeted_module_names)
-    assert counts["forward"]["peft_smear.pool.default"] == routers
     assert counts["forward"]["peft_smear.route.default"] == routers
     assert counts["backward"]["peft_smear.route_backward.default"] == routers
-    # Routers that read one input (q_proj and v_proj) may share one pooling backward: the gradients are summed first.
-    assert 0 < counts["backward"]["peft_smear.pool_backward.default"] <= routers
+    assert not [target for part in targets.values() for target in part if "peft_smear.pool" in target]
     assert not [
         target
         for target in targets["forward"]

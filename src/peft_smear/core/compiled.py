@@ -1,81 +1,61 @@
-"""SMEAR's steps 1 and 2 (:mod:`~peft_smear.core.smear`) as opaque ``torch.compile`` operators: traced, pooling and
-routing are a dozen small reductions fused differently per layer, and a cold compile builds each distinct kernel
-(SMEAR's first step: 1.9x LoRA's, ``benchmarks/compile_speed.py``); as operators they add none. Both passes run the
-page's functions (a compiled layer routes alone, its router's tables in the operator); tests hold them to autograd."""
+"""SMEAR's step 2 (:mod:`~peft_smear.core.smear`) as an opaque ``torch.compile`` operator: traced, routing is a dozen
+small reductions fused differently per layer, and a cold compile builds each distinct kernel (SMEAR's first step:
+1.9x LoRA's, ``benchmarks/compile_speed.py``); as an operator it adds none. Its forward and backward run the page's
+functions (a compiled layer routes alone, its router's tables in the operator); tests hold them to autograd. The
+price is the host's: the operator runs its Python and eager operations at every step."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from .smear import pool, route, route_backward, router_rows, router_rows_backward
-
-
-@torch.library.custom_op("peft_smear::pool", mutates_args=())
-def pool_op(hidden: Tensor, weights: Tensor | None) -> Tensor:
-    return pool(hidden, weights)
-
-
-@torch.library.custom_op("peft_smear::pool_backward", mutates_args=())
-def pool_backward(grad: Tensor, weights: Tensor, dtype: torch.dtype) -> Tensor:
-    """Each token's gradient: its weight in the pool times the pool's gradient, ``[batch, tokens, features]``."""
-    return (weights.unsqueeze(-1) * grad.unsqueeze(1)).to(dtype)
-
-
-def pool_setup(ctx, inputs: tuple[Tensor, Tensor | None], output: Tensor) -> None:
-    """Save the token weights (the mean's if none) and the input's dtype, never the input: only its shape is needed."""
-    hidden, weights = inputs
-    tokens = hidden.shape[1]
-    ctx.save_for_backward(
-        hidden.new_full(hidden.shape[:2], 1 / tokens, dtype=torch.float32) if weights is None else weights
-    )
-    ctx.dtype = hidden.dtype
+from .smear import route, route_backward, router_parameters, router_rows, router_rows_backward
 
 
 @torch.library.custom_op("peft_smear::route", mutates_args=())
-def route_op(summary: Tensor, params: list[Tensor], drop: Tensor | None, temperature: float) -> Tensor:
-    return routed(summary, params, drop, temperature)[0]
-
-
-def routed(summary: Tensor, params: list[Tensor], drop: Tensor | None, temperature: float) -> tuple:
-    """G routers' :func:`route` (``params``: stacked weights, gains, input scales, shifts) and what backwards read."""
-    rows, rows_saved = router_rows(params, temperature)
-    probs, route_saved = route(summary, rows, rows_saved[2].unsqueeze(1), rows_saved[3].unsqueeze(1), drop)
-    return probs, rows, rows_saved, route_saved
+def route_op(summary: Tensor, params: list[Tensor], drop: Tensor | None, temperature: float) -> list[Tensor]:
+    """G routers' :func:`route` (``params``: stacked weights, gains, input scales, shifts): the distributions, then
+    what the backward reads (returned, not recomputed there: each operation is a launch that the host pays)."""
+    rows, (_, _, scales, shifts, _, *rows_saved) = router_rows(params, temperature)
+    probs, normalised = route(summary, rows, scales.unsqueeze(1), shifts.unsqueeze(1), drop)
+    return [probs, rows, *normalised, *rows_saved]
 
 
 @torch.library.custom_op("peft_smear::route_backward", mutates_args=())
 def route_backward_op(
-    summary: Tensor, params: list[Tensor], drop: Tensor | None, temperature: float, grad_probs: Tensor
+    summary: Tensor, params: list[Tensor], temperature: float, saved: list[Tensor], grad_probs: Tensor
 ) -> list[Tensor]:
-    """Gradients of summary and ``params`` via routing and rows (recomputed: cheap), in fp32, cast to their dtypes."""
-    probs, rows, rows_saved, route_saved = routed(summary, params, drop, temperature)
-    table = rows * rows_saved[2].unsqueeze(1)
-    grad_summary, grad_table, grad_bias = route_backward(summary, table, probs, route_saved, grad_probs)
+    """Gradients of summary and ``params`` via routing and rows, in fp32, cast to their dtypes."""
+    probs, rows, x_hat, mean, rstd, *rows_saved = saved
+    weights, gains, scales, shifts = router_parameters(params, temperature)
+    table = rows * scales.unsqueeze(1)
+    grad_summary, grad_table, grad_bias = route_backward(summary, table, probs, (x_hat, mean, rstd), grad_probs)
+    rows_saved = (weights, gains, scales, shifts, temperature, *rows_saved)
     grads = (grad_summary, *router_rows_backward(rows, rows_saved, grad_table, grad_bias))
     return [grad.to(t.dtype) for grad, t in zip(grads, (summary, *params), strict=True)]
 
 
-def route_grads(ctx, grad_probs: Tensor) -> tuple:
-    summary, *params, drop = ctx.saved_tensors
-    grad_summary, *grad_params = route_backward_op(summary, params, drop, ctx.temperature, grad_probs.contiguous())
+def route_grads(ctx, grads: list[Tensor]) -> tuple:
+    """Only the distributions have a gradient: the rest of :func:`route_op`'s outputs are what backward reads."""
+    summary, *params = ctx.saved_tensors[: ctx.inputs]
+    saved = list(ctx.saved_tensors[ctx.inputs :])
+    grad_summary, *grad_params = route_backward_op(summary, params, ctx.temperature, saved, grads[0].contiguous())
     return grad_summary, grad_params, None, None
 
 
-def route_setup(ctx, inputs: tuple, output: Tensor) -> None:
-    summary, params, drop, ctx.temperature = inputs
-    ctx.save_for_backward(summary, *params, drop)
+def route_setup(ctx, inputs: tuple, output: list[Tensor]) -> None:
+    summary, params, _, ctx.temperature = inputs
+    ctx.inputs = 1 + len(params)
+    ctx.save_for_backward(summary, *params, *output)
 
 
-pool_op.register_fake(lambda hidden, weights: torch.empty_like(hidden[:, 0], dtype=torch.float32))
-pool_backward.register_fake(lambda grad, weights, dtype: grad.new_empty(*weights.shape, grad.shape[1], dtype=dtype))
-route_op.register_fake(
-    lambda summary, params, drop, temperature: summary.new_empty(
-        summary.shape[0], *params[0].shape[:2], dtype=torch.float32
-    )
-)
+@route_op.register_fake
+def _(summary: Tensor, params: list[Tensor], drop: Tensor | None, temperature: float) -> list[Tensor]:
+    (batch, features), (routers, experts) = summary.shape, params[0].shape[:2]
+    shapes = [(batch, routers, experts), (routers, experts, features), (batch, features), (batch, 1), (batch, 1)]
+    shapes += [(routers, experts, features), (routers, experts, 1), (routers, experts, 1)]
+    return [summary.new_empty(shape, dtype=torch.float32) for shape in shapes]
+
+
 route_backward_op.register_fake(lambda summary, params, *rest: [torch.empty_like(t) for t in (summary, *params)])
-pool_op.register_autograd(
-    lambda ctx, grad: (pool_backward(grad, *ctx.saved_tensors, ctx.dtype), None), setup_context=pool_setup
-)
 route_op.register_autograd(route_grads, setup_context=route_setup)

@@ -44,9 +44,8 @@ if TYPE_CHECKING:
 def pool(hidden: Tensor, weights: Tensor | None) -> Tensor:
     """``[batch, tokens, features]`` -> ``[batch, features]`` fp32: each example's tokens weighted by ``weights``
     (:func:`token_weights`), or their mean; in fp32, under autocast too (it would round bmm's output), weighted-out
-    positions finite as transformers keeps padding. Compiled, an opaque operator (:mod:`~peft_smear.core.compiled`)."""
-    if torch.compiler.is_compiling():
-        return torch.ops.peft_smear.pool(hidden, weights)
+    positions finite as transformers keeps padding. Compiled, traced: one matmul, which adds a kernel or two to a cold
+    compile where an opaque operator cost each step two dozen Python calls (:mod:`~peft_smear.core.compiled`)."""
     hidden = hidden.float()
     if weights is None:
         return hidden.mean(dim=1)
@@ -114,10 +113,15 @@ def route_backward(
 def router_rows(params: Sequence[Tensor], temperature: float) -> tuple[Tensor, tuple]:
     """``LN_rows(W) * gain / temperature`` ``[R, N, F]`` of R routers' stacked weights, gains, input scales and shifts
     (dividing the rows' gain divides the logits: the rows are normalised anyway), and what its backward reads."""
-    weights, gains, scales, shifts = map(torch.Tensor.float, params)
-    gains = gains if temperature == 1 else gains / temperature
+    weights, gains, scales, shifts = router_parameters(params, temperature)
     rows_hat, mean, rstd = torch.native_layer_norm(weights, weights.shape[-1:], None, None, LAYER_NORM_EPS)
     return rows_hat * gains.unsqueeze(1), (weights, gains, scales, shifts, temperature, rows_hat, mean, rstd)
+
+
+def router_parameters(params: Sequence[Tensor], temperature: float) -> list[Tensor]:
+    """The routers' parameters as :func:`router_rows` reads them: in fp32, the gains divided by the temperature."""
+    weights, gains, scales, shifts = map(torch.Tensor.float, params)
+    return [weights, gains if temperature == 1 else gains / temperature, scales, shifts]
 
 
 def router_rows_backward(rows: Tensor, saved: tuple, grad_table: Tensor, grad_bias: Tensor) -> tuple[Tensor, ...]:
@@ -289,7 +293,7 @@ class SmearRouter(NormalisedInputRouter):
             for name in ROUTER_PARAMETERS:  # compiled, a layer routes alone: a view, no stack
                 tensors = [getattr(router, name) for router in routers]
                 params.append(torch.stack(tensors) if routers[1:] else tensors[0][None])
-            probs, routing = torch.ops.peft_smear.route(summary, params, drop, first.temperature), None
+            probs, routing = torch.ops.peft_smear.route(summary, params, drop, first.temperature)[0], None
         else:
             tables = tables_of(routers, (len(routers),), batch)[0] if tables is None else tables
             if torch.is_grad_enabled():
