@@ -15,6 +15,7 @@ from peft import LoraConfig, get_peft_model
 
 import peft_smear
 from conftest import VOCAB, normalized, random_batch, tiny_bert, tiny_llama, tiny_t5
+from peft_smear.core.compiled import OpaqueRoute
 from peft_smear.core.smear import drop_experts, pool, token_weights
 
 
@@ -352,14 +353,14 @@ def operator_inputs(hidden, token_mask, noise, p):
 def test_pooling_and_the_opaque_routing_operator_compute_steps_1_and_2_and_their_gradients(
     dtype, masked, dropped, temperature
 ):
-    """What a compiled model runs for steps 1 and 2 (:func:`pool`, traced; ``peft_smear::route``, its backward
+    """What a compiled model runs for steps 1 and 2 (:func:`pool`, traced; ``peft_smear::route`` and its backward,
     written by hand) equals a float64 computation, outputs and every input's gradient, in each input dtype: the
     pooled states' gradient in the hidden states' dtype, the routers' in their parameters'. The temperature divides
     the rows' gains."""
     hidden, token_mask, params, noise, p = router_case(dtype, masked, dropped)
     weights, drop = operator_inputs(hidden, token_mask, noise, p)
     pooled = pool(hidden, weights)
-    probs = torch.ops.peft_smear.route(pooled, params, drop, temperature)[0]
+    probs = OpaqueRoute.apply(pooled, drop, temperature, *params)
     scaled = [params[0], params[1] / temperature, *params[2:]]
     expected = reference_pool_and_route(hidden, token_mask, scaled, noise, p)
     if dropped:
@@ -379,12 +380,19 @@ def test_pooling_and_the_opaque_routing_operator_compute_steps_1_and_2_and_their
 
 @pytest.mark.parametrize(("masked", "dropped"), [(True, True), (False, False)])
 def test_the_opaque_routing_operator_passes_torch_library_opcheck(masked, dropped):
-    """Schema, fake (meta) implementation, autograd registration and AOT dispatch with dynamic shapes."""
+    """Schema, fake (meta) implementation and AOT dispatch with dynamic shapes, of the forward and the backward
+    (autograd is :class:`OpaqueRoute`'s, held to float64 above)."""
     hidden, token_mask, params, noise, p = router_case(torch.float32, masked, dropped)
     _, drop = operator_inputs(hidden, token_mask, noise, p)
-    summary = hidden[:, 0].detach().float().requires_grad_()
-    result = torch.library.opcheck(torch.ops.peft_smear.route.default, (summary, params, drop, 2.0))
-    assert set(result.values()) == {"SUCCESS"}, result
+    summary, params = hidden[:, 0].detach().float(), [param.detach() for param in params]
+    saved = torch.ops.peft_smear.route(summary, params, drop, 2.0)
+    grad = torch.randn(3, 2, 4, generator=torch.Generator().manual_seed(1))
+    for operator, arguments in (
+        ("route", (summary, params, drop, 2.0)),
+        ("route_backward", (summary, params, 2.0, saved, grad)),
+    ):
+        result = torch.library.opcheck(getattr(torch.ops.peft_smear, operator).default, arguments)
+        assert set(result.values()) == {"SUCCESS"}, (operator, result)
 
 
 def test_pooling_keeps_no_copy_of_its_input_for_backward():
@@ -405,7 +413,7 @@ def test_the_routing_operators_backward_reads_the_forwards_results_rather_than_r
     nothing and takes no softmax (only their backwards)."""
     hidden, token_mask, params, noise, p = router_case(torch.float32, True, True)
     weights, drop = operator_inputs(hidden, token_mask, noise, p)
-    probs = torch.ops.peft_smear.route(pool(hidden, weights), params, drop, 2.0)[0]
+    probs = OpaqueRoute.apply(pool(hidden, weights), drop, 2.0, *params)
     with torch.profiler.profile() as profile:
         probs.sum().backward()
     ran = {event.name for event in profile.events()}

@@ -1,61 +1,69 @@
-"""SMEAR's step 2 (:mod:`~peft_smear.core.smear`) as an opaque ``torch.compile`` operator: traced, routing is a dozen
+"""SMEAR's step 2 (:mod:`~peft_smear.core.smear`) as opaque ``torch.compile`` operators: traced, routing is a dozen
 small reductions fused differently per layer, and a cold compile builds each distinct kernel (SMEAR's first step:
-1.9x LoRA's, ``benchmarks/compile_speed.py``); as an operator it adds none. Its forward and backward run the page's
-functions (a compiled layer routes alone, its router's tables in the operator); tests hold them to autograd. The
-price is the host's: the operator runs its Python and eager operations at every step."""
+1.9x LoRA's, ``benchmarks/compile_speed.py``); as operators (forward, backward) it adds none. They run the page's
+functions on the host at every compiled step, so they have no autograd kernel (twenty Python calls a call): an
+autograd Function pairs them where a graph is traced, and the backward reads what the forward returned. A compiled
+layer routes alone, its routers' tables in the operator; tests hold the operators to autograd. Pooling, one matmul,
+is traced (two more kernels to compile)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from .smear import route, route_backward, router_parameters, router_rows, router_rows_backward
+from .smear import ROUTER_PARAMETERS, route, route_backward, router_parameters, router_rows, router_rows_backward
 
 
-@torch.library.custom_op("peft_smear::route", mutates_args=())
-def route_op(summary: Tensor, params: list[Tensor], drop: Tensor | None, temperature: float) -> list[Tensor]:
-    """G routers' :func:`route` (``params``: stacked weights, gains, input scales, shifts): the distributions, then
-    what the backward reads (returned, not recomputed there: each operation is a launch that the host pays)."""
+def route_forward(summary: Tensor, params: list[Tensor], drop: Tensor | None, temperature: float) -> list[Tensor]:
+    """G routers' :func:`route` (``params``: stacked weights, gains, input scales, shifts) and what backward reads."""
     rows, (_, _, scales, shifts, _, *rows_saved) = router_rows(params, temperature)
     probs, normalised = route(summary, rows, scales.unsqueeze(1), shifts.unsqueeze(1), drop)
     return [probs, rows, *normalised, *rows_saved]
 
 
-@torch.library.custom_op("peft_smear::route_backward", mutates_args=())
-def route_backward_op(
-    summary: Tensor, params: list[Tensor], temperature: float, saved: list[Tensor], grad_probs: Tensor
+def route_gradients(
+    summary: Tensor, params: list[Tensor], temperature: float, saved: list[Tensor], grad: Tensor
 ) -> list[Tensor]:
     """Gradients of summary and ``params`` via routing and rows, in fp32, cast to their dtypes."""
     probs, rows, x_hat, mean, rstd, *rows_saved = saved
     weights, gains, scales, shifts = router_parameters(params, temperature)
     table = rows * scales.unsqueeze(1)
-    grad_summary, grad_table, grad_bias = route_backward(summary, table, probs, (x_hat, mean, rstd), grad_probs)
+    grad_summary, grad_table, grad_bias = route_backward(summary, table, probs, (x_hat, mean, rstd), grad)
     rows_saved = (weights, gains, scales, shifts, temperature, *rows_saved)
     grads = (grad_summary, *router_rows_backward(rows, rows_saved, grad_table, grad_bias))
     return [grad.to(t.dtype) for grad, t in zip(grads, (summary, *params), strict=True)]
 
 
-def route_grads(ctx, grads: list[Tensor]) -> tuple:
-    """Only the distributions have a gradient: the rest of :func:`route_op`'s outputs are what backward reads."""
-    summary, *params = ctx.saved_tensors[: ctx.inputs]
-    saved = list(ctx.saved_tensors[ctx.inputs :])
-    grad_summary, *grad_params = route_backward_op(summary, params, ctx.temperature, saved, grads[0].contiguous())
-    return grad_summary, grad_params, None, None
+LIBRARY = torch.library.Library("peft_smear", "DEF")
+for name, kernel in {"route": route_forward, "route_backward": route_gradients}.items():
+    LIBRARY.define(name + torch.library.infer_schema(kernel, mutates_args=()))  # any device's, meta's too: the fakes
+    LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
 
 
-def route_setup(ctx, inputs: tuple, output: list[Tensor]) -> None:
-    summary, params, _, ctx.temperature = inputs
-    ctx.inputs = 1 + len(params)
-    ctx.save_for_backward(summary, *params, *output)
+class OpaqueRoute(torch.autograd.Function):
+    """``peft_smear::route``'s distributions; ``peft_smear::route_backward`` on what its forward returned."""
+
+    @staticmethod
+    def forward(ctx, summary: Tensor, drop: Tensor | None, temperature: float, *params: Tensor) -> Tensor:
+        probs, *saved = torch.ops.peft_smear.route(summary, list(params), drop, temperature)
+        ctx.save_for_backward(summary, *params, probs, *saved)
+        ctx.temperature, ctx.parameters = temperature, len(params)
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple:
+        summary, *rest = ctx.saved_tensors
+        params, saved = rest[: ctx.parameters], rest[ctx.parameters :]
+        grads = torch.ops.peft_smear.route_backward(summary, params, ctx.temperature, saved, grad.contiguous())
+        return grads[0], None, None, *grads[1:]
 
 
-@route_op.register_fake
-def _(summary: Tensor, params: list[Tensor], drop: Tensor | None, temperature: float) -> list[Tensor]:
-    (batch, features), (routers, experts) = summary.shape, params[0].shape[:2]
-    shapes = [(batch, routers, experts), (routers, experts, features), (batch, features), (batch, 1), (batch, 1)]
-    shapes += [(routers, experts, features), (routers, experts, 1), (routers, experts, 1)]
-    return [summary.new_empty(shape, dtype=torch.float32) for shape in shapes]
-
-
-route_backward_op.register_fake(lambda summary, params, *rest: [torch.empty_like(t) for t in (summary, *params)])
-route_op.register_autograd(route_grads, setup_context=route_setup)
+def routed_alone(routers: Sequence[nn.Module], summary: Tensor, drop: Tensor | None) -> Tensor:
+    """``routers``' distributions ``[batch, G, N]`` through the operator (compiled, a layer routes alone)."""
+    params = []
+    for name in ROUTER_PARAMETERS:  # alone: a view, no stack
+        tensors = [getattr(router, name) for router in routers]
+        params.append(torch.stack(tensors) if routers[1:] else tensors[0][None])
+    return OpaqueRoute.apply(summary, drop, routers[0].temperature, *params)

@@ -44,8 +44,7 @@ if TYPE_CHECKING:
 def pool(hidden: Tensor, weights: Tensor | None) -> Tensor:
     """``[batch, tokens, features]`` -> ``[batch, features]`` fp32: each example's tokens weighted by ``weights``
     (:func:`token_weights`), or their mean; in fp32, under autocast too (it would round bmm's output), weighted-out
-    positions finite as transformers keeps padding. Compiled, traced: one matmul, which adds a kernel or two to a cold
-    compile where an opaque operator cost each step two dozen Python calls (:mod:`~peft_smear.core.compiled`)."""
+    positions finite as transformers keeps padding. Compiled, traced: one matmul (:mod:`~peft_smear.core.compiled`)."""
     hidden = hidden.float()
     if weights is None:
         return hidden.mean(dim=1)
@@ -289,11 +288,9 @@ class SmearRouter(NormalisedInputRouter):
                     inputs.memo["expert dropout", router, 1] = drop[index : index + 1]
             drop = drop.to(summary.device)
         if torch.compiler.is_compiling():  # an opaque operator, its routers made ready inside (core/compiled.py)
-            params = []
-            for name in ROUTER_PARAMETERS:  # compiled, a layer routes alone: a view, no stack
-                tensors = [getattr(router, name) for router in routers]
-                params.append(torch.stack(tensors) if routers[1:] else tensors[0][None])
-            probs, routing = torch.ops.peft_smear.route(summary, params, drop, first.temperature)[0], None
+            from .compiled import routed_alone  # here: it imports this page
+
+            probs, routing = routed_alone(routers, summary, drop), None
         else:
             tables = tables_of(routers, (len(routers),), batch)[0] if tables is None else tables
             if torch.is_grad_enabled():
