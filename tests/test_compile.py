@@ -15,8 +15,7 @@ from peft import LoraConfig, get_peft_model
 
 import peft_smear
 from conftest import VOCAB, normalized, random_batch, tiny_bert, tiny_llama, tiny_t5
-from peft_smear.core.compiled import OpaqueRoute
-from peft_smear.core.smear import drop_experts, pool, token_weights
+from peft_smear.core.smear import OpaqueRoute, drop_experts, pool, token_weights
 
 
 KINDS = {

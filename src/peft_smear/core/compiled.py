@@ -1,19 +1,17 @@
 """SMEAR's step 2 (:mod:`~peft_smear.core.smear`) as opaque ``torch.compile`` operators: traced, routing is a dozen
 small reductions fused differently per layer, and a cold compile builds each distinct kernel (SMEAR's first step:
 1.9x LoRA's, ``benchmarks/compile_speed.py``); as operators (forward, backward) it adds none. They run the page's
-functions on the host at every compiled step, so they have no autograd kernel (twenty Python calls a call): an
-autograd Function pairs them where a graph is traced, and the backward reads what the forward returned. A compiled
-layer routes alone, its routers' tables in the operator; tests hold the operators to autograd. Pooling, one matmul,
-is traced (two more kernels to compile)."""
+functions on the host at every compiled step, so they have no autograd kernel (twenty Python calls a call): the
+page's ``OpaqueRoute`` pairs them where a graph is traced, and the backward reads what the forward returned. A
+compiled layer routes alone, its routers' tables in the operator; tests hold the operators to autograd. Pooling, one
+matmul, is traced (two more kernels to compile)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from .smear import ROUTER_PARAMETERS, route, route_backward, router_parameters, router_rows, router_rows_backward
+from .smear import route, route_backward, router_parameters, router_rows, router_rows_backward
 
 
 def route_forward(summary: Tensor, params: list[Tensor], drop: Tensor | None, temperature: float) -> list[Tensor]:
@@ -40,30 +38,3 @@ LIBRARY = torch.library.Library("peft_smear", "DEF")
 for name, kernel in {"route": route_forward, "route_backward": route_gradients}.items():
     LIBRARY.define(name + torch.library.infer_schema(kernel, mutates_args=()))  # any device's, meta's too: the fakes
     LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
-
-
-class OpaqueRoute(torch.autograd.Function):
-    """``peft_smear::route``'s distributions; ``peft_smear::route_backward`` on what its forward returned."""
-
-    @staticmethod
-    def forward(ctx, summary: Tensor, drop: Tensor | None, temperature: float, *params: Tensor) -> Tensor:
-        probs, *saved = torch.ops.peft_smear.route(summary, list(params), drop, temperature)
-        ctx.save_for_backward(summary, *params, probs, *saved)
-        ctx.temperature, ctx.parameters = temperature, len(params)
-        return probs
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple:
-        summary, *rest = ctx.saved_tensors
-        params, saved = rest[: ctx.parameters], rest[ctx.parameters :]
-        grads = torch.ops.peft_smear.route_backward(summary, params, ctx.temperature, saved, grad.contiguous())
-        return grads[0], None, None, *grads[1:]
-
-
-def routed_alone(routers: Sequence[nn.Module], summary: Tensor, drop: Tensor | None) -> Tensor:
-    """``routers``' distributions ``[batch, G, N]`` through the operator (compiled, a layer routes alone)."""
-    params = []
-    for name in ROUTER_PARAMETERS:  # alone: a view, no stack
-        tensors = [getattr(router, name) for router in routers]
-        params.append(torch.stack(tensors) if routers[1:] else tensors[0][None])
-    return OpaqueRoute.apply(summary, drop, routers[0].temperature, *params)

@@ -230,6 +230,25 @@ class Route(torch.autograd.Function):
         return grad_summary, None, None, None, grad_table, grad_bias, None, None
 
 
+class OpaqueRoute(torch.autograd.Function):
+    """Compiled, :func:`route` by the operators of :mod:`~peft_smear.core.compiled`, paired where dynamo traces (an
+    autograd kernel would run Python at each call): ``peft_smear::route_backward`` reads what the forward returned."""
+
+    @staticmethod
+    def forward(ctx, summary: Tensor, drop: Tensor | None, temperature: float, *params: Tensor) -> Tensor:
+        probs, *saved = torch.ops.peft_smear.route(summary, list(params), drop, temperature)
+        ctx.save_for_backward(summary, *params, probs, *saved)
+        ctx.temperature, ctx.parameters = temperature, len(params)
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple:
+        summary, *rest = ctx.saved_tensors
+        params, saved = rest[: ctx.parameters], rest[ctx.parameters :]
+        grads = torch.ops.peft_smear.route_backward(summary, params, ctx.temperature, saved, grad.contiguous())
+        return grads[0], None, None, *grads[1:]
+
+
 def recomputed() -> bool:
     """Whether gradient checkpointing recomputes the layer in backward (never inside a compiled graph)."""
     return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
@@ -287,10 +306,12 @@ class SmearRouter(NormalisedInputRouter):
                 for index, router in enumerate(routers[1:], 1):  # one reading another input routes with its row
                     inputs.memo["expert dropout", router, 1] = drop[index : index + 1]
             drop = drop.to(summary.device)
-        if torch.compiler.is_compiling():  # an opaque operator, its routers made ready inside (core/compiled.py)
-            from .compiled import routed_alone  # here: it imports this page
-
-            probs, routing = routed_alone(routers, summary, drop), None
+        if torch.compiler.is_compiling():  # opaque operators, its routers made ready inside (core/compiled.py)
+            params = []
+            for name in ROUTER_PARAMETERS:  # compiled, a layer routes alone: a view, no stack
+                tensors = [getattr(router, name) for router in routers]
+                params.append(torch.stack(tensors) if routers[1:] else tensors[0][None])
+            probs, routing = OpaqueRoute.apply(summary, drop, first.temperature, *params), None
         else:
             tables = tables_of(routers, (len(routers),), batch)[0] if tables is None else tables
             if torch.is_grad_enabled():
