@@ -214,9 +214,9 @@ def test_auxiliary_losses_train_when_compiled_under_reentrant_checkpointing(comp
 
 
 def test_a_compiled_routers_load_balancing_reads_the_distribution_its_merge_reads(monkeypatch):
-    """Compiled, each router of a group registers its load balancing on its decision's weights, the very view its
-    merge reads, so inductor sums the two gradients once per router: on a slice of its own it generated a kernel per
-    router for that sum (the cold first step rose to 1.9x LoRA's). The call's loss is each router's own."""
+    """Compiled, each router (routing alone) registers its load balancing on its decision's weights, the very view
+    its merge reads, so inductor sums the two gradients once per router: on a slice of its own it generated a kernel
+    per router for that sum (the cold first step rose to 1.9x LoRA's). The call's loss is each router's own."""
     from types import SimpleNamespace
 
     from peft_smear.core.context import AuxLosses
@@ -230,10 +230,13 @@ def test_a_compiled_routers_load_balancing_reads_the_distribution_its_merge_read
     summary, aux = torch.randn(5, 16), AuxLosses()
     inputs = SimpleNamespace(summary=lambda: summary, memo={}, aux=aux)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the compiled path, run eagerly
-    probs, routing = SmearRouter.route_together(group, inputs)
-    decisions = [router.decided(probs, routing, index, inputs) for index, router in enumerate(group)]
+    decisions = []
+    for router in group:
+        probs, routing = SmearRouter.route_together([router], inputs)
+        assert routing is None
+        decisions.append(router.decided(probs, routing, 0, inputs))
     monkeypatch.undo()
-    assert routing is None and len(aux.balanced) == len(group)
+    assert len(aux.balanced) == len(group)
     for (part, _, weight), decision in zip(aux.balanced, decisions, strict=True):
         assert part is decision.weights and weight == 0.5
     expected = sum(0.5 * (3 * decision.weights.mean(dim=0).square().sum() - 1) for decision in decisions)
@@ -325,13 +328,13 @@ def reference_pool_and_route(hidden, token_mask, params, noise, p):
 
 
 def router_case(dtype, masked, dropped):
-    """Leaves of two routers that read one input: hidden states ``[3, 5, 8]`` and the routers' four tensors stacked
-    in ``dtype`` (rows, their gains, the input LayerNorm's weights and biases), a token mask with an example of one
-    token and a padded one, and expert dropout's noise and probability, which leave an example one expert and drop
-    every expert of another (which then keeps them all)."""
+    """Leaves of a router: hidden states ``[3, 5, 8]`` and the router's four tensors in ``dtype`` (its rows, their
+    gains, the input LayerNorm's weights and biases), a token mask with an example of one token and a padded one, and
+    expert dropout's noise and probability, which leave an example one expert and drop every expert of another
+    (which then keeps them all)."""
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(3, 5, 8, generator=generator).to(dtype).requires_grad_()
-    shapes = [(2, 4, 8), (2, 8), (2, 8), (2, 8)]
+    shapes = [(4, 8), (8,), (8,), (8,)]
     params = [(torch.randn(shape, generator=generator) + 1).to(dtype).requires_grad_() for shape in shapes]
     token_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 1, 0, 0]]) if masked else None
     noise = torch.tensor([[0.9, 0.1, 0.7, 0.6], [0.2, 0.3, 0.1, 0.4], [0.3, 0.2, 0.8, 0.1]]) if dropped else None
@@ -339,9 +342,9 @@ def router_case(dtype, masked, dropped):
 
 
 def operator_inputs(hidden, token_mask, noise, p):
-    """What a layer hands the operators: the token weights and, for both routers, expert dropout's bias."""
+    """What a layer hands the operators: the token weights and expert dropout's bias ``[1, batch, N]``."""
     weights = None if token_mask is None else token_weights(token_mask)
-    drop = None if noise is None else drop_experts(noise, p).expand(2, -1, -1)
+    drop = None if noise is None else drop_experts(noise, p)[None]
     return weights, drop
 
 
@@ -361,14 +364,14 @@ def test_pooling_and_the_opaque_routing_operator_compute_steps_1_and_2_and_their
     pooled = pool(hidden, weights)
     probs = OpaqueRoute.apply(pooled, drop, temperature, *params)
     scaled = [params[0], params[1] / temperature, *params[2:]]
-    expected = reference_pool_and_route(hidden, token_mask, scaled, noise, p)
+    expected = reference_pool_and_route(hidden, token_mask, [param[None] for param in scaled], noise, p)
     if dropped:
-        assert (probs[0] > 0).tolist() == [[True, False, True, True]] * 2 and (probs[1] > 0).all()
+        assert (probs[0] > 0).tolist() == [[True, False, True, True]] and (probs[1] > 0).all()
     assert pooled.dtype == probs.dtype == torch.float32
     tolerance = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(probs.double(), expected, **tolerance)
 
-    probe = torch.randn(3, 2, 4, generator=torch.Generator().manual_seed(1))
+    probe = torch.randn(3, 1, 4, generator=torch.Generator().manual_seed(1))
     leaves = [hidden, *params]
     grads = torch.autograd.grad((probs * probe.to(probs.dtype)).sum(), leaves)
     wanted = torch.autograd.grad((expected * probe.double()).sum(), leaves)
@@ -385,7 +388,7 @@ def test_the_opaque_routing_operator_passes_torch_library_opcheck(masked, droppe
     _, drop = operator_inputs(hidden, token_mask, noise, p)
     summary, params = hidden[:, 0].detach().float(), [param.detach() for param in params]
     saved = torch.ops.peft_smear.route(summary, params, drop, 2.0)
-    grad = torch.randn(3, 2, 4, generator=torch.Generator().manual_seed(1))
+    grad = torch.randn(3, 1, 4, generator=torch.Generator().manual_seed(1))
     for operator, arguments in (
         ("route", (summary, params, drop, 2.0)),
         ("route_backward", (summary, params, 2.0, saved, grad)),
@@ -420,10 +423,8 @@ def test_the_routing_operators_backward_reads_the_forwards_results_rather_than_r
     assert not {"aten::_softmax", "aten::native_layer_norm", "aten::baddbmm"} & ran  # the forward's (with dropout)
 
 
-def test_compiled_training_routes_through_the_opaque_operator_and_pools_in_the_graph():
-    """Every router of a compiled training step routes through the operator, forward and backward, so that inductor
-    generates no kernel for routing (``benchmarks/compile_speed.py`` measures the cold compile); pooling is traced,
-    one matmul per input its routers read, where an operator cost Python at every step."""
+def compiled_training_operations(model: torch.nn.Module) -> dict[str, collections.Counter]:
+    """The ATen operations (and ours) of a compiled training step's forward and backward graphs, by name."""
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
 
@@ -441,18 +442,36 @@ def test_compiled_training_routes_through_the_opaque_operator_and_pools_in_the_g
             graph_module, example_inputs, fw_compiler=record("forward"), bw_compiler=record("backward")
         )
 
-    model = smear_model("prompt").train()
-    torch.compile(model, backend=recording)(**inputs_for("prompt")).loss.backward()
-    counts = {part: collections.Counter(found) for part, found in targets.items()}
+    dynamo.reset()
+    torch.compile(model.train(), backend=recording)(**inputs_for("prompt")).loss.backward()
+    return {part: collections.Counter(found) for part, found in targets.items()}
+
+
+def test_compiled_training_routes_through_the_opaque_operator_and_pools_in_the_graph():
+    """Every router of a compiled training step routes through the operator, forward and backward, so that inductor
+    generates no kernel for routing (``benchmarks/compile_speed.py`` measures the cold compile); pooling is traced,
+    one matmul per input its routers read, where an operator cost Python at every step."""
+    model = smear_model("prompt")
+    counts = compiled_training_operations(model)
     routers = len(model.base_model.targeted_module_names)
     assert counts["forward"]["peft_smear.route.default"] == routers
     assert counts["backward"]["peft_smear.route_backward.default"] == routers
-    assert not [target for part in targets.values() for target in part if "peft_smear.pool" in target]
+    assert not [target for part in counts.values() for target in part if "peft_smear.pool" in target]
     assert not [
         target
-        for target in targets["forward"]
+        for target in counts["forward"]
         if "layer_norm" in target or ("softmax" in target and "_log_" not in target)
     ]
+
+
+def test_a_compiled_step_makes_the_token_weights_once_and_merges_each_parameter_in_place():
+    """Each graph node is compile time: the token weights are the call's (one ``clamp`` of their counts, not one per
+    router), and each merged parameter is a matmul of its own, whose gradient needs no zero-filled copy of a
+    side-by-side part (one ``slice_backward`` per part): the backward has as many as LoRA's (the rotary embedding's)."""
+    counts = compiled_training_operations(smear_model("prompt"))
+    lora = compiled_training_operations(get_peft_model(tiny_llama(), LoraConfig(r=2, task_type="CAUSAL_LM")))
+    assert counts["forward"]["aten.clamp.default"] == 1
+    assert counts["backward"]["aten.slice_backward.default"] == lora["backward"]["aten.slice_backward.default"]
 
 
 def test_tracing_a_smear_model_warns_of_nothing_in_the_package():

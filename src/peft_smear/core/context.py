@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .packing import PackedLayout
-from .smear import drop_experts, masked_mean, pool, recomputed, tables_of, token_weights
+from .smear import drop_experts, pool, recomputed, tables_of, token_weights
 from .types import CallInput, Params, RouterInputs, RoutingDecision
 
 
@@ -329,16 +329,19 @@ class CallRouterInputs(RouterInputs):
             return self._of_rows(summary)
         if self.routed.dim() == 2:  # one row per example (e.g. BERT's pooler): the row is the summary
             return self.routed.float()
+        memo, routed = self.memo, self.routed
+        # On the layer's device (a mask may be on another: none given, or a device_map); the shape compared, not in the
+        # key: compiled, hashing a size specialises the graph to it. No mask (None) is no mask at any shape.
+        rule = ("weights", self.router_input, self.prefix_length, routed.device)
+        if rule not in memo or (memo[rule] is not None and memo[rule].shape != routed.shape[:2]):
+            memo[rule] = None if (mask := self.token_mask()) is None else token_weights(mask, routed.device)
         if self.rows is not None or torch.compiler.is_compiling():  # no identities to trace when compiled
-            return masked_mean(self.tokens(), self.token_mask())
-        backward, memo = torch._C._current_graph_task_id(), self.memo  # recomputation pools anew, as the forward did
-        key = ("summary", id(self.routed), self.routed._version, backward, self.router_input, self.prefix_length)
+            return pool(self.tokens(), memo[rule])
+        backward = torch._C._current_graph_task_id()  # recomputation pools anew, as the forward did
+        key = ("summary", id(routed), routed._version, backward, self.router_input, self.prefix_length)
         pooled = memo.get(key)
-        if pooled is None or pooled[0]() is not self.routed:  # an id is reused once its tensor is freed
-            rule = ("weights", self.router_input, self.prefix_length, tuple(self.routed.shape[:2]), self.routed.device)
-            if rule not in memo:  # on the layer's device: a mask may be on another (none given, or a device_map)
-                memo[rule] = None if (mask := self.token_mask()) is None else token_weights(mask, self.routed.device)
-            pooled = memo[key] = (weakref.ref(self.routed), pool(self.routed, memo[rule]))
+        if pooled is None or pooled[0]() is not routed:  # an id is reused once its tensor is freed
+            pooled = memo[key] = (weakref.ref(routed), pool(routed, memo[rule]))
         return pooled[1]
 
     def token_mask(self) -> torch.Tensor | None:

@@ -117,7 +117,8 @@ class SmearLinear(nn.Module, BaseTunerLayer):
             return self.base_layer(x, *args, **kwargs)
         packing = self.routing_context.call.packing
         x_each = packing.unpack(x, shared=True) if packing is not None else x  # one example (sequence) per row
-        tokens = x_each.reshape(x_each.shape[0], -1, x_each.shape[-1])  # [examples, tokens, in]
+        reshaped = x_each.dim() != 3  # viewed as [examples, tokens, in] only where needed: compiled, a view is a node
+        tokens = x_each.reshape(x_each.shape[0], -1, x_each.shape[-1]) if reshaped else x_each
         # Kinds that act on the module's input (IA3 on a feed-forward input) apply their experts before it runs.
         inputs, decisions = x, []
         for name in adapters:
@@ -129,13 +130,13 @@ class SmearLinear(nn.Module, BaseTunerLayer):
         # 1. The base output, on the rows as they came.
         y = self.base_layer(inputs, *args, **kwargs)
         y_each = packing.unpack(y) if packing is not None else y
-        out = y_each.reshape(y_each.shape[0], -1, y_each.shape[-1])  # [examples, tokens, out]
+        out = y_each.reshape(y_each.shape[0], -1, y_each.shape[-1]) if reshaped else y_each  # [examples, tokens, out]
         for name in adapters:
             kind = self.expert_kind[name]
             if kind.scales_input:
                 continue
             # 2. Routed on the module's input (or output); 3. each example's decision; 4. the experts added.
-            routed = out.reshape(y_each.shape) if kind.routes_on_output else x_each
+            routed = (out.reshape(y_each.shape) if reshaped else out) if kind.routes_on_output else x_each
             params = {}  # expert_params(name), without a Python call per module
             for param_name in kind.parameter_names:
                 if name in (tensors := getattr(self, param_name)):
@@ -146,7 +147,7 @@ class SmearLinear(nn.Module, BaseTunerLayer):
                 out = kind.merge_and_apply(expert_input, out, params, decisions[-1].weights, decisions[-1].routed_by)
             else:
                 out = self.apply_experts(name, decisions[-1], expert_input, out, params)
-        result = out.reshape(y_each.shape)
+        result = out.reshape(y_each.shape) if reshaped else out
         result = packing.pack(result) if packing is not None else result
         aux, carried = self.routing_context.aux, self.routing_context.aux.hung
         for decision in decisions:  # a loop: any() of a generator is a Python call per module

@@ -231,8 +231,9 @@ class Route(torch.autograd.Function):
 
 
 class OpaqueRoute(torch.autograd.Function):
-    """Compiled, :func:`route` by the operators of :mod:`~peft_smear.core.compiled`, paired where dynamo traces (an
-    autograd kernel would run Python at each call): ``peft_smear::route_backward`` reads what the forward returned."""
+    """Compiled, a router's :func:`route` by the operators of :mod:`~peft_smear.core.compiled`, paired where dynamo
+    traces (an autograd kernel would run Python at each call): ``peft_smear::route_backward`` reads what the forward
+    returned. ``params``: the router's own (:data:`ROUTER_PARAMETERS`), unstacked."""
 
     @staticmethod
     def forward(ctx, summary: Tensor, drop: Tensor | None, temperature: float, *params: Tensor) -> Tensor:
@@ -306,11 +307,8 @@ class SmearRouter(NormalisedInputRouter):
                 for index, router in enumerate(routers[1:], 1):  # one reading another input routes with its row
                     inputs.memo["expert dropout", router, 1] = drop[index : index + 1]
             drop = drop.to(summary.device)
-        if torch.compiler.is_compiling():  # opaque operators, its routers made ready inside (core/compiled.py)
-            params = []
-            for name in ROUTER_PARAMETERS:  # compiled, a layer routes alone: a view, no stack
-                tensors = [getattr(router, name) for router in routers]
-                params.append(torch.stack(tensors) if routers[1:] else tensors[0][None])
+        if torch.compiler.is_compiling() and not routers[1:]:  # a compiled layer routes alone (core/compiled.py)
+            params = first.weight, first.row_norm_weight, first.input_norm_weight, first.input_norm_bias
             probs, routing = OpaqueRoute.apply(summary, drop, first.temperature, *params), None
         else:
             tables = tables_of(routers, (len(routers),), batch)[0] if tables is None else tables
@@ -358,7 +356,10 @@ class SmearRouter(NormalisedInputRouter):
 
 
 def merge_parameters(parameters: Sequence[Tensor], probs: Tensor, dtype: torch.dtype) -> list[Tensor]:
-    """``sum_n probs[b, n] * parameter[n]`` per parameter in ``dtype``: one matmul, side by side, a view each."""
+    """``sum_n probs[b, n] * parameter[n]`` per parameter in ``dtype``: one matmul, side by side, a view each.
+    Compiled, a matmul each: side by side, the graph copies the parameters and zero-fills each part's gradient."""
+    if torch.compiler.is_compiling():
+        return [(probs.to(p.dtype) @ p.flatten(1)).to(dtype).view(-1, *p.shape[1:]) for p in parameters]
     flat = torch.cat([*map(torch.flatten, parameters, repeat(1))], 1) if parameters[1:] else parameters[0].flatten(1)
     merged, parts, start = (probs.to(flat.dtype) @ flat).to(dtype), [], 0
     for parameter in parameters:  # a loop: a comprehension is a Python call per module
