@@ -244,13 +244,13 @@ def interpreter_calls(model: torch.nn.Module, inputs: dict[str, torch.Tensor], m
 
 def host_seconds_per_layer(
     methods: tuple[str, ...], dtype: torch.dtype, repeats: int, compiled: bool = False
-) -> dict[str, dict[str, float]]:
+) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     """Each method's median seconds per decoder layer of a training step and an evaluation forward of the host-time
-    model (:data:`HOST_MODEL`) on one CPU thread: every method's steps at both depths interleaved, so that a drift in
-    the machine's speed reaches all alike. ``compiled``: the training step of the model ``torch.compile`` made
-    (default mode, inductor), after the steps that compile it, and (``"calls"``) the interpreter's calls per decoder
-    layer in one such step: the compiled step's host work counted, which no load changes."""
-    inputs, threads, seconds = batch("cpu", HOST_BATCH), torch.get_num_threads(), {}
+    model (:data:`HOST_MODEL`) on one CPU thread, by mode: every method's steps at both depths interleaved, so that a
+    drift in the machine's speed reaches all alike. ``compiled``: the training step of the model ``torch.compile``
+    made (default mode, inductor), after the steps that compile it; then also each method's interpreter calls per
+    decoder layer in one such step (else none): the compiled step's host work counted, which no load changes."""
+    inputs, threads, seconds, calls_per_layer = batch("cpu", HOST_BATCH), torch.get_num_threads(), {}, {}
     models = {
         (method, layers): build(method, layers, dtype, "cpu", HOST_MODEL)
         for method in methods
@@ -280,10 +280,10 @@ def host_seconds_per_layer(
                     calls[key] = calls_during(partial(run, model, inputs, mode), is_call)
                     model.zero_grad(set_to_none=True)
                 for method in methods:
-                    seconds[method]["calls"] = (calls[method, deep] - calls[method, shallow]) / depth
+                    calls_per_layer[method] = (calls[method, deep] - calls[method, shallow]) / depth
     finally:
         torch.set_num_threads(threads)
-    return seconds
+    return seconds, calls_per_layer
 
 
 @dataclass
@@ -345,13 +345,12 @@ def measure(
         compiled_methods = tuple(method for method in methods if method in COMPILED_HOST_METHODS)
         for timed, repeats, compiled in ((methods, host_repeats, False), (compiled_methods, compiled_repeats, True)):
             if repeats and device == "cpu" and timed:
-                host = host_seconds_per_layer(timed, DTYPES[dtype_name], repeats, compiled)
+                host, calls = host_seconds_per_layer(timed, DTYPES[dtype_name], repeats, compiled)
                 name = f"{'compiled_' * compiled}host_seconds_per_layer"
                 for row in rows[-len(methods) :]:
-                    measured = host.get(row.method, {})
-                    if "calls" in measured:
-                        row.compiled_interpreter_calls_per_layer = {"train": measured.pop("calls")}
-                    setattr(row, name, measured)
+                    setattr(row, name, host.get(row.method, {}))
+                    if row.method in calls:
+                        row.compiled_interpreter_calls_per_layer = {"train": calls[row.method]}
                 log(f"{dtype_name} {name.replace('_', ' ')}: {host}")
                 progress(rows)
     return rows

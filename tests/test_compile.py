@@ -467,7 +467,7 @@ def test_compiled_training_routes_through_the_opaque_operator_and_pools_in_the_g
 def test_a_compiled_step_makes_the_token_weights_once_and_merges_each_parameter_in_place():
     """Each graph node is compile time: the token weights are the call's (one ``clamp`` of their counts, not one per
     router), and each merged parameter is a matmul of its own, whose gradient needs no zero-filled copy of a
-    side-by-side part (one ``slice_backward`` per part): the backward has as many as LoRA's (the rotary embedding's)."""
+    side-by-side part (one ``slice_backward`` per part): the backward has LoRA's (the rotary embedding's)."""
     counts = compiled_training_operations(smear_model("prompt"))
     lora = compiled_training_operations(get_peft_model(tiny_llama(), LoraConfig(r=2, task_type="CAUSAL_LM")))
     assert counts["forward"]["aten.clamp.default"] == 1
