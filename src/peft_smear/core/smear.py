@@ -356,10 +356,7 @@ class SmearRouter(NormalisedInputRouter):
 
 
 def merge_parameters(parameters: Sequence[Tensor], probs: Tensor, dtype: torch.dtype) -> list[Tensor]:
-    """``sum_n probs[b, n] * parameter[n]`` per parameter in ``dtype``: one matmul, side by side, a view each.
-    Compiled, a matmul each: side by side, the graph copies the parameters and zero-fills each part's gradient."""
-    if torch.compiler.is_compiling():
-        return [(probs.to(p.dtype) @ p.flatten(1)).to(dtype).view(-1, *p.shape[1:]) for p in parameters]
+    """``sum_n probs[b, n] * parameter[n]`` per parameter in ``dtype``: one matmul, side by side, a view each."""
     flat = torch.cat([*map(torch.flatten, parameters, repeat(1))], 1) if parameters[1:] else parameters[0].flatten(1)
     merged, parts, start = (probs.to(flat.dtype) @ flat).to(dtype), [], 0
     for parameter in parameters:  # a loop: a comprehension is a Python call per module
