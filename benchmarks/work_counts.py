@@ -64,7 +64,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -228,16 +227,11 @@ def package_calls(model: torch.nn.Module, inputs: dict[str, torch.Tensor], packa
     )
 
 
-def is_call(frame, event: str) -> bool:
-    """A Python function's call or a builtin's."""
-    return event in ("call", "c_call")
-
-
 def interpreter_calls(model: torch.nn.Module, inputs: dict[str, torch.Tensor], mode: str) -> int:
     """Python function calls and builtin calls during one step of ``model`` (after one not counted)."""
     step(model, inputs, mode)
     model.train(mode == "train")
-    calls = calls_during(lambda: run(model, inputs, mode), is_call)
+    calls = calls_during(lambda: run(model, inputs, mode), lambda frame, event: event in ("call", "c_call"))
     model.zero_grad(set_to_none=True)
     return calls
 
@@ -275,10 +269,7 @@ def host_seconds_per_layer(
             for method in methods:
                 seconds.setdefault(method, {})[mode] = (median[method, deep] - median[method, shallow]) / depth
             if compiled:
-                calls = {}
-                for key, model in models.items():  # once the timed steps ran: counted, not timed
-                    calls[key] = calls_during(partial(run, model, inputs, mode), is_call)
-                    model.zero_grad(set_to_none=True)
+                calls = {key: interpreter_calls(model, inputs, mode) for key, model in models.items()}  # not timed
                 for method in methods:
                     calls_per_layer[method] = (calls[method, deep] - calls[method, shallow]) / depth
     finally:

@@ -330,19 +330,23 @@ class CallRouterInputs(RouterInputs):
         if self.routed.dim() == 2:  # one row per example (e.g. BERT's pooler): the row is the summary
             return self.routed.float()
         memo, routed = self.memo, self.routed
+        alone = self.rows is not None or torch.compiler.is_compiling()  # no identities to trace when compiled
+        if not alone:  # recomputation pools anew, as the forward did
+            backward = torch._C._current_graph_task_id()
+            key = ("summary", id(routed), routed._version, backward, self.router_input, self.prefix_length)
+            pooled = memo.get(key)
+            if pooled is not None and pooled[0]() is routed:  # an id is reused once its tensor is freed
+                return pooled[1]
         # On the layer's device (a mask may be on another: none given, or a device_map); the shape compared, not in the
         # key: compiled, hashing a size specialises the graph to it. No mask (None) is no mask at any shape.
         rule = ("weights", self.router_input, self.prefix_length, routed.device)
         if rule not in memo or (memo[rule] is not None and memo[rule].shape != routed.shape[:2]):
             memo[rule] = None if (mask := self.token_mask()) is None else token_weights(mask, routed.device)
-        if self.rows is not None or torch.compiler.is_compiling():  # no identities to trace when compiled
+        if alone:
             return pool(self.tokens(), memo[rule])
-        backward = torch._C._current_graph_task_id()  # recomputation pools anew, as the forward did
-        key = ("summary", id(routed), routed._version, backward, self.router_input, self.prefix_length)
-        pooled = memo.get(key)
-        if pooled is None or pooled[0]() is not routed:  # an id is reused once its tensor is freed
-            pooled = memo[key] = (weakref.ref(routed), pool(routed, memo[rule]))
-        return pooled[1]
+        summary = pool(routed, memo[rule])
+        memo[key] = (weakref.ref(routed), summary)
+        return summary
 
     def token_mask(self) -> torch.Tensor | None:
         if self.routed.dim() != 3:

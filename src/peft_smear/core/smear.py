@@ -22,6 +22,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import repeat
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import torch
@@ -308,7 +309,7 @@ class SmearRouter(NormalisedInputRouter):
                     inputs.memo["expert dropout", router, 1] = drop[index : index + 1]
             drop = drop.to(summary.device)
         if torch.compiler.is_compiling() and not routers[1:]:  # a compiled layer routes alone (core/compiled.py)
-            params = first.weight, first.row_norm_weight, first.input_norm_weight, first.input_norm_bias
+            params = attrgetter(*ROUTER_PARAMETERS)(first)
             probs, routing = OpaqueRoute.apply(summary, drop, first.temperature, *params), None
         else:
             tables = tables_of(routers, (len(routers),), batch)[0] if tables is None else tables
