@@ -380,21 +380,50 @@ def test_pooling_and_the_opaque_routing_operator_compute_steps_1_and_2_and_their
         torch.testing.assert_close(grad.double(), want.double(), **tolerance, msg=name)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("masked", "dropped"), [(True, True), (False, False)])
-def test_the_opaque_routing_operator_passes_torch_library_opcheck(masked, dropped):
-    """Schema, fake (meta) implementation and AOT dispatch with dynamic shapes, of the forward and the backward
-    (autograd is :class:`OpaqueRoute`'s, held to float64 above)."""
-    hidden, token_mask, params, noise, p = router_case(torch.float32, masked, dropped)
+def test_the_opaque_routing_operator_passes_torch_library_opcheck(dtype, masked, dropped):
+    """Schema, fake implementation (each output's shape, dtype and strides those of the real one) and AOT dispatch
+    with dynamic shapes, of the forward and the backward, routers' parameters in fp32 and bf16 (autograd is
+    :class:`OpaqueRoute`'s, held to float64 above)."""
+    hidden, token_mask, params, noise, p = router_case(dtype, masked, dropped)
     _, drop = operator_inputs(hidden, token_mask, noise, p)
     summary, params = hidden[:, 0].detach().float(), [param.detach() for param in params]
-    saved = torch.ops.peft_smear.route(summary, params, drop, 2.0)
+    probs = torch.ops.peft_smear.route(summary, params, drop, 2.0)
+    grads = torch.ops.peft_smear.route_backward(summary, params, 2.0, probs, probs)
+    assert [tensor.dtype for tensor in grads] == [torch.float32, *[dtype] * 4]
     grad = torch.randn(3, 1, 4, generator=torch.Generator().manual_seed(1))
     for operator, arguments in (
         ("route", (summary, params, drop, 2.0)),
-        ("route_backward", (summary, params, 2.0, saved, grad)),
+        ("route_backward", (summary, params, 2.0, probs, grad)),
     ):
         result = torch.library.opcheck(getattr(torch.ops.peft_smear, operator).default, arguments)
         assert set(result.values()) == {"SUCCESS"}, (operator, result)
+
+
+def test_tracing_the_routing_operators_runs_no_routing(monkeypatch):
+    """Their fake implementations give the outputs' shapes alone: a cold compile runs each router's forward four times
+    on fake tensors and its backward twice (compile_speed's preset: 168 calls), each a dozen or more operations when
+    it routed. Routing itself is patched to fail: the real call fails, the fake one does not."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def no_routing(*args, **kwargs):
+        raise AssertionError("routed")
+
+    monkeypatch.setattr("peft_smear.core.compiled.route", no_routing)
+    monkeypatch.setattr("peft_smear.core.compiled.route_backward", no_routing)
+    _, _, params, _, _ = router_case(torch.bfloat16, False, False)
+    summary, params = torch.randn(3, 8), [param.detach() for param in params]
+    with pytest.raises(AssertionError, match="routed"):
+        torch.ops.peft_smear.route(summary, params, None, 1.0)
+    with FakeTensorMode() as fake:
+        summary, params = fake.from_tensor(summary), [fake.from_tensor(param) for param in params]
+        probs = torch.ops.peft_smear.route(summary, params, None, 1.0)
+        grads = torch.ops.peft_smear.route_backward(summary, params, 1.0, probs, probs)
+    assert (tuple(probs.shape), probs.dtype) == ((3, 1, 4), torch.float32)
+    assert [(tuple(grad.shape), grad.dtype) for grad in grads] == [((3, 8), torch.float32)] + [
+        (tuple(param.shape), torch.bfloat16) for param in params
+    ]
 
 
 def test_pooling_keeps_no_copy_of_its_input_for_backward():
@@ -409,18 +438,23 @@ def test_pooling_keeps_no_copy_of_its_input_for_backward():
     torch.testing.assert_close(grad[2], torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0]).unsqueeze(1).expand(5, 8))
 
 
-def test_the_routing_operators_backward_reads_the_forwards_results_rather_than_routing_again():
-    """Each operation an opaque operator runs is a launch the host pays at every compiled step: its backward takes
-    the normalised summary and rows, their statistics and the distributions from the forward, so it normalises
-    nothing and takes no softmax (only their backwards)."""
+def test_the_routing_operator_keeps_its_inputs_and_distributions_alone_and_its_backward_routes_no_logits():
+    """Each tensor a compiled graph keeps for backward is checked by the host at every step, and each operation an
+    opaque operator runs is a launch: the forward keeps the summary, the router's four parameters and the
+    distributions, and the backward normalises the summary and the rows again (two small LayerNorms), but computes no
+    logits and takes no softmax (only their backwards)."""
     hidden, token_mask, params, noise, p = router_case(torch.float32, True, True)
     weights, drop = operator_inputs(hidden, token_mask, noise, p)
-    probs = OpaqueRoute.apply(pool(hidden, weights), drop, 2.0, *params)
+    summary, kept = pool(hidden, weights), []
+    with torch.autograd.graph.saved_tensors_hooks(lambda tensor: kept.append(tensor) or tensor, lambda tensor: tensor):
+        probs = OpaqueRoute.apply(summary, drop, 2.0, *params)
+    assert [tensor.data_ptr() for tensor in kept] == [t.data_ptr() for t in (summary, probs, *params)]
     with torch.profiler.profile() as profile:
-        probs.sum().backward()
-    ran = {event.name for event in profile.events()}
-    assert {"peft_smear::route_backward", "aten::_softmax_backward_data", "aten::native_layer_norm_backward"} <= ran
-    assert not {"aten::_softmax", "aten::native_layer_norm", "aten::baddbmm"} & ran  # the forward's (with dropout)
+        (probs * torch.arange(4.0)).sum().backward()
+    ran = collections.Counter(event.name for event in profile.events())
+    assert ran["peft_smear::route_backward"] == ran["aten::_softmax_backward_data"] == 1
+    assert ran["aten::native_layer_norm"] == ran["aten::native_layer_norm_backward"] == 2
+    assert not ran["aten::_softmax"] and not ran["aten::baddbmm"]  # the forward's logits, with dropout
 
 
 def compiled_training_operations(model: torch.nn.Module) -> tuple[dict[str, collections.Counter], list[list[str]]]:

@@ -119,7 +119,7 @@ class SmearModel(BaseTuner):
         self.routing_context.call.checks.resolve(wait=True)  # the previous call's
         self.routing_context.aux.begin()
         if self.model.training and self.routing_context.clocks:  # every scheduled router's, in one in-place add
-            torch._foreach_add_([*map(attrgetter("training_calls"), list(self.routing_context.clocks))], 1)
+            torch._foreach_add_([router.training_calls for router in self.routing_context.clocks], 1)
         if not self._is_encoder_decoder:  # an encoder-decoder's mask is recorded when its encoder runs
             packing = None
             for name in PACKING_ARGUMENTS:  # only a call naming boundaries packs sequences; a loop: no Python call

@@ -22,7 +22,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import torch
@@ -233,21 +232,20 @@ class Route(torch.autograd.Function):
 
 class OpaqueRoute(torch.autograd.Function):
     """Compiled, a router's :func:`route` by the operators of :mod:`~peft_smear.core.compiled`, paired where dynamo
-    traces (an autograd kernel would run Python at each call): ``peft_smear::route_backward`` reads what the forward
-    returned. ``params``: the router's own (:data:`ROUTER_PARAMETERS`), unstacked."""
+    traces (an autograd kernel would run Python at each call); it keeps the inputs and the distributions alone.
+    ``params``: the router's own (:data:`ROUTER_PARAMETERS`), unstacked."""
 
     @staticmethod
     def forward(ctx, summary: Tensor, drop: Tensor | None, temperature: float, *params: Tensor) -> Tensor:
-        probs, *saved = torch.ops.peft_smear.route(summary, list(params), drop, temperature)
-        ctx.save_for_backward(summary, *params, probs, *saved)
-        ctx.temperature, ctx.parameters = temperature, len(params)
+        probs = torch.ops.peft_smear.route(summary, list(params), drop, temperature)
+        ctx.save_for_backward(summary, probs, *params)
+        ctx.temperature = temperature
         return probs
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple:
-        summary, *rest = ctx.saved_tensors
-        params, saved = rest[: ctx.parameters], rest[ctx.parameters :]
-        grads = torch.ops.peft_smear.route_backward(summary, params, ctx.temperature, saved, grad.contiguous())
+        summary, probs, *params = ctx.saved_tensors
+        grads = torch.ops.peft_smear.route_backward(summary, params, ctx.temperature, probs, grad.contiguous())
         return grads[0], None, None, *grads[1:]
 
 
@@ -309,7 +307,8 @@ class SmearRouter(NormalisedInputRouter):
                     inputs.memo["expert dropout", router, 1] = drop[index : index + 1]
             drop = drop.to(summary.device)
         if torch.compiler.is_compiling() and not routers[1:]:  # a compiled layer routes alone (core/compiled.py)
-            params = attrgetter(*ROUTER_PARAMETERS)(first)
+            # Read by name, not by attrgetter: dynamo traces its Python, 300 bytecodes a router in a cold compile.
+            params = (first.weight, first.row_norm_weight, first.input_norm_weight, first.input_norm_bias)
             probs, routing = OpaqueRoute.apply(summary, drop, first.temperature, *params), None
         else:
             tables = tables_of(routers, (len(routers),), batch)[0] if tables is None else tables
