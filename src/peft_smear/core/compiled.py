@@ -37,16 +37,16 @@ def route_shape(summary: Tensor, params: list[Tensor], drop: Tensor | None, temp
     return summary.new_empty(summary.shape[0], 1, params[0].shape[0])
 
 
-def gradient_shapes(summary: Tensor, params: list[Tensor], temperature: float, probs: Tensor, grad: Tensor):
+def gradient_shapes(
+    summary: Tensor, params: list[Tensor], temperature: float, probs: Tensor, grad: Tensor
+) -> list[Tensor]:
     """:func:`route_gradients`' outputs, unfilled."""
     return [t.new_empty(t.shape) for t in (summary, *params)]
 
 
 LIBRARY = torch.library.Library("peft_smear", "DEF")
-for name, kernel, fake in (
-    ("route", route_forward, route_shape),
-    ("route_backward", route_gradients, gradient_shapes),
-):
+OPERATORS = {"route": (route_forward, route_shape), "route_backward": (route_gradients, gradient_shapes)}
+for name, (kernel, fake) in OPERATORS.items():
     LIBRARY.define(name + torch.library.infer_schema(kernel, mutates_args=()))
     LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
     torch.library.register_fake(f"peft_smear::{name}", fake, lib=LIBRARY)

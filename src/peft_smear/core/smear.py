@@ -307,8 +307,7 @@ class SmearRouter(NormalisedInputRouter):
                     inputs.memo["expert dropout", router, 1] = drop[index : index + 1]
             drop = drop.to(summary.device)
         if torch.compiler.is_compiling() and not routers[1:]:  # a compiled layer routes alone (core/compiled.py)
-            # Read by name, not by attrgetter: dynamo traces its Python, 300 bytecodes a router in a cold compile.
-            params = (first.weight, first.row_norm_weight, first.input_norm_weight, first.input_norm_bias)
+            params = [getattr(first, name) for name in ROUTER_PARAMETERS]  # no attrgetter: dynamo traces its Python
             probs, routing = OpaqueRoute.apply(summary, drop, first.temperature, *params), None
         else:
             tables = tables_of(routers, (len(routers),), batch)[0] if tables is None else tables
