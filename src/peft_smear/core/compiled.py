@@ -25,9 +25,9 @@ def route_gradients(
 ) -> list[Tensor]:
     """Gradients of summary and ``params`` via routing and rows, in fp32, cast to their dtypes."""
     rows, saved = router_rows([param[None] for param in params], temperature)
+    _, _, scales, *_ = saved  # the input LayerNorm's, folded into the table
     normalised = torch.native_layer_norm(summary, summary.shape[-1:], None, None, LAYER_NORM_EPS)
-    table = rows * saved[2].unsqueeze(1)  # times the input LayerNorm's scales
-    grad_summary, grad_table, grad_bias = route_backward(summary, table, probs, normalised, grad)
+    grad_summary, grad_table, grad_bias = route_backward(summary, rows * scales.unsqueeze(1), probs, normalised, grad)
     grads = (grad_summary, *router_rows_backward(rows, saved, grad_table, grad_bias))
     return [grad.view(t.shape).to(t.dtype) for grad, t in zip(grads, (summary, *params), strict=True)]
 
