@@ -513,6 +513,74 @@ def test_a_compiled_step_makes_the_token_weights_once_per_call_and_stacks_no_rou
     assert routed == [["placeholder"] * 4] * len(model.base_model.targeted_module_names)
 
 
+LLAMA_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def every_linear(method: str, **options) -> peft_smear.SmearConfig | LoraConfig:
+    if method == "lora":
+        return LoraConfig(r=2, target_modules=LLAMA_LINEARS, task_type="CAUSAL_LM")
+    return peft_smear.SmearConfig(num_experts=3, r=2, target_modules=LLAMA_LINEARS, task_type="CAUSAL_LM", **options)
+
+
+def test_a_compiled_call_pools_each_layer_input_once_and_trains_as_eager_mode_does(monkeypatch):
+    """Once per distinct input, pool: compiled as in eager mode, q, k and v pool their one input once, and so do gate
+    and up, so a Llama layer of seven wrapped linears pools four inputs (hidden width 32, attention's 32, 32 again
+    and the MLP's 48), not seven; and the loss and every gradient equal eager mode's, no layer routed on another's
+    summary."""
+    import peft_smear.core.context as context
+
+    widths = []
+
+    def counted(hidden: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        widths.append(hidden.shape[-1])  # compiled: replayed once per call, as dynamo traced it
+        return pool(hidden, weights)
+
+    monkeypatch.setattr(context, "pool", counted)
+    model = get_peft_model(tiny_llama(), every_linear("smear", expert_dropout=0.0, init_weights=False)).train()
+    results = []
+    for runner in (model, torch.compile(model, backend="aot_eager")):
+        widths.clear()
+        model.zero_grad()
+        loss = runner(**inputs_for("prompt")).loss
+        loss.backward()
+        assert widths == [32, 32, 32, 48] * 2
+        results.append(
+            (loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+        )
+    (loss, grads), (compiled_loss, compiled_grads) = results
+    assert grads.keys() == compiled_grads.keys()
+    torch.testing.assert_close(compiled_loss, loss, atol=1e-5, rtol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def graph_outputs(model: torch.nn.Module) -> int:
+    """How many tensors the graphs dynamo makes of a training call of ``model`` return."""
+    returned = []
+
+    def counting(graph_module: torch.fx.GraphModule, example_inputs: list) -> object:
+        returned.append(len(next(iter(graph_module.graph.find_nodes(op="output"))).args[0]))
+        return graph_module.forward
+
+    dynamo.reset()
+    torch.compile(model.train(), backend=counting)(**inputs_for("prompt"))
+    return sum(returned)
+
+
+def test_a_compiled_training_call_returns_per_layer_what_lora_returns():
+    """What a call keeps for its layers (expert dropout's draws, token weights, pooled inputs) is scratch: still held
+    when a compiled call returns, each tensor would be one more output of its graph, checked at every step (eleven a
+    layer against LoRA's two). Per decoder layer the graph returns as many tensors as LoRA's."""
+    per_layer = {}
+    for method in ("smear", "lora"):
+        deep, shallow = (
+            graph_outputs(get_peft_model(tiny_llama(num_hidden_layers=layers), every_linear(method)))
+            for layers in (2, 1)
+        )
+        per_layer[method] = deep - shallow
+    assert per_layer["smear"] == per_layer["lora"]
+
+
 def test_tracing_a_smear_model_warns_of_nothing_in_the_package():
     """Dynamo warns of what it cannot trace faithfully (an ``lru_cache`` it skips, a call it guesses at), and a user
     of ``torch.compile`` sees each warning: none may come from this package's code."""

@@ -163,6 +163,8 @@ class SmearModel(BaseTuner):
         for finish_call in finishers:
             if finish_call is not None:
                 finished.update(finish_call(call))
+        if torch.compiler.is_compiling():  # what it holds would be the graph's outputs, kept until the next call
+            self.routing_context.call.memo = {}
         losses = {**aux.totals(), **finished}
         if not losses:
             return output
