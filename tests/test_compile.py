@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import warnings
+import weakref
 from functools import cache, partial
 
 import pytest
@@ -579,6 +580,27 @@ def test_a_compiled_training_call_returns_per_layer_what_lora_returns():
         )
         per_layer[method] = deep - shallow
     assert per_layer["smear"] == per_layer["lora"]
+
+
+def test_a_model_compiled_layer_by_layer_keeps_no_layer_input_once_a_call_returns():
+    """Compiled layer by layer, a call's scratch outlives each layer's graph (the call ends outside them): it holds
+    the last input pooled by a weak reference, so that no layer's input (``[batch, tokens, width]``) stays alive until
+    the next call, as it would in a key; what it keeps is the call's small tensors, the masks and a summary."""
+    model = get_peft_model(tiny_llama(), every_linear("smear")).eval()
+    for layer in model.base_model.model.model.layers:
+        layer.compile(backend="aot_eager")
+    with torch.no_grad():
+        model(**inputs_for("prompt"))
+    held, references = [], []
+    pending = list(model.base_model.routing_context.call.memo.items())
+    while pending:
+        value = pending.pop()
+        if isinstance(value, (tuple, list)):
+            pending.extend(value)
+        held += [value] if isinstance(value, torch.Tensor) else []
+        references += [value] if isinstance(value, weakref.ref) else []
+    assert held and all(tensor.dim() == 2 for tensor in held)
+    assert references and all(reference() is None for reference in references)
 
 
 def test_tracing_a_smear_model_warns_of_nothing_in_the_package():

@@ -314,7 +314,7 @@ class CallRouterInputs(RouterInputs):
         return self.routed.reshape(self.batch_size, -1, self.routed.shape[-1])
 
     def summary(self) -> torch.Tensor:
-        """Pooled once per call per tensor and rule; :func:`~peft_smear.core.smear.token_weights` once per rule."""
+        """Pooled once per input that layers read in turn; :func:`~peft_smear.core.smear.token_weights` per rule."""
         if self.router_input == "encoder":
             summary = self.call.encoder_summary
             if summary is None:
