@@ -404,8 +404,8 @@ def test_the_opaque_routing_operator_passes_torch_library_opcheck(dtype, masked,
 
 def test_tracing_the_routing_operators_runs_no_routing(monkeypatch):
     """Their fake implementations give the outputs' shapes alone: a cold compile runs each router's forward four times
-    on fake tensors and its backward twice (compile_speed's preset: 168 calls), each a dozen or more operations when
-    it routed. Routing itself is patched to fail: the real call fails, the fake one does not."""
+    on fake tensors and its backward twice, each a dozen or more operations when it routed. Routing itself is patched
+    to fail: the real call fails, the fake one does not."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     def no_routing(*args, **kwargs):
@@ -514,13 +514,10 @@ def test_a_compiled_step_makes_the_token_weights_once_per_call_and_stacks_no_rou
     assert routed == [["placeholder"] * 4] * len(model.base_model.targeted_module_names)
 
 
-LLAMA_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
 def every_linear(method: str, **options) -> peft_smear.SmearConfig | LoraConfig:
     if method == "lora":
-        return LoraConfig(r=2, target_modules=LLAMA_LINEARS, task_type="CAUSAL_LM")
-    return peft_smear.SmearConfig(num_experts=3, r=2, target_modules=LLAMA_LINEARS, task_type="CAUSAL_LM", **options)
+        return LoraConfig(r=2, target_modules="all-linear", task_type="CAUSAL_LM")
+    return peft_smear.SmearConfig(num_experts=3, r=2, target_modules="all-linear", task_type="CAUSAL_LM", **options)
 
 
 def test_a_compiled_call_pools_each_layer_input_once_and_trains_as_eager_mode_does(monkeypatch):

@@ -332,11 +332,11 @@ class CallRouterInputs(RouterInputs):
         memo, routed, alone = self.memo, self.routed, self.rows is not None
         # The last input pooled by this rule is pooled once (q, k and v read one in turn), held weakly. Its version
         # and the backward, in eager mode: recomputation pools anew, as the forward did; dynamo traces neither.
-        seen = (None, None) if torch.compiler.is_compiling() else (routed._version, torch._C._current_graph_task_id())
+        seen = None if torch.compiler.is_compiling() else (routed._version, torch._C._current_graph_task_id())
         key = ("summary", self.router_input, self.prefix_length)
         last = None if alone else memo.get(key)
-        if last is not None and last[0]() is routed and last[1:3] == seen:
-            return last[3]
+        if last is not None and last[0]() is routed and last[1] == seen:
+            return last[2]
         # On the layer's device (a mask may be on another: none given, or a device_map); the shape compared, not in the
         # key: compiled, hashing a size specialises the graph to it. No mask (None) is no mask at any shape.
         rule = ("weights", self.router_input, self.prefix_length, routed.device)
@@ -345,7 +345,7 @@ class CallRouterInputs(RouterInputs):
         if alone:
             return pool(self.tokens(), memo[rule])
         summary = pool(routed, memo[rule])
-        memo[key] = (weakref.ref(routed), *seen, summary)
+        memo[key] = (weakref.ref(routed), seen, summary)
         return summary
 
     def token_mask(self) -> torch.Tensor | None:
