@@ -266,8 +266,9 @@ def test_a_call_with_one_layer_compiled_balances_every_router_as_eager_mode_does
     torch.testing.assert_close(compiled_balance, balance, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(compiled_loss, loss, atol=1e-6, rtol=1e-5)
     assert any("router" in name for name in grads) and grads.keys() == compiled_grads.keys()
-    for name, grad in grads.items():
-        torch.testing.assert_close(compiled_grads[name], grad, atol=1e-6, rtol=1e-4, msg=name)
+    for name, grad in grads.items():  # to fp32's rounding of the largest terms (gradients in the hundreds here)
+        scale = float(grad.abs().max().clamp(min=1))
+        torch.testing.assert_close(compiled_grads[name], grad, atol=1e-6 * scale, rtol=1e-4, msg=name)
 
 
 def test_a_compiled_training_call_draws_every_routers_expert_dropout_in_one_aten_uniform():
@@ -411,8 +412,7 @@ def test_tracing_the_routing_operators_runs_no_routing(monkeypatch):
     def no_routing(*args, **kwargs):
         raise AssertionError("routed")
 
-    monkeypatch.setattr("peft_smear.core.compiled.route", no_routing)
-    monkeypatch.setattr("peft_smear.core.compiled.route_backward", no_routing)
+    monkeypatch.setattr("peft_smear.core.compiled.router_rows", no_routing)  # both kernels' first step
     _, _, params, _, _ = router_case(torch.bfloat16, False, False)
     summary, params = torch.randn(3, 8), [param.detach() for param in params]
     with pytest.raises(AssertionError, match="routed"):

@@ -1,35 +1,38 @@
 """SMEAR's step 2 (:mod:`~peft_smear.core.smear`) as opaque ``torch.compile`` operators: traced, routing is a dozen
-small reductions fused differently per layer, each distinct kernel built by a cold compile (``compile_speed.py``);
-as operators it adds none, and tracing runs their shape kernels alone. No autograd kernel (twenty Python calls at
-each compiled call): the page's ``OpaqueRoute`` pairs forward and backward where dynamo traces. The forward returns
-the distributions alone and the backward normalises again: a tensor kept costs the host more at every compiled step
-than two small LayerNorms. A compiled layer routes alone, its router's table made in the operator (no graph node
-stacks its parameters); tests hold the operators to autograd. Pooling, one matmul, is traced."""
+small reductions fused differently per layer, each distinct kernel built by a cold compile (``compile_speed.py``); as
+operators it adds none, and tracing runs their shape kernels alone. The page's ``OpaqueRoute`` pairs them where dynamo
+traces (an autograd kernel: twenty Python calls at each compiled call). They run eagerly at every compiled step, so
+each is one router's maths in 2-D (stacking costs a view or a call per tensor), makes its router's rows itself (no
+graph node stacks parameters) and keeps nothing (normalising again costs the host less than a kept tensor). Tests hold
+them to float64. Pooling, one matmul, is traced."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from .smear import LAYER_NORM_EPS, route, route_backward, router_rows, router_rows_backward
+from .smear import LAYER_NORM_EPS, layer_norm_input_gradient, router_rows, router_rows_backward
 
 
 def route_forward(summary: Tensor, params: list[Tensor], drop: Tensor | None, temperature: float) -> Tensor:
-    """A router's distributions by :func:`route` (``params``: its weight, gain, input scale, shift)."""
-    rows, (_, _, scales, shifts, *_) = router_rows([param[None] for param in params], temperature)
-    return route(summary, rows, scales.unsqueeze(1), shifts.unsqueeze(1), drop, keep_normalised=False)[0]
+    """A router's distributions ``[batch, 1, N]``, :func:`route` for one (``params``: :data:`ROUTER_PARAMETERS`)."""
+    rows, (_, _, scales, shifts, *_) = router_rows(params, temperature)
+    normed = F.layer_norm(summary, summary.shape[-1:], scales, shifts)
+    logits = normed @ rows.T if drop is None else torch.addmm(drop[0], normed, rows.T)
+    return logits.softmax(dim=-1).unsqueeze(1)
 
 
 def route_gradients(
     summary: Tensor, params: list[Tensor], temperature: float, probs: Tensor, grad: Tensor
 ) -> list[Tensor]:
-    """Gradients of summary and ``params`` via routing and rows, in fp32, cast to their dtypes."""
-    rows, saved = router_rows([param[None] for param in params], temperature)
-    _, _, scales, *_ = saved  # the input LayerNorm's, folded into the table
-    normalised = torch.native_layer_norm(summary, summary.shape[-1:], None, None, LAYER_NORM_EPS)
-    grad_summary, grad_table, grad_bias = route_backward(summary, rows * scales.unsqueeze(1), probs, normalised, grad)
-    grads = (grad_summary, *router_rows_backward(rows, saved, grad_table, grad_bias))
-    return [grad.view(t.shape).to(t.dtype) for grad, t in zip(grads, (summary, *params), strict=True)]
+    """Gradients of summary and ``params``, :func:`route_backward` for one router (2-D), cast to their dtypes."""
+    rows, saved = router_rows(params, temperature)
+    x_hat, mean, rstd = torch.native_layer_norm(summary, summary.shape[-1:], None, None, LAYER_NORM_EPS)
+    grad_logits = torch._softmax_backward_data(grad, probs, -1, torch.float32).squeeze(1)  # [batch, N]
+    grad_summary = layer_norm_input_gradient(grad_logits @ (rows * saved[2]), summary, mean, rstd)
+    grads = (grad_summary, *router_rows_backward(rows, saved, grad_logits.T @ x_hat, grad_logits))
+    return [grad.to(t.dtype) for grad, t in zip(grads, (summary, *params), strict=True)]
 
 
 def route_shape(summary: Tensor, params: list[Tensor], drop: Tensor | None, temperature: float) -> Tensor:

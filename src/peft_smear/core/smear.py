@@ -103,37 +103,35 @@ def route_backward(
     grad_logits = torch._softmax_backward_data(grad_probs, probs, -1, torch.float32)  # [batch, G, N]
     grad_x_hat = grad_logits.flatten(1) @ table.flatten(0, 1)
     grad_table = torch.bmm(grad_logits.permute(1, 2, 0), x_hat.expand(table.shape[0], -1, -1))
-    grad_summary = torch.ops.aten.native_layer_norm_backward(
-        grad_x_hat, summary, summary.shape[-1:], mean, rstd, None, None, (True, False, False)
-    )[0]
+    grad_summary = layer_norm_input_gradient(grad_x_hat, summary, mean, rstd)
     return grad_summary, grad_table, grad_logits.transpose(0, 1)
 
 
+def layer_norm_input_gradient(grad: Tensor, x: Tensor, mean: Tensor, rstd: Tensor) -> Tensor:
+    """``x``'s gradient through a LayerNorm without affine over its last dimension, by ATen's kernel."""
+    backward = torch.ops.aten.native_layer_norm_backward.default
+    return backward(grad, x, x.shape[-1:], mean, rstd, None, None, (True, False, False))[0]
+
+
 def router_rows(params: Sequence[Tensor], temperature: float) -> tuple[Tensor, tuple]:
-    """``LN_rows(W) * gain / temperature`` ``[R, N, F]`` of R routers' stacked weights, gains, input scales and shifts
-    (dividing the rows' gain divides the logits: the rows are normalised anyway), and what its backward reads."""
-    weights, gains, scales, shifts = router_parameters(params, temperature)
-    rows_hat, mean, rstd = torch.native_layer_norm(weights, weights.shape[-1:], None, None, LAYER_NORM_EPS)
-    return rows_hat * gains.unsqueeze(1), (weights, gains, scales, shifts, temperature, rows_hat, mean, rstd)
-
-
-def router_parameters(params: Sequence[Tensor], temperature: float) -> list[Tensor]:
-    """The routers' parameters as :func:`router_rows` reads them: in fp32, the gains divided by the temperature."""
+    """``LN_rows(W) * gain / temperature`` ``[R, N, F]``, fp32, of R routers' stacked weights, gains, input scales and
+    shifts (one's unstacked: ``[N, F]``; the gain divides the logits, rows are normalised), and what backward reads."""
     weights, gains, scales, shifts = map(torch.Tensor.float, params)
-    return [weights, gains if temperature == 1 else gains / temperature, scales, shifts]
+    gains = gains if temperature == 1 else gains / temperature
+    rows_hat, mean, rstd = torch.native_layer_norm(weights, weights.shape[-1:], None, None, LAYER_NORM_EPS)
+    return rows_hat * gains.unsqueeze(-2), (weights, gains, scales, shifts, temperature, rows_hat, mean, rstd)
 
 
 def router_rows_backward(rows: Tensor, saved: tuple, grad_table: Tensor, grad_bias: Tensor) -> tuple[Tensor, ...]:
-    """R routers' weights', gains', input scales' and shifts' gradients from the folded (:func:`route_backward`)."""
+    """R routers' weights', gains', input scales' and shifts' gradients from the folded (:func:`route_backward`):
+    ``grad_table`` ``[R, N, F]``, ``grad_bias`` ``[R, batch, N]``; one router's unstacked, as :func:`router_rows`."""
     weights, gains, scales, shifts, temperature, rows_hat, mean, rstd = saved
-    grad_bias = grad_bias.sum(dim=1)  # [R, N]
-    grad_rows = torch.addcmul(grad_table * scales.unsqueeze(1), grad_bias.unsqueeze(2), shifts.unsqueeze(1))
-    grad_weights = torch.ops.aten.native_layer_norm_backward(
-        grad_rows * gains.unsqueeze(1), weights, weights.shape[-1:], mean, rstd, None, None, (True, False, False)
-    )[0]
-    grad_gains, grad_shifts = (grad_rows * rows_hat).sum(dim=1), torch.bmm(grad_bias.unsqueeze(1), rows).squeeze(1)
+    grad_bias = grad_bias.sum(dim=-2)  # [R, N]
+    grad_rows = torch.addcmul(grad_table * scales.unsqueeze(-2), grad_bias.unsqueeze(-1), shifts.unsqueeze(-2))
+    grad_weights = layer_norm_input_gradient(grad_rows * gains.unsqueeze(-2), weights, mean, rstd)
+    grad_gains, grad_shifts = (grad_rows * rows_hat).sum(dim=-2), (grad_bias.unsqueeze(-2) @ rows).squeeze(-2)
     grad_gains = grad_gains if temperature == 1 else grad_gains / temperature
-    return grad_weights, grad_gains, (grad_table * rows).sum(dim=1), grad_shifts
+    return grad_weights, grad_gains, (grad_table * rows).sum(dim=-2), grad_shifts
 
 
 class RouterTables(torch.autograd.Function):
@@ -333,7 +331,7 @@ class SmearRouter(NormalisedInputRouter):
     ) -> RoutingDecision:
         """This router's decision on its part, made in its layer's turn (random draws included); a SMEAR merge of it
         writes its gradient in place (:class:`GroupRouting`). SMEAR's own made here: a Python call per layer fewer."""
-        part = probs[:, index] if probs.shape[1] > 1 else probs.squeeze(1)  # alone: a view both ways
+        part = probs.select(1, index)  # a view
         decision = (
             RoutingDecision(weights=part) if type(self).decide is SmearRouter.decide else self.decide(part, inputs)
         )
@@ -357,12 +355,8 @@ class SmearRouter(NormalisedInputRouter):
 def merge_parameters(parameters: Sequence[Tensor], probs: Tensor, dtype: torch.dtype) -> list[Tensor]:
     """``sum_n probs[b, n] * parameter[n]`` per parameter in ``dtype``: one matmul, side by side, a view each."""
     flat = torch.cat([*map(torch.flatten, parameters, repeat(1))], 1) if parameters[1:] else parameters[0].flatten(1)
-    merged, parts, start = (probs.to(flat.dtype) @ flat).to(dtype), [], 0
-    for parameter in parameters:  # a loop: a comprehension is a Python call per module
-        end = start + parameter.shape[1:].numel()
-        parts.append(merged[:, start:end].view(-1, *parameter.shape[1:]))
-        start = end
-    return parts
+    merged = (probs.to(flat.dtype) @ flat).to(dtype).split_with_sizes([p.shape[1:].numel() for p in parameters], 1)
+    return [part.view(-1, *parameter.shape[1:]) for part, parameter in zip(merged, parameters, strict=True)]
 
 
 # 4. Apply --------------------------------------------------------------------------------------------------------
@@ -387,12 +381,12 @@ class MergeAndApply(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, tokens, lora_A, lora_B, probs, scaling, routing=None, index=0):
-        weights = probs if routing is None else probs[:, index]  # a group's distributions: [batch, G, N]
+        weights = probs if routing is None else probs.select(1, index)  # a group's distributions: [batch, G, N]
         # merge_parameters for LoRA's pair, here: a Python call per layer fewer. flat: [N, r * in + out * r]
         flat = torch.cat((lora_A.flatten(1), lora_B.flatten(1)), 1)
-        merged, size_A = (weights.to(flat.dtype) @ flat).to(tokens.dtype), lora_A.shape[1:].numel()
-        expert_A = merged[:, :size_A].view(-1, *lora_A.shape[1:])  # [batch, r, in]
-        expert_B = merged[:, size_A:].view(-1, *lora_B.shape[1:])  # [batch, out, r]
+        ctx.sizes = lora_A.shape[1:].numel(), lora_B.shape[1:].numel()
+        merged = (weights.to(flat.dtype) @ flat).to(tokens.dtype).split_with_sizes(ctx.sizes, 1)
+        expert_A, expert_B = merged[0].view(-1, *lora_A.shape[1:]), merged[1].view(-1, *lora_B.shape[1:])
         hidden = torch.bmm(tokens, expert_A.transpose(1, 2))
         ctx.save_for_backward(tokens, lora_A, lora_B, weights, flat, expert_A, expert_B, hidden)
         ctx.scaling, ctx.routing, ctx.index = scaling, routing, index
@@ -402,16 +396,18 @@ class MergeAndApply(torch.autograd.Function):
     def backward(ctx, grad):
         tokens, lora_A, lora_B, weights, flat, expert_A, expert_B, hidden = ctx.saved_tensors
         # The merged experts' gradients side by side, [batch, r * in + out * r]: each matmul writes its part, no cat.
-        grad_merged, size_A = grad.new_empty(len(weights), flat.shape[1]), lora_A.shape[1:].numel()
+        grad_merged = grad.new_empty(len(weights), flat.shape[1])
+        merged_A, merged_B = grad_merged.split_with_sizes(ctx.sizes, 1)
         grad_hidden = torch.bmm(grad, expert_B)  # [batch, tokens, r]
-        grad_B = torch.bmm(grad.transpose(1, 2), hidden, out=grad_merged[:, size_A:].view_as(expert_B))
+        grad_B = torch.bmm(grad.transpose(1, 2), hidden, out=merged_B.view_as(expert_B))
         if ctx.scaling != 1:  # after the matmuls, as autograd's baddbmm
             grad_hidden.mul_(ctx.scaling), grad_B.mul_(ctx.scaling)
         grad_tokens = torch.bmm(grad_hidden, expert_A) if ctx.needs_input_grad[1] else None
-        torch.bmm(grad_hidden.transpose(1, 2), tokens, out=grad_merged[:, :size_A].view_as(expert_A))
+        torch.bmm(grad_hidden.transpose(1, 2), tokens, out=merged_A.view_as(expert_A))
         grad_merged, needs, transposed = grad_merged.to(flat.dtype), ctx.needs_input_grad, weights.to(flat.dtype).T
-        grad_lora_A = (transposed @ grad_merged[:, :size_A]).view_as(lora_A) if needs[2] else None
-        grad_lora_B = (transposed @ grad_merged[:, size_A:]).view_as(lora_B) if needs[3] else None
+        merged_A, merged_B = grad_merged.split_with_sizes(ctx.sizes, 1)  # in the parameters' dtype
+        grad_lora_A = (transposed @ merged_A).view_as(lora_A) if needs[2] else None
+        grad_lora_B = (transposed @ merged_B).view_as(lora_B) if needs[3] else None
         grad_probs = None
         if ctx.routing is not None:  # into its place among the group's
             torch.mm(grad_merged, flat.T, out=ctx.routing.grads[:, ctx.index])
