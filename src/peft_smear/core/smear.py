@@ -331,7 +331,7 @@ class SmearRouter(NormalisedInputRouter):
     ) -> RoutingDecision:
         """This router's decision on its part, made in its layer's turn (random draws included); a SMEAR merge of it
         writes its gradient in place (:class:`GroupRouting`). SMEAR's own made here: a Python call per layer fewer."""
-        part = probs.select(1, index)  # a view
+        part = probs[:, index] if probs.shape[1] > 1 else probs.squeeze(1)  # compiled, a select's backward is a kernel
         decision = (
             RoutingDecision(weights=part) if type(self).decide is SmearRouter.decide else self.decide(part, inputs)
         )
@@ -353,10 +353,11 @@ class SmearRouter(NormalisedInputRouter):
 
 
 def merge_parameters(parameters: Sequence[Tensor], probs: Tensor, dtype: torch.dtype) -> list[Tensor]:
-    """``sum_n probs[b, n] * parameter[n]`` per parameter in ``dtype``: one matmul, side by side, a view each."""
+    """``sum_n probs[b, n] * parameter[n]`` per parameter in ``dtype``: one matmul, side by side, a slice each
+    (compiled, a split's backward is one more kernel)."""
     flat = torch.cat([*map(torch.flatten, parameters, repeat(1))], 1) if parameters[1:] else parameters[0].flatten(1)
-    merged = (probs.to(flat.dtype) @ flat).to(dtype).split_with_sizes([p.shape[1:].numel() for p in parameters], 1)
-    return [part.view(-1, *parameter.shape[1:]) for part, parameter in zip(merged, parameters, strict=True)]
+    merged, start = (probs.to(flat.dtype) @ flat).to(dtype), 0
+    return [merged[:, start : (start := start + p.shape[1:].numel())].view(-1, *p.shape[1:]) for p in parameters]
 
 
 # 4. Apply --------------------------------------------------------------------------------------------------------
