@@ -609,3 +609,12 @@ def test_tracing_a_smear_model_warns_of_nothing_in_the_package():
         torch.compile(model, backend="eager")(**inputs_for("prompt")).loss.backward()
     ours = [str(w.message) for w in caught if "peft_smear" in str(w.message) or "peft_smear" in w.filename]
     assert not ours, ours
+
+
+def test_a_compiled_step_takes_its_merged_experts_and_router_parts_by_slice_and_squeeze():
+    """Compiled, a merge's parts are slices of its side-by-side result and a lone router's part a squeeze of the
+    operator's ``[batch, 1, N]``: a ``split`` or a ``select`` in the graph makes its backward one more generated kernel
+    per wrapped module to build at a cold compile."""
+    counts, _ = compiled_training_operations(smear_model("prompt"))
+    made = [target for part in counts.values() for target in part if "select" in target or "split" in target]
+    assert made == []

@@ -331,7 +331,7 @@ class SmearRouter(NormalisedInputRouter):
     ) -> RoutingDecision:
         """This router's decision on its part, made in its layer's turn (random draws included); a SMEAR merge of it
         writes its gradient in place (:class:`GroupRouting`). SMEAR's own made here: a Python call per layer fewer."""
-        part = probs[:, index] if probs.shape[1] > 1 else probs.squeeze(1)  # compiled, a select's backward is a kernel
+        part = probs[:, index] if probs.shape[1] > 1 else probs.squeeze(1)  # a lone one's (compiled: no select)
         decision = (
             RoutingDecision(weights=part) if type(self).decide is SmearRouter.decide else self.decide(part, inputs)
         )
