@@ -10,10 +10,11 @@ the graphs and graph breaks ``torch._dynamo.explain`` finds; the first training 
 model (default ``torch.compile``: inductor, automatic dynamic shapes); then ten training batches of different lengths,
 padding and prompt lengths (the task mixtures a router sees), counting the graphs compiled for them. ``--cold-repeats``
 rounds of such cold first steps (fresh processes, the order alternating) give the median reported: on this machine
-one method's cold first step varied by up to 25% between runs. The steady steps are measured last, in one more
-process that compiles both methods from the caches the first round filled: the training step and inference of each,
-compiled and eager, interleaved ``--repeats`` times (the fastest of each), so that both methods meet the same machine,
-as in the speed benchmark (steps timed in two processes differed by up to 30%).
+one method's cold first step varied by up to 25% between runs, so its bound is met or missed only where every round's
+ratio, the two methods' processes side by side, says so, and is otherwise inside the noise. The steady steps are
+measured last, in one more process that compiles both methods from the caches the first round filled: the training
+step and inference of each, compiled and eager, interleaved ``--repeats`` times (the fastest of each), so that both
+methods meet the same machine, as in the speed benchmark (steps timed in two processes differed by up to 30%).
 """
 
 from __future__ import annotations
@@ -293,7 +294,6 @@ def checks(figures: dict[str, dict]) -> list[tuple[str, str]]:
     def verdict(ok: bool, detail: str) -> str:
         return f"{'met' if ok else 'missed'} ({detail})"
 
-    first = smear["first_step_s"] / lora["first_step_s"]
     steady = all("compiled_train_step_s" in values for values in (smear, lora))
     step = smear["compiled_train_step_s"] / lora["compiled_train_step_s"] if steady else None
     failed = "; ".join(
@@ -318,10 +318,7 @@ def checks(figures: dict[str, dict]) -> list[tuple[str, str]]:
                 f"SMEAR {smear['graph_breaks']}, LoRA {lora['graph_breaks']}",
             ),
         ),
-        (
-            f"compiled SMEAR / compiled LoRA first step, caches cold ≤ {FIRST_STEP_TARGET}",
-            verdict(first <= FIRST_STEP_TARGET, f"{first:.2f}"),
-        ),
+        (f"compiled SMEAR / compiled LoRA first step, caches cold ≤ {FIRST_STEP_TARGET}", cold_verdict(smear, lora)),
         (
             f"compiled SMEAR / compiled LoRA training step ≤ {STEP_TARGET}",
             f"not measured{f' ({failed})' if failed else ''}"
@@ -331,6 +328,19 @@ def checks(figures: dict[str, dict]) -> list[tuple[str, str]]:
         *recompiles,
         *reduce_overhead_checks(smear, lora, verdict),
     ]
+
+
+def cold_verdict(smear: dict, lora: dict) -> str:
+    """The first step's verdict on the medians' ratio, met or missed only where every round (the two methods' cold
+    processes side by side) agrees: the same code's median ratio read 1.34x and 1.70x an hour apart on one machine."""
+    first = smear["first_step_s"] / lora["first_step_s"]
+    rounds = [s / lo for s, lo in zip(smear.get("first_steps_s", ()), lora.get("first_steps_s", ()), strict=True)]
+    within = [ratio <= FIRST_STEP_TARGET for ratio in rounds]
+    if len(set(within)) > 1:
+        return f"inside the noise ({first:.2f}; rounds {', '.join(f'{ratio:.2f}' for ratio in rounds)})"
+    met = first <= FIRST_STEP_TARGET if not rounds else within[0]
+    every = f"; every round {min(rounds):.2f} to {max(rounds):.2f}" if rounds[1:] else ""
+    return f"{'met' if met else 'missed'} ({first:.2f}{every})"
 
 
 def cudagraphs_status(values: dict) -> str | None:
