@@ -335,12 +335,11 @@ def cold_verdict(smear: dict, lora: dict) -> str:
     processes side by side) agrees: the same code's median ratio read 1.34x and 1.70x an hour apart on one machine."""
     first = smear["first_step_s"] / lora["first_step_s"]
     rounds = [s / lo for s, lo in zip(smear.get("first_steps_s", ()), lora.get("first_steps_s", ()), strict=True)]
-    within = [ratio <= FIRST_STEP_TARGET for ratio in rounds]
-    if len(set(within)) > 1:
+    within = {ratio <= FIRST_STEP_TARGET for ratio in (first, *rounds)}
+    if len(within) > 1:
         return f"inside the noise ({first:.2f}; rounds {', '.join(f'{ratio:.2f}' for ratio in rounds)})"
-    met = first <= FIRST_STEP_TARGET if not rounds else within[0]
     every = f"; every round {min(rounds):.2f} to {max(rounds):.2f}" if rounds[1:] else ""
-    return f"{'met' if met else 'missed'} ({first:.2f}{every})"
+    return f"{'met' if within.pop() else 'missed'} ({first:.2f}{every})"
 
 
 def cudagraphs_status(values: dict) -> str | None:
