@@ -318,7 +318,10 @@ def checks(figures: dict[str, dict]) -> list[tuple[str, str]]:
                 f"SMEAR {smear['graph_breaks']}, LoRA {lora['graph_breaks']}",
             ),
         ),
-        (f"compiled SMEAR / compiled LoRA first step, caches cold ≤ {FIRST_STEP_TARGET}", cold_verdict(smear, lora)),
+        (
+            f"compiled SMEAR / compiled LoRA first step, caches cold ≤ {FIRST_STEP_TARGET}",
+            cold_verdict(smear, lora, verdict),
+        ),
         (
             f"compiled SMEAR / compiled LoRA training step ≤ {STEP_TARGET}",
             f"not measured{f' ({failed})' if failed else ''}"
@@ -330,7 +333,7 @@ def checks(figures: dict[str, dict]) -> list[tuple[str, str]]:
     ]
 
 
-def cold_verdict(smear: dict, lora: dict) -> str:
+def cold_verdict(smear: dict, lora: dict, verdict: Callable[[bool, str], str]) -> str:
     """The first step's verdict on the medians' ratio, met or missed only where every round (the two methods' cold
     processes side by side) agrees: the same code's median ratio read 1.34x and 1.70x an hour apart on one machine."""
     first = smear["first_step_s"] / lora["first_step_s"]
@@ -339,7 +342,7 @@ def cold_verdict(smear: dict, lora: dict) -> str:
     if len(within) > 1:
         return f"inside the noise ({first:.2f}; rounds {', '.join(f'{ratio:.2f}' for ratio in rounds)})"
     every = f"; every round {min(rounds):.2f} to {max(rounds):.2f}" if rounds[1:] else ""
-    return f"{'met' if within.pop() else 'missed'} ({first:.2f}{every})"
+    return verdict(within.pop(), f"{first:.2f}{every}")
 
 
 def cudagraphs_status(values: dict) -> str | None:
