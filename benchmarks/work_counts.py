@@ -42,6 +42,11 @@ validation, NVIDIA H200”), so the operations that launch no kernel, host work 
   --compiled-repeats 0`` there, read 2.12× for a bf16 training step and 1.96× for an evaluation (fp32: 2.30×, 2.00×)
   on 2026-12-06, where that code's operations read 1.42× and 1.35×. It is the nearest a CPU comes to a GPU's eager
   step at those shapes; the counts alone were not.
+* **SMEAR with its routing fixed** (``smear_routing_fixed``, not a method: :data:`ROUTING_FIXED`): every layer
+  routed by a batch's mean routing through ``peft_smear.fixed_routing``, so that it merges and applies its experts as
+  SMEAR does and routes nothing. SMEAR's row less this one is what routing costs (pooling, the routers and their
+  backward, the call's router tables, expert dropout, load balancing); this row is what any routing, however fast,
+  leaves of SMEAR's step.
 * **Compiled host time per decoder layer**: the same training step of the model ``torch.compile`` made (default mode,
   inductor), LoRA and SMEAR only, and the interpreter's calls per decoder layer in one such step (counted, as above).
   The CPU presets of ``compile_speed.py`` are bound by arithmetic, where a compiled step's host work does not show;
@@ -103,6 +108,9 @@ HOST_BATCH, HOST_LAYERS = (2, 8), (2, 8)
 TARGETS = {("train", "bf16"): 1.30, ("eval", "bf16"): 1.20, ("train", "fp32"): 1.40}
 CALLS_PER_MODULE_TARGET = 12
 COMPILED_HOST_METHODS = ("lora", "smear")  # each compiles in about a minute: the others are not timed compiled
+ROUTING_FIXED = "smear_routing_fixed"
+"""Not a method: SMEAR with every layer's routing fixed at a batch's mean routing (``peft_smear.fixed_routing``), so
+that it merges and applies its experts but routes nothing. SMEAR's row less this one is what routing costs."""
 
 
 class DispatchCounter(TorchDispatchMode):
@@ -144,7 +152,13 @@ def build(method: str, layers: int, dtype: torch.dtype, device: str, model: dict
     if method == "lora":
         return get_peft_model(base, LoraConfig(r=8, lora_alpha=8, **common))
     num_experts = {} if method == "single" else {"num_experts": 8}
-    return get_peft_model(base, peft_smear.SmearConfig(r=8, lora_alpha=8, routing=method, **num_experts, **common))
+    routing = "smear" if method == ROUTING_FIXED else method
+    adapted = get_peft_model(base, peft_smear.SmearConfig(r=8, lora_alpha=8, routing=routing, **num_experts, **common))
+    if method == ROUTING_FIXED:
+        fixing = peft_smear.fixed_routing(adapted, [batch(device)])
+        fixing.__enter__()
+        adapted.routing_fixed_by = fixing  # held by the model: collected, the context would end and routing return
+    return adapted
 
 
 def batch(device: str, size: tuple[int, int] = (BATCH, SEQUENCE)) -> dict[str, torch.Tensor]:
@@ -476,7 +490,9 @@ def results_section(
         f"({timed}, {HOST_LAYERS[1]}-layer model minus {HOST_LAYERS[0]}-layer): where each operation's arithmetic "
         "is nearly nothing, a step costs what the host does. Compiled: the same training step of the model "
         f"`torch.compile` made (default mode, inductor), {' and '.join(COMPILED_HOST_METHODS)} only, after the steps "
-        f"that compile it ({compiled}). Ratios are to LoRA's.",
+        f"that compile it ({compiled}). `{ROUTING_FIXED}`: SMEAR with every layer's routing fixed "
+        "(`peft_smear.fixed_routing`), which merges and applies its experts but routes nothing: SMEAR without the "
+        "cost of its routing. Ratios are to LoRA's.",
         "",
         host_table(rows),
         "",
@@ -494,7 +510,8 @@ def results_section(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    methods = (*METHODS, ROUTING_FIXED)
+    parser.add_argument("--methods", nargs="+", choices=methods, default=list(methods))
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=list(DTYPES))
     parser.add_argument("--device", default="cpu")
     parser.add_argument(

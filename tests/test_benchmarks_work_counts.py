@@ -3,6 +3,8 @@ host reads, calls into a package; per layer as the difference of two depths; and
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from conftest import import_script, run_script_main
@@ -48,6 +50,23 @@ def test_calls_during_counts_the_python_and_builtin_calls_it_selects():
     assert work_counts.calls_during(work, lambda frame, event: event == "call" and frame.f_code is twice.__code__) == 3
     assert work_counts.calls_during(work, lambda frame, event: event == "c_call") == 6  # len, twice per call
     assert work_counts.calls_during(work, lambda frame, event: False) == 0
+
+
+def test_the_routing_fixed_row_applies_every_experts_but_routes_nothing():
+    """SMEAR's row less this one is what routing costs: with each layer's routing fixed (and still fixed once build's
+    frame is gone and the model alone holds the context), a step runs none of the routers' LayerNorms and softmaxes,
+    and applies every wrapped module's experts as SMEAR does (one ``baddbmm`` each)."""
+    inputs = work_counts.batch("cpu")
+    fixed = work_counts.build(work_counts.ROUTING_FIXED, 2, torch.float32, "cpu")
+    gc.collect()
+    smear = work_counts.build("smear", 2, torch.float32, "cpu")
+    wrapped = 2 * len(work_counts.TARGET_MODULES)
+    for mode in work_counts.MODES:
+        ours, theirs = (work_counts.counted(model, inputs, mode).operations for model in (fixed, smear))
+        assert ours["_softmax"] == ours["native_layer_norm"] == 0, (mode, ours)
+        assert theirs["_softmax"] > 0 and theirs["native_layer_norm"] > 0, (mode, theirs)
+        assert ours["baddbmm"] == wrapped, (mode, ours)
+    assert theirs["baddbmm"] == wrapped  # in evaluation SMEAR's routing adds none
 
 
 def test_interpreter_calls_grow_by_the_same_count_with_each_decoder_layer():
