@@ -52,7 +52,7 @@ def test_calls_during_counts_the_python_and_builtin_calls_it_selects():
     assert work_counts.calls_during(work, lambda frame, event: False) == 0
 
 
-def test_the_routing_fixed_row_applies_every_experts_but_routes_nothing():
+def test_the_routing_fixed_row_applies_every_modules_experts_but_routes_nothing():
     """SMEAR's row less this one is what routing costs: with each layer's routing fixed (and still fixed once build's
     frame is gone and the model alone holds the context), a step runs none of the routers' LayerNorms and softmaxes,
     and applies every wrapped module's experts as SMEAR does (one ``baddbmm`` each)."""
