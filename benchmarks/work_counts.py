@@ -45,8 +45,8 @@ validation, NVIDIA H200”), so the operations that launch no kernel, host work 
 * **SMEAR with its routing fixed** (``smear_routing_fixed``, not a method: :data:`ROUTING_FIXED`): every layer
   routed by a batch's mean routing through ``peft_smear.fixed_routing``, so that it merges and applies its experts as
   SMEAR does and routes nothing. SMEAR's row less this one is what routing costs (pooling, the routers and their
-  backward, the call's router tables, expert dropout, load balancing); this row is what any routing, however fast,
-  leaves of SMEAR's step.
+  backward, the call's router tables, load balancing; the call's expert-dropout draw and clock tick, made before its
+  layers run, stay in both rows); this row is about what any routing, however fast, leaves of SMEAR's step.
 * **Compiled host time per decoder layer**: the same training step of the model ``torch.compile`` made (default mode,
   inductor), LoRA and SMEAR only, and the interpreter's calls per decoder layer in one such step (counted, as above).
   The CPU presets of ``compile_speed.py`` are bound by arithmetic, where a compiled step's host work does not show;
@@ -108,9 +108,7 @@ HOST_BATCH, HOST_LAYERS = (2, 8), (2, 8)
 TARGETS = {("train", "bf16"): 1.30, ("eval", "bf16"): 1.20, ("train", "fp32"): 1.40}
 CALLS_PER_MODULE_TARGET = 12
 COMPILED_HOST_METHODS = ("lora", "smear")  # each compiles in about a minute: the others are not timed compiled
-ROUTING_FIXED = "smear_routing_fixed"
-"""Not a method: SMEAR with every layer's routing fixed at a batch's mean routing (``peft_smear.fixed_routing``), so
-that it merges and applies its experts but routes nothing. SMEAR's row less this one is what routing costs."""
+ROUTING_FIXED = "smear_routing_fixed"  # not a method: SMEAR with its routing fixed (the docstring's bullet)
 
 
 class DispatchCounter(TorchDispatchMode):
