@@ -411,6 +411,16 @@ def choose_learning_rates(rows: Iterable[dict[str, Any]]) -> dict[str, float]:
     return {method: -key[1] for method, key in best.items()}
 
 
+def widened(grid: Sequence[float], best: float, ladder: Sequence[float]) -> float | None:
+    """The rate to add to ``grid`` when its ``best`` rate lies at an edge: the next rate of ``ladder`` beyond that
+    edge; ``None`` when ``best`` is inside the grid, or at an end of the ladder (the cap)."""
+    if min(grid) < best < max(grid):
+        return None
+    if best == max(grid):
+        return min((rate for rate in ladder if rate > best * 1.0001), default=None)
+    return max((rate for rate in ladder if rate < best * 0.9999), default=None)
+
+
 class RunJournal:
     """Finished runs, one JSON line each after a header naming the settings every run shares, so that a benchmark cut
     short (a session's time limit) resumes where it stopped; a journal of other settings is refused, never mixed in.

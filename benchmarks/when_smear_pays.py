@@ -55,6 +55,13 @@ because in its sweep (RESULTS.md, section "Quality, preset `reduced`, 2026-11-21
 which diverged for SMEAR and the ensemble, and tag routing chose the grid's bottom, 2e-3. At 216 steps the grid is
 {1e-3, 2e-3, 4e-3}: longer runs chose lower rates (1e-3 or below at 500 steps of batch 32).
 
+Widening (added on 2026-12-07, before the runs of the study's second sitting; the first sitting, of 2026-11-25, had a
+third of its chosen rates at an edge of these fixed grids): while a method's best validation rate lies at an edge of
+its grid, the next rate of the regime's ladder beyond that edge (the grid's rates halved or doubled: {3.75e-4, 7.5e-4,
+..., 1.2e-2, 2.4e-2} at 72 steps, {2.5e-4, ..., 8e-3, 1.6e-2} at 216) is swept with seed 0 and the choice made again
+(``quality.widened``); the ladder's ends are the caps, and a method stopped by one is listed. Only then do its other
+seeds run.
+
 Longer than 400 lines on purpose: the study's whole design (regimes, data, the bank, the scheduler, the verdicts, the
 figure and the report) stays in the one file its RESULTS.md command names.
 """
@@ -104,6 +111,7 @@ from quality import (
     run_one,
     setup_of,
     summarise,
+    widened,
 )
 from transformers import AutoTokenizer, set_seed
 
@@ -140,14 +148,15 @@ class TaskSpec:
 @dataclass(frozen=True)
 class Regime:
     """One cell of the study: its tasks, the small task whose own score is reported, the steps as a multiple of the
-    preset's, the learning-rate grid, what it varies (``axis``), and whether it is a point of the figure's imbalance
-    curve."""
+    preset's, the learning-rate grid it starts from and the ``ladder`` it may be widened along (its ends are the
+    caps), what it varies (``axis``), and whether it is a point of the figure's imbalance curve."""
 
     name: str
     axis: str
     tasks: tuple[TaskSpec, ...]
     small: str
     learning_rates: tuple[float, ...]
+    ladder: tuple[float, ...]
     steps_factor: int = 1
     on_curve: bool = False
 
@@ -161,6 +170,9 @@ SIX = ("trec6", "sms_spam", "bbc_news", "rt_fresh", "tweets_sent", "nyt_reg")
 SMALL = "tweets_sent"
 RATES = (1.5e-3, 3e-3, 6e-3)
 RATES_3X = (1e-3, 2e-3, 4e-3)
+LADDER = (3.75e-4, 7.5e-4, *RATES, 1.2e-2, 2.4e-2)
+LADDER_3X = (2.5e-4, 5e-4, *RATES_3X, 8e-3, 1.6e-2)
+TINY = ((1e-3, 1e-2), (3e-4, 1e-3, 1e-2, 3e-2))  # the smoke test's grid and ladder
 SUBTASKS = (
     TaskSpec("trec6_abbr_desc_enty", "trec6", ("ABBR", "DESC", "ENTY")),
     TaskSpec("trec6_hum_loc_num", "trec6", ("HUM", "LOC", "NUM")),
@@ -174,13 +186,14 @@ SUBTASKS = (
 # In the order they run: if the study is cut off, the regimes it finished are the most informative ones.
 STUDY_REGIMES = {
     "reduced": (
-        Regime("small64", "imbalance", _whole(*SIX, small=SMALL, size=64), SMALL, RATES, on_curve=True),
+        Regime("small64", "imbalance", _whole(*SIX, small=SMALL, size=64), SMALL, RATES, LADDER, on_curve=True),
         Regime(
             "related3_small64",
             "relatedness",
             _whole("rt_fresh", "tweets_sent", "nyt_reg", small=SMALL, size=64),
             SMALL,
             RATES,
+            LADDER,
         ),
         Regime(
             "unrelated3_small64",
@@ -188,17 +201,18 @@ STUDY_REGIMES = {
             _whole("trec6", "bbc_news", "tweets_sent", small=SMALL, size=64),
             SMALL,
             RATES,
+            LADDER,
         ),
-        Regime("balanced6", "control", _whole(*SIX), SMALL, RATES, on_curve=True),
-        Regime("small128", "imbalance", _whole(*SIX, small=SMALL, size=128), SMALL, RATES, on_curve=True),
-        Regime("small256", "imbalance", _whole(*SIX, small=SMALL, size=256), SMALL, RATES, on_curve=True),
-        Regime("subtasks8_small64", "number of tasks", SUBTASKS, SMALL, RATES),
-        Regime("small64_3x", "budget", _whole(*SIX, small=SMALL, size=64), SMALL, RATES_3X, steps_factor=3),
+        Regime("balanced6", "control", _whole(*SIX), SMALL, RATES, LADDER, on_curve=True),
+        Regime("small128", "imbalance", _whole(*SIX, small=SMALL, size=128), SMALL, RATES, LADDER, on_curve=True),
+        Regime("small256", "imbalance", _whole(*SIX, small=SMALL, size=256), SMALL, RATES, LADDER, on_curve=True),
+        Regime("subtasks8_small64", "number of tasks", SUBTASKS, SMALL, RATES, LADDER),
+        Regime("small64_3x", "budget", _whole(*SIX, small=SMALL, size=64), SMALL, RATES_3X, LADDER_3X, steps_factor=3),
     ),
     # The smoke test's regimes, on the test suite's task files (tests/conftest.py: ``topic``, ``count``) and a
-    # four-class ``quad`` task that the test writes; their numbers mean nothing.
+    # four-class ``quad`` task that the test writes; their numbers mean nothing. A rung beyond each end of the grid.
     "tiny": (
-        Regime("small", "imbalance", _whole("topic", "count", small="topic", size=16), "topic", (1e-3, 1e-2), 1, True),
+        Regime("small", "imbalance", _whole("topic", "count", small="topic", size=16), "topic", *TINY, 1, True),
         Regime(
             "subtasks",
             "number of tasks",
@@ -208,9 +222,9 @@ STUDY_REGIMES = {
                 TaskSpec("topic", "topic", train=16),
             ),
             "topic",
-            (1e-3, 1e-2),
+            *TINY,
         ),
-        Regime("balanced", "control", _whole("topic", "count"), "topic", (1e-3, 1e-2), 2, True),
+        Regime("balanced", "control", _whole("topic", "count"), "topic", *TINY, 2, True),
     ),
 }
 STUDY_PRESETS = {"reduced": "reduced", "tiny": "tiny"}  # study preset -> quality.py's preset of the same scale
@@ -383,7 +397,8 @@ def run_study(
     threads: int | None = None,
     log: Callable[[str], None] = print,
 ) -> tuple[dict[str, list[dict[str, Any]]], int]:
-    """Every regime's runs, ``jobs`` at a time: each method's rate sweep (seed 0), then its other seeds at the chosen
+    """Every regime's runs, ``jobs`` at a time: each method's rate sweep (seed 0), widened along the regime's ladder
+    while its best rate lies at an edge of its grid (:func:`~quality.widened`), then its other seeds at the chosen
     rate. The next run started is always the first ready one in regime order, so regimes finish one after another
     and a study cut off leaves whole regimes. Runs in a regime's journal are replayed, not trained again. Returns the
     rows of each regime (``chosen`` set) and the number of replayed runs."""
@@ -395,6 +410,8 @@ def run_study(
         for method in methods
         for rate in learning_rates[regime.name]
     ]
+    grids = {(regime.name, method): list(learning_rates[regime.name]) for regime in regimes for method in methods}
+    ladders = {regime.name: regime.ladder for regime in regimes}
     rows: dict[tuple[str, Run], dict[str, Any]] = {}
     chosen: dict[tuple[str, str], float] = {}
     replayed = 0
@@ -414,14 +431,19 @@ def run_study(
             f"{row['test_average']:.4f} ({row['total_seconds']:.0f} s)"
             + (" (from the journal)" if from_journal else "")
         )
-        swept = [
-            r
-            for (g, other), r in rows.items()
-            if g == regime and other.method == run.method and other.phase == "sweep"
-        ]
-        if run.phase == "sweep" and len(swept) == len(learning_rates[regime]):
-            rate = chosen[regime, run.method] = choose_learning_rates(swept)[run.method]
-            ready.extend((regime, Run(run.method, rate, seed, "seeds")) for seed in range(1, seeds))
+        grid = grids[regime, run.method]
+        swept = [rows.get((regime, Run(run.method, rate, 0, "sweep"))) for rate in grid]
+        if run.phase != "sweep" or None in swept:
+            return
+        best = choose_learning_rates(swept)[run.method]
+        wider = widened(grid, best, ladders[regime])
+        if wider is not None:
+            log(f"{regime:<20} {run.method:<16} best at the edge {best:.1e} of its grid: adding {wider:.1e}")
+            grid.append(wider)
+            ready.append((regime, Run(run.method, wider, 0, "sweep")))
+            return
+        chosen[regime, run.method] = best
+        ready.extend((regime, Run(run.method, best, seed, "seeds")) for seed in range(1, seeds))
 
     executor = RunPool(setups, jobs, threads)
     pending: dict[Future, tuple[str, Run]] = {}
@@ -470,6 +492,7 @@ class Outcome:
     regime: Regime
     tasks: list[TaskInfo]
     summaries: dict[str, Summary]
+    grids: dict[str, list[float]]  # each method's swept rates
     small_metric: str
     small_size: int
     steps: int
@@ -495,10 +518,15 @@ def outcome(regime: Regime, setup: Setup, rows: list[dict[str, Any]]) -> Outcome
     if BANK in summaries and loras:
         lora = max(loras, key=lambda m: summaries[m].mean())
         bank_vs_lora = (lora, *paired_difference(summaries[BANK], summaries[lora]))
+    grids: dict[str, list[float]] = {}
+    for row in rows:
+        if row["phase"] == "sweep":
+            grids.setdefault(row["method"], []).append(row["learning_rate"])
     return Outcome(
         regime,
         setup.tasks,
         summaries,
+        {method: sorted(rates) for method, rates in grids.items()},
         small_metric,
         small_size,
         setup.preset.steps,
@@ -560,13 +588,21 @@ def summary_table(outcomes: Sequence[Outcome]) -> str:
 
 
 def regime_table(o: Outcome) -> str:
-    """A row per method: its chosen rate, test mean ± std per task and on average, and SMEAR minus it (paired)."""
+    """A row per method: its chosen rate and the rates it swept, test mean ± std per task and on average, and SMEAR
+    minus it (paired)."""
     names = [metric_name(task) for task in o.tasks]
-    header = ["method", "lr", *[name.replace("_", " ") for name in names], "average", "SMEAR − this, paired"]
+    header = [
+        "method",
+        "lr",
+        "rates swept",
+        *[name.replace("_", " ") for name in names],
+        "average",
+        "SMEAR − this, paired",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     smear = o.summaries.get(SMEAR)
     for method, summary in o.summaries.items():
-        cells = [LABELS[method], f"{summary.learning_rate:.1e}"]
+        cells = [LABELS[method], f"{summary.learning_rate:.1e}", ", ".join(f"{r:.1e}" for r in o.grids[method])]
         for name in names:
             cell = f"{summary.mean(name):.1f} ± {summary.std(name):.1f}"
             cells.append(f"*{cell}*" if name == o.small_metric else cell)
@@ -577,12 +613,12 @@ def regime_table(o: Outcome) -> str:
 
 
 def edge_rates(o: Outcome) -> list[str]:
-    """Methods whose chosen rate is the top or bottom of the regime's grid (a wider grid might have done better)."""
-    low, high = min(o.regime.learning_rates), max(o.regime.learning_rates)
+    """Methods whose chosen rate is the top or bottom of the rates they swept: the ladder's cap stopped the widening
+    (a wider grid might have done better)."""
     return [
         f"{LABELS[m]} ({s.learning_rate:.1e})"
         for m, s in o.summaries.items()
-        if s.learning_rate in (low, high) and len(o.regime.learning_rates) > 1
+        if len(o.grids[m]) > 1 and s.learning_rate in (o.grids[m][0], o.grids[m][-1])
     ]
 
 
@@ -642,8 +678,9 @@ def report_body(outcomes: Sequence[Outcome], preset: Preset, seeds: int, figure:
         f"Every method in every regime: {preset.steps} steps (× the regime's factor) of batch {preset.batch_size}, "
         f"{preset.max_length} tokens, {preset.num_experts} experts of rank {preset.r} where there are experts (LoRA "
         f"1× parameters: rank {preset.num_experts * preset.r}; lora_alpha = {preset.r}), up to "
-        f"{preset.max_examples_per_task} training examples per task unless cut, learning rate chosen from the "
-        f"regime's grid by the validation average of seed 0, then {seeds} seeds at that rate; test mean ± sample std "
+        f"{preset.max_examples_per_task} training examples per task unless cut, learning rate chosen by the "
+        "validation average of seed 0 from the regime's grid, widened along its ladder while a method's best rate "
+        f"lies at an edge of the rates it swept, then {seeds} seeds at that rate; test mean ± sample std "
         "over seeds, ×100 (accuracy, Pearson for nyt_reg). The bank: the same total steps, a quarter for the router "
         "and heads on the mixture, the rest split evenly among the tasks' own LoRAs (see the script's docstring). "
         f"Verdict ({SMEAR}, the library's default SMEAR, against the best non-ensemble baseline by mean): "
@@ -659,16 +696,18 @@ def report_body(outcomes: Sequence[Outcome], preset: Preset, seeds: int, figure:
             for task in o.tasks
         )
         rates = ", ".join(f"{rate:.1e}" for rate in o.regime.learning_rates)
+        ladder = ", ".join(f"{rate:.1e}" for rate in o.regime.ladder)
         edges = edge_rates(o)
         lines += [
             "",
             f"### `{o.regime.name}` ({o.regime.axis})",
             "",
-            f"Tasks: {tasks}. {o.steps} steps; learning rates {rates}. The small task's column is in italics.",
+            f"Tasks: {tasks}. {o.steps} steps; learning rates {rates}, widened along {ladder}. The small task's "
+            "column is in italics.",
             "",
             regime_table(o),
             "",
-            "Rates chosen at an edge of the grid: " + (", ".join(edges) if edges else "none") + ".",
+            "Rates chosen at an edge of the rates swept (the ladder's cap): " + (", ".join(edges) or "none") + ".",
         ]
     return "\n".join(lines) + "\n"
 

@@ -213,7 +213,17 @@ from common import (
     write_results,
 )
 from peft import LoraConfig, get_peft_model
-from quality import Run, RunClock, RunJournal, Summary, choose_learning_rates, paired_difference, result_row, summarise
+from quality import (
+    Run,
+    RunClock,
+    RunJournal,
+    Summary,
+    choose_learning_rates,
+    paired_difference,
+    result_row,
+    summarise,
+    widened,
+)
 from speed import peak_memory
 from transformers import PreTrainedModel, get_linear_schedule_with_warmup, set_seed
 
@@ -1210,16 +1220,6 @@ def run_in_regime(regime: Regime, run: Run, setup: Setup) -> list[dict[str, Any]
 
 
 # --- the scheduler ---------------------------------------------------------------------------------------------------
-
-
-def widened(grid: Sequence[float], best: float, ladder: Sequence[float]) -> float | None:
-    """The rate to add to ``grid`` when its ``best`` rate lies at an edge: the next rate of ``ladder`` beyond that
-    edge; ``None`` when ``best`` is inside the grid, or at an end of the ladder (the cap)."""
-    if min(grid) < best < max(grid):
-        return None
-    if best == max(grid):
-        return min((rate for rate in ladder if rate > best * 1.0001), default=None)
-    return max((rate for rate in ladder if rate < best * 0.9999), default=None)
 
 
 def centred(rate: float, ladder: Sequence[float]) -> tuple[float, ...]:

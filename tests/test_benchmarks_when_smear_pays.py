@@ -61,17 +61,47 @@ def test_every_regime_and_method_ran_with_finite_metrics(study, outputs):
     assert {row["regime"] for row in rows} == {regime.name for regime in regimes}
     for regime in regimes:
         mine = [row for row in rows if row["regime"] == regime.name]
-        rates = len(regime.learning_rates)
-        assert len(mine) == len(study.METHODS) * (rates + SEEDS - 1)
         for method in study.METHODS:
             runs = [row for row in mine if row["method"] == method]
             sweep = [row for row in runs if row["phase"] == "sweep"]
+            assert len(runs) == len(sweep) + SEEDS - 1, (regime.name, method)
             best = max(sweep, key=lambda row: (float(row["validation_average"]), -float(row["learning_rate"])))
             assert {row["learning_rate"] for row in runs if row["chosen"] == "True"} == {best["learning_rate"]}
             for row in runs:
                 assert math.isfinite(float(row["test_average"])), (regime.name, method)
     bank = [row for row in rows if row["method"] == study.BANK]
     assert all(row["routing_entropy"] != "" for row in bank)  # the bank's router is reported like SMEAR's
+
+
+def test_a_rate_chosen_at_an_edge_widens_the_grid_along_the_ladder_up_to_its_cap(study, outputs):
+    _, _, rows, _ = outputs
+    widened = 0
+    for regime in study.STUDY_REGIMES["tiny"]:
+        ladder = list(regime.ladder)
+        for method in study.METHODS:
+            sweep = [row for row in rows if row["regime"] == regime.name and row["method"] == method]
+            sweep = [row for row in sweep if row["phase"] == "sweep"]
+            swept = sorted(float(row["learning_rate"]) for row in sweep)
+            chosen = {float(row["learning_rate"]) for row in sweep if row["chosen"] == "True"}
+            assert set(regime.learning_rates) <= set(swept) <= set(ladder), (regime.name, method, swept)
+            # Rungs in a row: the grid grows one rung beyond an edge at a time.
+            assert swept == ladder[ladder.index(swept[0]) : ladder.index(swept[-1]) + 1], (regime.name, method)
+            widened += len(swept) > len(regime.learning_rates)
+            # A rung beyond the starting grid was swept because the best of the rates inside it lay at that edge.
+            validation = {float(row["learning_rate"]): float(row["validation_average"]) for row in sweep}
+            start = (min(regime.learning_rates), max(regime.learning_rates))
+            for rung in swept:
+                inside = [r for r in swept if start[0] <= r < rung] or [r for r in swept if rung < r <= start[1]]
+                if not start[0] <= rung <= start[1]:
+                    best = max(inside, key=lambda r: (validation[r], -r))
+                    assert best == (max(inside) if rung > start[1] else min(inside)), (regime.name, method, rung)
+            # The choice is inside the rates swept, unless the ladder ends there.
+            (rate,) = chosen
+            if rate == swept[-1] and len(swept) > 1:
+                assert rate == ladder[-1], (regime.name, method, swept, rate)
+            if rate == swept[0] and len(swept) > 1:
+                assert rate == ladder[0], (regime.name, method, swept, rate)
+    assert widened, "no method's grid was widened: the tiny study no longer exercises the rule"
 
 
 def test_cut_training_sets_and_sub_tasks_follow_the_split_rule(study, outputs):
@@ -87,7 +117,7 @@ def test_cut_training_sets_and_sub_tasks_follow_the_split_rule(study, outputs):
     capped = load_benchmark(["topic"], task_files={"topic": files["topic"]}, max_examples_per_task=16)["train"]
     assert len(topic) == 16 and list(topic["text"]) == list(capped["text"])  # what load_benchmark's own cap keeps
     larger = study.regime_data(
-        full, study.Regime("r", "x", (study.TaskSpec("topic", "topic", train=32),), "topic", (1e-3,)), preset
+        full, study.Regime("r", "x", (study.TaskSpec("topic", "topic", train=32),), "topic", (1e-3,), (1e-3,)), preset
     )
     assert set(topic["text"]) < set(larger["train"]["text"])  # a smaller cut is a subset of a larger one
     quad = full["train"].filter(lambda row: row["task"] == "quad")
@@ -100,7 +130,7 @@ def test_cut_training_sets_and_sub_tasks_follow_the_split_rule(study, outputs):
         assert sub.features["label_by_task"][name].names == list(kept)
     with pytest.raises(ValueError, match="has no classes"):
         study.regime_data(
-            full, study.Regime("r", "x", (study.TaskSpec("t", "quad", ("a", "z")),), "t", (1e-3,)), preset
+            full, study.Regime("r", "x", (study.TaskSpec("t", "quad", ("a", "z")),), "t", (1e-3,), (1e-3,)), preset
         )
 
 
