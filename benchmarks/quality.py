@@ -131,13 +131,15 @@ ALL_METHODS = {**METHODS, **INVESTIGATIONS}
 class Preset:
     """A benchmark scale. ``max_examples_per_task`` caps each task's training examples, ``eval_examples_per_task``
     its validation and test examples (``None``: an eighth of the training cap, the splits' proportion).
-    ``routing_examples``: test examples per task for the routing report (``None``: all)."""
+    ``routing_examples``: test examples per task for the routing report (``None``: all). ``ladder``: the rates a
+    method's grid is widened along while its best lies at an edge (:func:`widened`; its ends are the caps)."""
 
     steps: int
     batch_size: int
     max_length: int
     max_examples_per_task: int
     learning_rates: tuple[float, ...]
+    ladder: tuple[float, ...]
     seeds: int
     routing_examples: int | None
     note: str
@@ -153,6 +155,7 @@ PRESETS = {
         max_length=16,
         max_examples_per_task=64,
         learning_rates=(1e-3, 3e-3, 1e-2),
+        ladder=(1e-3, 3e-3, 1e-2, 3e-2),  # a rung above: the smoke test widens
         seeds=2,
         routing_examples=8,
         num_experts=3,
@@ -170,6 +173,7 @@ PRESETS = {
         max_examples_per_task=640,
         eval_examples_per_task=120,
         learning_rates=(2e-3, 4e-3, 8e-3),
+        ladder=(5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2),
         seeds=3,
         routing_examples=32,
         note="Reduced for 2 CPU cores: 72 steps of batch 16 (1,152 training examples, not 8,000), 32 tokens per "
@@ -185,6 +189,7 @@ PRESETS = {
         max_examples_per_task=2000,
         eval_examples_per_task=200,
         learning_rates=(1e-3, 3e-3),
+        ladder=(3e-4, 1e-3, 3e-3, 1e-2),
         seeds=3,
         routing_examples=64,
         note="500 steps of batch 32 (16,000 training examples drawn from up to 2,000 per task), 32 tokens per example "
@@ -196,12 +201,15 @@ PRESETS = {
         max_length=64,
         max_examples_per_task=2000,
         learning_rates=(1e-3, 2e-3, 4e-3),
+        ladder=(2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3),
         seeds=3,
         routing_examples=None,
         note="The scale of `peft-smear train`'s defaults: 250 steps of batch 32, 64 tokens, up to 2,000 training and "
         "250 validation and test examples per task.",
     ),
 }
+# What a journal's runs do not depend on: one written with other values of these is resumed (a grid or seeds widened).
+RATE_SETTINGS = ("learning_rates", "ladder", "seeds")
 TARGETS_NOTE = "Metrics are ×100 (accuracy, or Pearson correlation for nyt_reg); a point is 1 on that scale."
 
 
@@ -455,17 +463,19 @@ def run_benchmark(
     threads: int | None = None,
     log: Callable[[str], None] = print,
     journal: RunJournal | None = None,
+    ladder: Sequence[float] = (),
 ) -> tuple[list[dict[str, Any]], dict[str, float], dict[str, RoutingReport]]:
-    """Sweep every method's rates with seed 0, then run its other seeds at the chosen rate, as soon as its own sweep
-    is done (so ``jobs`` processes never wait for the slowest method's sweep); an ablation (``Method.rate_of``) runs
-    all its seeds at its method's rate once that is chosen. Returns every run's row (in method, phase, rate, seed
-    order), the chosen rates, and each routed method's routing report from its seed-0 run at the chosen rate.
-    ``journal`` records each finished run and replays the runs an interrupted benchmark already finished (those have
-    no routing report)."""
+    """Sweep every method's rates with seed 0, widened along ``ladder`` while its best lies at an edge of its grid
+    (:func:`widened`), then run its other seeds at the chosen rate as soon as its own sweep is done (so ``jobs``
+    processes never wait for the slowest method's sweep); an ablation (``Method.rate_of``) runs all its seeds at its
+    method's rate once that is chosen. Returns every run's row (in method, phase, rate, seed order), the chosen rates,
+    and each routed method's routing report from its seed-0 run at the chosen rate. ``journal`` records each finished
+    run and replays the runs an interrupted benchmark already finished (those have no routing report)."""
     executor = RunPool(setup, jobs, threads)
     results: dict[Run, tuple[dict[str, Any], RoutingReport | None]] = {}
     chosen: dict[str, float] = {}
     ablations = {method: source for method in methods if (source := ALL_METHODS[method].rate_of) in methods}
+    grids = {method: list(learning_rates) for method in methods}
     pending: dict[Future, Run] = {}
 
     def submit(method: str, rate: float, seed: int, phase: str) -> None:
@@ -492,8 +502,15 @@ def run_benchmark(
                     journal.record(results[run][0])
                 log(_progress(results[run][0]) + (" (from the journal)" if replayed else ""))
                 swept = [row for other, (row, _) in results.items() if other.method == run.method]
-                if run.phase == "sweep" and len(swept) == len(learning_rates):
-                    chosen[run.method] = choose_learning_rates(swept)[run.method]
+                if run.phase == "sweep" and len(swept) == len(grids[run.method]):
+                    best = choose_learning_rates(swept)[run.method]
+                    wider = widened(grids[run.method], best, ladder) if len(learning_rates) > 1 else None
+                    if wider is not None:
+                        log(f"{run.method}: best at the edge {best:.1e} of its grid, adding {wider:.1e}")
+                        grids[run.method].append(wider)
+                        submit(run.method, wider, 0, "sweep")
+                        continue
+                    chosen[run.method] = best
                     for seed in range(1, seeds):
                         submit(run.method, chosen[run.method], seed, "seeds")
                     for ablation in (method for method, source in ablations.items() if source == run.method):
@@ -592,18 +609,19 @@ def markdown_table(summaries: dict[str, Summary], tasks: Sequence[TaskInfo]) -> 
     return "\n".join(lines)
 
 
-def sweep_table(rows: list[dict[str, Any]], learning_rates: Sequence[float]) -> str:
-    """Each swept method's seed-0 validation and test average (×100) at every rate, the chosen rate in bold: how much
-    the choice mattered, and whether the validation set picked the rate the test set would have."""
-    header = ["method", *[f"lr {rate:.0e}: validation / test" for rate in learning_rates]]
+def sweep_table(rows: list[dict[str, Any]]) -> str:
+    """Each swept method's seed-0 validation and test average (×100) at every rate it swept, the chosen rate in bold:
+    how much the choice mattered, and whether the validation set picked the rate the test set would have."""
+    learning_rates = sorted({row["learning_rate"] for row in rows if row["phase"] == "sweep"})
+    header = ["method", *[f"lr {rate:.1e}: validation / test" for rate in learning_rates]]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for method in dict.fromkeys(row["method"] for row in rows if row["phase"] == "sweep"):
         by_rate = {row["learning_rate"]: row for row in rows if row["method"] == method and row["phase"] == "sweep"}
         cells = [ALL_METHODS[method].label]
         for rate in learning_rates:
-            row = by_rate[rate]
-            cell = f"{100 * row['validation_average']:.1f} / {100 * row['test_average']:.1f}"
-            cells.append(f"**{cell}**" if row["chosen"] else cell)
+            row = by_rate.get(rate)
+            cell = "–" if row is None else f"{100 * row['validation_average']:.1f} / {100 * row['test_average']:.1f}"
+            cells.append(f"**{cell}**" if row is not None and row["chosen"] else cell)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -713,9 +731,10 @@ def report_body(
 ) -> str:
     """The table, the targets and the figures, in markdown (also the body of the RESULTS.md section)."""
     counts = ", ".join(f"{task.name}" for task in tasks)
-    shown = ", ".join(f"{rate:.0e}" for rate in learning_rates)
+    shown, ladder = (", ".join(f"{rate:.1e}" for rate in rates) for rates in (learning_rates, preset.ladder))
     rates = (
-        f"learning rate chosen from {shown} by the validation average of seed 0 (an ablation takes its method's)"
+        f"learning rate chosen from {shown} by the validation average of seed 0, widened along {ladder} while a "
+        "method's best lies at an edge of the rates it swept (an ablation takes its method's)"
         if len(learning_rates) > 1
         else f"learning rate fixed at {shown} (no sweep)"
     )
@@ -737,7 +756,7 @@ def report_body(
         *[f"- {label}: {result}" for label, result in check_targets(summaries)],
     ]
     if len(learning_rates) > 1:
-        lines += ["", "### Learning-rate sweep (seed 0)", "", sweep_table(rows, learning_rates)]
+        lines += ["", "### Learning-rate sweep (seed 0)", "", sweep_table(rows)]
     if figures:
         lines += [
             "",
@@ -834,13 +853,13 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
             args.device == "cpu",
             Path(scratch),
         )
-        shared = {key: value for key, value in asdict(preset).items() if key not in ("learning_rates", "seeds")}
+        shared = {key: value for key, value in asdict(preset).items() if key not in RATE_SETTINGS}
         settings = {"preset": shared, "tasks": [t.name for t in setup.tasks]}
         journal = RunJournal(args.output_dir / "runs.jsonl", settings, args.resume)
         if journal.finished:
             log(f"resuming: {len(journal.finished)} finished runs in {journal.path}")
         rows, _, reports = run_benchmark(
-            setup, args.methods, learning_rates, preset.seeds, args.jobs, args.threads, log, journal
+            setup, args.methods, learning_rates, preset.seeds, args.jobs, args.threads, log, journal, preset.ladder
         )
     seconds, load_after = time.perf_counter() - started, os.getloadavg()
     summaries = summarise(rows, setup.tasks)

@@ -6,10 +6,12 @@ Protocol: ``quality.py``'s, regime by regime. Every method gets the same steps, 
 data order; sweeps the regime's learning rates with seed 0 and keeps the rate with the best validation average (ties:
 the smaller rate); then trains the other seeds at that rate. Test metrics (accuracy, Pearson for ``nyt_reg``) are
 reported ×100, per task, on average and for the regime's small task. The runs of each regime are journalled in
-``<output-dir>/<regime>/runs.jsonl`` (``quality.RunJournal``), so that a study cut off resumes with ``--resume``.
+``<output-dir>/<regime>/runs.jsonl`` (``quality.RunJournal``), so that a study cut off resumes with ``--resume``; the
+second sitting's journals are committed in ``benchmarks/journals/when_smear_pays/reduced/``.
 
     OMP_NUM_THREADS=1 PYTHONPATH=src:benchmarks python benchmarks/when_smear_pays.py --preset reduced --jobs 2 \
-        --threads 1 --cache-dir DIR --append-results benchmarks/RESULTS.md --resume
+        --threads 1 --output-dir benchmarks/journals/when_smear_pays/reduced --append-results benchmarks/RESULTS.md \
+        --resume
 
 Methods (``quality.py``'s, and one more): SMEAR with the library's default router (load balancing 0.01), LoRA at 1×
 parameters (rank N·r) and at 1× compute (rank r), tag routing, a single expert, the ensemble, and SMEAR's router
@@ -96,6 +98,7 @@ from peft import LoraConfig
 from quality import (
     ALL_METHODS,
     PRESETS,
+    RATE_SETTINGS,
     Preset,
     Run,
     RunClock,
@@ -797,7 +800,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
         journals = {}
         for regime in regimes:
             setup = setups[regime.name]
-            shared = {k: v for k, v in asdict(setup.preset).items() if k not in ("learning_rates", "seeds")}
+            shared = {k: v for k, v in asdict(setup.preset).items() if k not in RATE_SETTINGS}
             settings = {
                 "preset": shared,
                 "tasks": [asdict(spec) for spec in regime.tasks],

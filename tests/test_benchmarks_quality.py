@@ -20,6 +20,7 @@ SWEPT = ["smear", "tag", "lora_1x_compute", "lora_1x_params"]
 ABLATION = "smear_no_dropout"  # takes SMEAR's chosen rate instead of sweeping
 METHODS = [*SWEPT, ABLATION]
 RATES = [1e-3, 3e-3, 1e-2]
+RUNG_ABOVE = 3e-2  # the tiny preset's ladder: one rung above the grid, none below
 METRICS = ["topic_accuracy", "count_pearson", "average"]
 
 
@@ -47,7 +48,8 @@ def test_every_run_is_in_the_csv_with_finite_metrics(quality, outputs):
     tasks = [quality.TaskInfo("topic", "classification", ("a", "b")), quality.TaskInfo("count", "regression")]
     assert columns == quality.csv_columns(tasks)
     seeds = quality.PRESETS["tiny"].seeds
-    assert len(rows) == len(SWEPT) * (len(RATES) + seeds - 1) + seeds
+    sweeps = sum(row["phase"] == "sweep" for row in rows)
+    assert sweeps >= len(SWEPT) * len(RATES) and len(rows) == sweeps + len(SWEPT) * (seeds - 1) + seeds
     for row in rows:
         metrics = [f"test_{name}" for name in METRICS]
         if row["phase"] == "sweep":
@@ -69,13 +71,26 @@ def test_the_learning_rate_kept_is_the_validation_argmax(outputs):
     _, _, rows, _ = outputs
     for method in SWEPT:
         sweep = [row for row in rows if row["method"] == method and row["phase"] == "sweep"]
-        assert sorted(float(row["learning_rate"]) for row in sweep) == RATES
+        assert sorted(float(row["learning_rate"]) for row in sweep) in (RATES, [*RATES, RUNG_ABOVE])
         assert {row["seed"] for row in sweep} == {"0"}
         best = max(sweep, key=lambda row: (float(row["validation_average"]), -float(row["learning_rate"])))
         chosen = {row["learning_rate"] for row in rows if row["method"] == method and row["chosen"] == "True"}
         assert chosen == {best["learning_rate"]}
         others = [row for row in rows if row["method"] == method and row["phase"] == "seeds"]
         assert [row["seed"] for row in others] == ["1"] and others[0]["learning_rate"] == best["learning_rate"]
+
+
+def test_a_best_rate_at_the_top_of_the_grid_sweeps_the_next_rung_and_only_then(outputs):
+    _, _, rows, _ = outputs
+    widened = []
+    for method in SWEPT:
+        sweep = {
+            float(row["learning_rate"]): row for row in rows if row["method"] == method and row["phase"] == "sweep"
+        }
+        best = max(RATES, key=lambda rate: (float(sweep[rate]["validation_average"]), -rate))
+        assert (RUNG_ABOVE in sweep) == (best == RATES[-1]), (method, best, sorted(sweep))
+        widened += [method] * (RUNG_ABOVE in sweep)
+    assert widened, "no method chose the top of the grid: the smoke test no longer exercises the widening"
 
 
 def test_the_ablation_trains_every_seed_at_smears_chosen_rate_without_a_sweep(quality, outputs):
@@ -121,7 +136,11 @@ def test_table_targets_and_results_section(quality, outputs):
             (row for row in rows if row["method"] == method and row["phase"] == "sweep"),
             key=lambda row: float(row["learning_rate"]),
         )
-        for cell, row in zip(cells, runs, strict=True):
+        swept = sorted({float(row["learning_rate"]) for row in rows if row["phase"] == "sweep"})
+        assert next(line for line in sweep.splitlines() if line.startswith("|")).count("lr ") == len(swept)
+        by_rate = {float(row["learning_rate"]): row for row in runs}
+        assert [cell == "–" for cell in cells] == [rate not in by_rate for rate in swept]  # a rung it did not sweep
+        for cell, row in zip([cell for cell in cells if cell != "–"], runs, strict=True):
             validation, test = (float(x) for x in cell.strip("*").split(" / "))
             assert validation == pytest.approx(100 * float(row["validation_average"]), abs=0.051)
             assert test == pytest.approx(100 * float(row["test_average"]), abs=0.051)
@@ -166,7 +185,7 @@ def test_a_widened_rate_grid_and_more_seeds_reuse_the_journal_and_say_so(quality
     (tmp_path / "out" / "runs.jsonl").write_text((root / "out" / "runs.jsonl").read_text())
     widened = [arg for arg in argv if arg not in METHODS[1:]]  # SMEAR alone
     seeds = quality.PRESETS["tiny"].seeds + 1
-    widened += ["--learning-rates", *map(str, [*RATES, 3e-2]), "--seeds", seeds, "--output-dir", tmp_path / "out"]
+    widened += ["--learning-rates", *map(str, [3e-4, *RATES]), "--seeds", seeds, "--output-dir", tmp_path / "out"]
     lines = []
     widened += ["--figures-dir", tmp_path / "figures", "--resume", "--append-results", tmp_path / "RESULTS.md"]
     run_script_main(quality, widened, lines.append)
@@ -179,8 +198,8 @@ def test_a_widened_rate_grid_and_more_seeds_reuse_the_journal_and_say_so(quality
         rerun = list(csv.DictReader(handle))
     reused = [row for row in rerun if key(row) in earlier]
     trained = {key(row) for row in rerun if key(row) not in earlier}
-    assert {(rate, seed) for rate, seed, phase in earlier if phase == "sweep"} == {(rate, 0) for rate in RATES}
-    assert (3e-2, 0, "sweep") in trained and any(seed == seeds - 1 for _, seed, _ in trained)  # the new rate and seed
+    assert {rate for rate, seed, phase in earlier if phase == "sweep"} >= set(RATES)
+    assert (3e-4, 0, "sweep") in trained and any(seed == seeds - 1 for _, seed, _ in trained)  # the new rate and seed
     assert len(reused) >= len(RATES)  # at least the old sweep (the old seeds too if the chosen rate stayed)
     assert sum("(from the journal)" in line for line in lines) == len(reused)  # replayed, none retrained
     for row in reused:  # replayed, not retrained: the journal's numbers
