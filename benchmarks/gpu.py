@@ -53,6 +53,7 @@ import sys
 import tempfile
 import time
 import traceback
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -67,7 +68,7 @@ SHARES = {
     "dtypes": 30,
     "speed": 80,
     "counts": 80,
-    "profile": 40,
+    "profile": 60,
     "qlora": 30,
     "serving": 30,
     "compile": 450,
@@ -192,7 +193,7 @@ def adapted(method: str, base: torch.nn.Module) -> torch.nn.Module:
 
     torch.manual_seed(0)
     common = {"r": 8, "lora_alpha": 16, "target_modules": TARGET_MODULES, "task_type": "CAUSAL_LM"}
-    config = LoraConfig(**common) if method == "lora" else SmearConfig(num_experts=8, **common)
+    config = LoraConfig(**common) if method == "lora" else SmearConfig(num_experts=8, **common)  # SMEAR or its row
     return get_peft_model(base, config)
 
 
@@ -285,20 +286,27 @@ def dtypes_markdown(result: dict) -> tuple[list[str], list[tuple[str, bool, str]
 def part_profile(device: str, scale: Scale) -> dict:
     """Where SMEAR's and LoRA's training steps spend their time, with fp32 and bf16 bases (the ``dtypes`` part's
     model): the step's wall time, the time the GPU ran kernels in one profiled step (a step much longer than that
-    waits on the host), and the operations that took the most host and device time."""
+    waits on the host), and the operations that took the most host and device time. Also SMEAR with its routing
+    fixed (``work_counts.ROUTING_FIXED``): it merges and applies its experts as SMEAR does and routes nothing, so
+    SMEAR's step less its step is what routing costs on this GPU, which fused routing kernels could at best remove."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+    from work_counts import ROUTING_FIXED
+
+    import peft_smear
 
     reference, batches = dtypes_model(device, scale, 3)
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.startswith("cuda") else [])]
     runs = {}
     for dtype in ("float32", "bfloat16"):
-        for method in ("lora", "smear"):
+        for method in ("lora", "smear", ROUTING_FIXED):
             model = adapted(method, copy.deepcopy(reference).to(getattr(torch, dtype)))
             optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-            _, step, _ = train(model, batches, device, optimizer)  # the fastest after the first, unprofiled
-            with profile(activities=activities) as profiled:  # one more step, its optimizer's state made already
-                train(model, batches[:1], device, optimizer)
+            routing = peft_smear.fixed_routing(model, batches[:1]) if method == ROUTING_FIXED else nullcontext()
+            with routing:
+                _, step, _ = train(model, batches, device, optimizer)  # the fastest after the first, unprofiled
+                with profile(activities=activities) as profiled:  # one more step, its optimizer's state made already
+                    train(model, batches[:1], device, optimizer)
             # The host's operations, each with the device time of the kernels it launched; and those kernels.
             operations, kernels = [], []
             for event in profiled.key_averages():
@@ -307,6 +315,7 @@ def part_profile(device: str, scale: Scale) -> dict:
                 "step_s": step,
                 "kernels_s": sum(kernel.self_device_time_total for kernel in kernels) / 1e6,
                 "host_ops_s": sum(operation.self_cpu_time_total for operation in operations) / 1e6,
+                "host_op_calls": sum(operation.count for operation in operations),
                 "top_host": most_time(operations, "self_cpu_time_total"),
                 "top_device": most_time(operations, "self_device_time_total"),
             }
@@ -326,20 +335,30 @@ def profile_markdown(result: dict) -> tuple[list[str], list[tuple[str, bool, str
     model, runs = result["model"], result["runs"]
     lines = [
         f"Llama {model['hidden_size']}×{model['num_hidden_layers']} layers (random), batch {result['batch']} of "
-        f"{result['seq_len']} tokens, LoRA r=8 and SMEAR N=8, r=8 on every linear layer of the blocks, AdamW. Step: "
-        "the fastest of two unprofiled steps; kernels and host operations: one more step under `torch.profiler` (the "
-        "GPU's kernel time, and the host's self time in each operation, which the profiler lengthens).",
+        f"{result['seq_len']} tokens, LoRA r=8 and SMEAR N=8, r=8 on every linear layer of the blocks, AdamW; "
+        "`smear_routing_fixed`: SMEAR with every layer's routing fixed at the first batch's (it merges and applies "
+        "its experts, and routes nothing). Step: the fastest of two unprofiled steps; kernels and host operations: "
+        "one more step under `torch.profiler` (the GPU's kernel time, the host's self time in each operation, which "
+        "the profiler lengthens, and the operations it called).",
         "",
-        "| run | step (s) | / LoRA's | kernels (s) | kernels / step | host operations (s) |",
-        "|---|---|---|---|---|---|",
+        "| run | step (s) | / LoRA's | kernels (s) | kernels / step | host operations (s) | host operations called |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, run in runs.items():
         lora = runs[f"lora {name.split()[1]}"]
         lines.append(
             f"| {name} | {run['step_s']:.4f} | {run['step_s'] / lora['step_s']:.2f}× | {run['kernels_s']:.4f} | "
-            f"{run['kernels_s'] / run['step_s']:.2f} | {run['host_ops_s']:.4f} |"
+            f"{run['kernels_s'] / run['step_s']:.2f} | {run['host_ops_s']:.4f} | {run.get('host_op_calls', '–')} |"
         )
     lines.append("")
+    for dtype in dict.fromkeys(name.split()[1] for name in runs):
+        smear, fixed = runs.get(f"smear {dtype}"), runs.get(f"smear_routing_fixed {dtype}")
+        if smear and fixed:  # a run before the routing-fixed row has none
+            lora = runs[f"lora {dtype}"]["step_s"]
+            lines.append(
+                f"- {dtype}: routing costs {(smear['step_s'] - fixed['step_s']) / lora:.2f}× LoRA's step; SMEAR "
+                f"without it (routing fixed) {fixed['step_s'] / lora:.2f}×"
+            )
     for name, run in runs.items():
         for label, ranked in (("host", run["top_host"]), ("device", run["top_device"])):
             listed = "; ".join(f"`{key}` ×{count} {seconds * 1e3:.2f} ms" for key, count, seconds in ranked if seconds)

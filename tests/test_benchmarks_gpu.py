@@ -84,13 +84,19 @@ def test_the_counts_part_records_the_work_beside_the_times(run):
 
 def test_the_profile_part_says_where_each_steps_time_went(run):
     runs = run[0]["profile"]["result"]["runs"]
-    assert sorted(runs) == sorted(f"{m} {d}" for m in ("lora", "smear") for d in ("float32", "bfloat16"))
+    methods = ("lora", "smear", "smear_routing_fixed")
+    assert sorted(runs) == sorted(f"{m} {d}" for m in methods for d in ("float32", "bfloat16"))
     for name, values in runs.items():
         assert values["step_s"] > 0 and values["host_ops_s"] > 0, name
         assert values["kernels_s"] == 0, name  # the CPU launches no kernels
         seconds = [seconds for _, _, seconds in values["top_host"]]
         assert len(seconds) == 6 and seconds == sorted(seconds, reverse=True) and seconds[0] > 0, name
     assert "| smear bfloat16 | " in run[1] and "- smear bfloat16, most host time: `" in run[1]
+    assert "| smear_routing_fixed bfloat16 | " in run[1] and "- bfloat16: routing costs " in run[1]
+    # Routing fixed, the routers run nothing: fewer operations than SMEAR's step (fewer than LoRA's, work_counts says).
+    for dtype in ("float32", "bfloat16"):
+        smear, fixed = runs[f"smear {dtype}"]["host_op_calls"], runs[f"smear_routing_fixed {dtype}"]["host_op_calls"]
+        assert fixed < smear, dtype
 
 
 def test_a_counts_part_cut_short_keeps_the_rows_it_measured(monkeypatch, tmp_path):
