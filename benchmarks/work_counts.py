@@ -23,7 +23,8 @@ validation, NVIDIA H200”), so the operations that launch no kernel, host work 
 * **Compiled graph nodes per decoder layer**: the ATen operations (views included) in the forward and backward graphs
   that AOTAutograd hands inductor for one ``torch.compile``d training step, 3-layer model minus 2-layer. Inductor
   lowers, fuses and generates code for each, so they are the work of a cold first compiled step, which
-  ``compile_speed.py`` times (one method's varied by up to 25% between runs).
+  ``compile_speed.py`` times (one method's varied by up to 25% between runs). On the CPU only: tracing them took two
+  thirds of each row's time, and on an H200 a row took over a minute, most of the counts part's share of a lease.
 * **Package calls per wrapped module**: every Python function call into the adapter's package (``peft_smear`` for
   the SMEAR methods, ``peft/tuners/lora`` for LoRA) during one training forward of the 2-layer model, divided by its
   14 wrapped modules, per-call work included.
@@ -297,7 +298,7 @@ class Row:
     host_reads_per_call: dict[str, int] = field(default_factory=dict)  # by mode
     calls_per_module: float = 0.0
     top_operations: dict[str, list[tuple[str, int]]] = field(default_factory=dict)  # by mode, per layer
-    compiled_nodes_per_layer: int = 0
+    compiled_nodes_per_layer: int = 0  # on the CPU only (0: not counted)
     without_kernel_per_layer: dict[str, int] = field(default_factory=dict)  # by mode: views, detach, allocations
     interpreter_calls_per_layer: dict[str, int] = field(default_factory=dict)  # by mode; on the CPU only
     host_seconds_per_layer: dict[str, float] = field(default_factory=dict)  # by mode; measured, on the CPU only
@@ -337,11 +338,15 @@ def measure(
                     )
             wrapped = sum(1 for name, _ in two.named_modules() if name.split(".")[-1] in TARGET_MODULES)
             row.calls_per_module = package_calls(two, inputs, package_of(method)) / wrapped
-            row.compiled_nodes_per_layer = compiled_nodes(three, inputs) - compiled_nodes(two, inputs)
+            if device == "cpu":
+                row.compiled_nodes_per_layer = compiled_nodes(three, inputs) - compiled_nodes(two, inputs)
             log(
                 f"{dtype_name} {method}: ops per layer {row.ops_per_layer}, host reads per call "
-                f"{row.host_reads_per_call}, package calls per wrapped module {row.calls_per_module:.1f}, "
-                f"compiled graph nodes per layer {row.compiled_nodes_per_layer}"
+                f"{row.host_reads_per_call}, package calls per wrapped module {row.calls_per_module:.1f}"
+                + (
+                    f", compiled graph nodes per layer {row.compiled_nodes_per_layer}"
+                    * bool(row.compiled_nodes_per_layer)
+                )
             )
             rows.append(row)
             progress(rows)
@@ -373,7 +378,10 @@ def markdown_table(rows: list[Row]) -> str:
     for row in rows:
         lora = lora_row(rows, row.dtype)
         ratios = [row.ops_per_layer[m] / lora.ops_per_layer[m] if lora else float("nan") for m in MODES]
-        compiled = row.compiled_nodes_per_layer / lora.compiled_nodes_per_layer if lora else float("nan")
+        compiled = "— | —"  # not counted (on a GPU)
+        if row.compiled_nodes_per_layer:
+            ratio = row.compiled_nodes_per_layer / lora.compiled_nodes_per_layer if lora else float("nan")
+            compiled = f"{row.compiled_nodes_per_layer} | {ratio:.2f}×"
         syncs = " / ".join(
             f"{row.host_reads_per_call[m]} ({lora.host_reads_per_call[m] if lora else '?'})" for m in MODES
         )
@@ -382,7 +390,7 @@ def markdown_table(rows: list[Row]) -> str:
         lines.append(
             f"| {row.dtype} | {row.method} | {row.ops_per_layer['train']} | {ratios[0]:.2f}× | "
             f"{row.ops_per_layer['eval']} | {ratios[1]:.2f}× | {no_kernel} | {syncs} | {row.calls_per_module:.1f} | "
-            f"{row.compiled_nodes_per_layer} | {compiled:.2f}× |"
+            f"{compiled} |"
         )
     return "\n".join(lines)
 

@@ -200,6 +200,19 @@ def test_a_run_writes_its_table_and_targets(tmp_path):
     assert "median of 2 interleaved steps" in text
 
 
+def test_rows_counted_on_a_gpu_leave_the_compiled_graph_columns_empty():
+    """A GPU run counts no compiled graph nodes (the CPU's section does): its cells say so, and the table keeps its
+    columns."""
+    rows = [
+        work_counts.Row("lora", "bf16", {"train": 200, "eval": 80}, {"train": 1, "eval": 1}, 3.0),
+        work_counts.Row("smear", "bf16", {"train": 250, "eval": 95}, {"train": 1, "eval": 1}, 11.0),
+    ]
+    header, _, *lines = work_counts.markdown_table(rows).splitlines()
+    assert all(line.count("|") == header.count("|") and line.endswith("| — | — |") for line in lines)
+    rows[0].compiled_nodes_per_layer, rows[1].compiled_nodes_per_layer = 400, 600  # counted, on the CPU
+    assert work_counts.markdown_table(rows).splitlines()[-1].endswith("| 600 | 1.50× |")
+
+
 def test_a_target_is_met_only_within_its_limit():
     """The verdicts, on counts chosen by hand: a ratio at its limit is met, above it missed; a sync beyond LoRA's and
     calls above the limit are missed."""
