@@ -57,8 +57,8 @@ because in its sweep (RESULTS.md, section "Quality, preset `reduced`, 2026-11-21
 which diverged for SMEAR and the ensemble, and tag routing chose the grid's bottom, 2e-3. At 216 steps the grid is
 {1e-3, 2e-3, 4e-3}: longer runs chose lower rates (1e-3 or below at 500 steps of batch 32).
 
-Widening (added on 2026-12-07, before the runs of the study's second sitting; the first sitting, of 2026-11-25, had a
-third of its chosen rates at an edge of these fixed grids): while a method's best validation rate lies at an edge of
+Widening (added on 2026-12-07, before the runs of the study's second sitting; the first sitting, of 2026-11-25, chose
+24 of its 56 rates at an edge of these fixed grids): while a method's best validation rate lies at an edge of
 its grid, the next rate of the regime's ladder beyond that edge (the grid's rates halved or doubled: {3.75e-4, 7.5e-4,
 ..., 1.2e-2, 2.4e-2} at 72 steps, {2.5e-4, ..., 8e-3, 1.6e-2} at 216) is swept with seed 0 and the choice made again
 (``quality.widened``); the ladder's ends are the caps, and a method stopped by one is listed. Only then do its other
