@@ -4,7 +4,9 @@ host reads, calls into a package; per layer as the difference of two depths; and
 from __future__ import annotations
 
 import gc
+import types
 
+import pytest
 import torch
 
 from conftest import import_script, run_script_main
@@ -80,13 +82,20 @@ def test_interpreter_calls_grow_by_the_same_count_with_each_decoder_layer():
         assert work_counts.interpreter_calls(models[0], inputs, mode) == calls[0]
 
 
+def stub_clock(monkeypatch) -> list[float]:
+    """The benchmark's clock, made one that only a stubbed step moves: timings a loaded machine cannot change."""
+    clock = [0.0]
+    monkeypatch.setattr(work_counts, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    return clock
+
+
 def test_host_time_is_per_layer_for_every_method_and_mode(monkeypatch):
     """On stubbed steps that take 2 ms per decoder layer (and 1 ms more per call), every method's time per layer in
     each mode is 2 ms: the difference of the two depths, over their difference in layers."""
-    import time
+    clock = stub_clock(monkeypatch)
 
     def run(model, inputs, mode):
-        time.sleep(1e-3 + 2e-3 * model.config.num_hidden_layers)
+        clock[0] += 1e-3 + 2e-3 * model.config.num_hidden_layers
 
     monkeypatch.setattr(work_counts, "run", run)
     seconds, calls = work_counts.host_seconds_per_layer(("lora", "single"), torch.float32, repeats=3)
@@ -94,16 +103,14 @@ def test_host_time_is_per_layer_for_every_method_and_mode(monkeypatch):
     for method, modes in seconds.items():
         assert set(modes) == set(work_counts.MODES)
         for mode, value in modes.items():
-            assert abs(value - 2e-3) < 4e-4, (method, mode, value)
+            assert value == pytest.approx(2e-3), (method, mode)
 
 
 def test_compiled_host_time_times_the_compiled_training_step_of_the_compiled_methods_only(monkeypatch):
     """The compiled host time runs each model ``torch.compile`` made, in training only (an evaluation would compile
     another graph), per decoder layer as the eager one, and counts the interpreter's calls per layer in one such
     step; a measured run reports both for LoRA and SMEAR alone."""
-    import time
-
-    compiled_models, modes = [], []
+    clock, compiled_models, modes = stub_clock(monkeypatch), [], []
 
     def compile_model(model):
         compiled_models.append(model)
@@ -114,7 +121,7 @@ def test_compiled_host_time_times_the_compiled_training_step_of_the_compiled_met
         modes.append(mode)
         for _ in range(model.config.num_hidden_layers):  # a builtin's call per layer
             abs(0)
-        time.sleep(1e-3 + 2e-3 * model.config.num_hidden_layers)
+        clock[0] += 1e-3 + 2e-3 * model.config.num_hidden_layers
 
     monkeypatch.setattr(torch, "compile", compile_model)
     monkeypatch.setattr(work_counts, "run", run)
@@ -122,7 +129,7 @@ def test_compiled_host_time_times_the_compiled_training_step_of_the_compiled_met
     assert set(modes) == {"train"} and len(compiled_models) == 2 * len(work_counts.HOST_LAYERS)
     assert {method: set(values) for method, values in seconds.items()} == {"lora": {"train"}, "smear": {"train"}}
     for method, values in seconds.items():
-        assert abs(values["train"] - 2e-3) < 4e-4, (method, values)
+        assert values["train"] == pytest.approx(2e-3), (method, values)
     assert calls == {"lora": 1, "smear": 1}
 
     monkeypatch.setattr(
