@@ -144,12 +144,15 @@ def run_benchmark(
     jobs: int,
     threads: int | None,
     log: Callable[[str], None] = print,
+    ladder: Sequence[float] = (),
 ) -> tuple[list[dict[str, Any]], dict[str, RoutingReport]]:
-    """As quality.py: each method sweeps the rates with seed 0, keeps the best on validation, then runs the other
-    seeds at it. An EMoE2LoRA row takes its EMoE run's rate."""
+    """As quality.py: each method sweeps the rates with seed 0, widened along ``ladder`` while its best on validation
+    lies at an edge (``quality.widened``), keeps the best, then runs the other seeds at it. An EMoE2LoRA row takes its
+    EMoE run's rate."""
     executor = RunPool(setup, jobs, threads)
     results: dict[Run, tuple[list[dict[str, Any]], RoutingReport | None]] = {}
     chosen: dict[str, float] = {}
+    grids = {method: list(learning_rates) for method in methods}
     pending: dict[Future, Run] = {}
 
     def submit(method: str, rate: float, seed: int, phase: str) -> None:
@@ -168,8 +171,15 @@ def run_benchmark(
                 for row in results[run][0]:
                     log(quality._progress(row))
                 swept = [rows[0] for other, (rows, _) in results.items() if other.method == run.method]
-                if run.phase == "sweep" and len(swept) == len(learning_rates):
-                    chosen[run.method] = quality.choose_learning_rates(swept)[run.method]
+                if run.phase == "sweep" and len(swept) == len(grids[run.method]):
+                    best = quality.choose_learning_rates(swept)[run.method]
+                    wider = quality.widened(grids[run.method], best, ladder) if len(learning_rates) > 1 else None
+                    if wider is not None:
+                        log(f"{run.method}: best at the edge {best:.1e} of its grid, adding {wider:.1e}")
+                        grids[run.method].append(wider)
+                        submit(run.method, wider, 0, "sweep")
+                        continue
+                    chosen[run.method] = best
                     for seed in range(1, seeds):
                         submit(run.method, chosen[run.method], seed, "seeds")
     order = {method: i for i, method in enumerate(methods)}
@@ -263,7 +273,9 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
             preset, args.model or default_model_dir(), tasks, task_files, args.cache_dir, True, Path(scratch)
         )
         setup = EmoeSetup(**vars(loaded), num_experts=args.num_experts, top_k=args.top_k)
-        rows, reports = run_benchmark(setup, args.methods, learning_rates, preset.seeds, args.jobs, args.threads, log)
+        rows, reports = run_benchmark(
+            setup, args.methods, learning_rates, preset.seeds, args.jobs, args.threads, log, preset.ladder
+        )
     seconds, load_after = time.perf_counter() - started, os.getloadavg()
     metrics = [metric_name(task) for task in setup.tasks]
     summaries = summarise(rows, setup.tasks)
@@ -278,8 +290,10 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
             f"{preset.batch_size}, {preset.max_length} tokens; LoRA rank {preset.r} on every linear layer of the "
             f"blocks; SMEAR {preset.num_experts} experts of rank {preset.r}; EMoE N={setup.num_experts}, top-k="
             f"{setup.top_k} in the last even-numbered layer. Learning rate chosen from "
-            f"{', '.join(f'{r:.0e}' for r in learning_rates)} on the validation average of seed 0 (EMoE2LoRA: its "
-            f"EMoE run's), then {preset.seeds} seeds; test mean ± sample std over seeds. " + quality.TARGETS_NOTE,
+            f"{', '.join(f'{r:.1e}' for r in learning_rates)}, widened along "
+            f"{', '.join(f'{r:.1e}' for r in preset.ladder)} while a method's best lies at an edge of the rates it "
+            f"swept, on the validation average of seed 0 (EMoE2LoRA: its EMoE run's), then {preset.seeds} seeds; "
+            "test mean ± sample std over seeds. " + quality.TARGETS_NOTE,
             "",
             markdown_table(summaries, metrics),
             "",

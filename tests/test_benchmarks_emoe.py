@@ -21,7 +21,7 @@ def test_emoe_quality_end_to_end(tmp_path):
     methods = ["lora", "emoe_lora", "emoe_learn_lora"]
     argv = ["--preset", "tiny", "--model", str(tmp_path / "encoder"), "--methods", *methods, "--seeds", "2"]
     argv += [arg for name, path in files.items() for arg in ("--task-file", f"{name}={path}")]
-    argv += ["--num-experts", "8", "--top-k", "3", "--learning-rates", "1e-3", "1e-2"]
+    argv += ["--num-experts", "8", "--top-k", "3", "--learning-rates", "3e-3", "1e-2"]  # a rung on each side
     argv += ["--output-dir", str(tmp_path / "out"), "--figures-dir", str(tmp_path / "figures")]
     argv += ["--append-results", str(tmp_path / "RESULTS.md")]
     threads = torch.get_num_threads()
@@ -33,11 +33,23 @@ def test_emoe_quality_end_to_end(tmp_path):
         rows = list(csv.DictReader(handle))
     methods_run = {row["method"] for row in rows}
     assert methods_run == {"lora", "emoe_lora", "emoe_lora_dense", "emoe_learn_lora", "emoe_learn_lora_dense"}
+    swept = {}
     for method in methods_run:
-        sweep = [row for row in rows if row["method"] == method and row["phase"] == "sweep"]
-        assert len(sweep) == 2 and all(math.isfinite(float(row["test_average"])) for row in rows)
+        sweep = {
+            float(row["learning_rate"]): row for row in rows if row["method"] == method and row["phase"] == "sweep"
+        }
+        assert all(math.isfinite(float(row["test_average"])) for row in rows)
         chosen = {row["learning_rate"] for row in rows if row["method"] == method and row["chosen"] == "True"}
         assert len(chosen) == 1
+        swept[method] = sorted(sweep)
+        if not method.endswith("_dense"):  # widened along the tiny preset's ladder while an edge led, up to its ends
+            ladder = list(emoe_quality.PRESETS["tiny"].ladder)
+            assert swept[method] == ladder[ladder.index(swept[method][0]) : ladder.index(swept[method][-1]) + 1]
+            assert {3e-3, 1e-2} <= set(swept[method]), (method, swept[method])
+            best = max(sweep, key=lambda rate: (float(sweep[rate]["validation_average"]), -rate))
+            assert best not in (swept[method][0], swept[method][-1]) or best in (ladder[0], ladder[-1]), method
+    assert all(swept[method + "_dense"] == swept[method] for method in ("emoe_lora", "emoe_learn_lora"))
+    assert any(len(rates) > 2 for rates in swept.values()), "no grid widened: the test no longer exercises it"
     # EMoE2LoRA rows take the rate of their EMoE run
     for method in ("emoe_lora", "emoe_learn_lora"):
         rate = {row["learning_rate"] for row in rows if row["method"] == method and row["chosen"] == "True"}
