@@ -153,6 +153,7 @@ def run_benchmark(
     results: dict[Run, tuple[list[dict[str, Any]], RoutingReport | None]] = {}
     chosen: dict[str, float] = {}
     grids = {method: list(learning_rates) for method in methods}
+    ladder = ladder if len(learning_rates) > 1 else ()  # one rate given: no sweep
     pending: dict[Future, Run] = {}
 
     def submit(method: str, rate: float, seed: int, phase: str) -> None:
@@ -173,10 +174,7 @@ def run_benchmark(
                 swept = [rows[0] for other, (rows, _) in results.items() if other.method == run.method]
                 if run.phase == "sweep" and len(swept) == len(grids[run.method]):
                     best = quality.choose_learning_rates(swept)[run.method]
-                    wider = quality.widened(grids[run.method], best, ladder) if len(learning_rates) > 1 else None
-                    if wider is not None:
-                        log(f"{run.method}: best at the edge {best:.1e} of its grid, adding {wider:.1e}")
-                        grids[run.method].append(wider)
+                    if (wider := quality.widen(grids[run.method], best, ladder, log, f"{run.method}:")) is not None:
                         submit(run.method, wider, 0, "sweep")
                         continue
                     chosen[run.method] = best

@@ -429,6 +429,18 @@ def widened(grid: Sequence[float], best: float, ladder: Sequence[float]) -> floa
     return max((rate for rate in ladder if rate < best * 0.9999), default=None)
 
 
+def widen(
+    grid: list[float], best: float, ladder: Sequence[float], log: Callable[[str], None], who: str
+) -> float | None:
+    """:func:`widened`'s rate, added to ``grid`` and logged (``who``: the run's method, and regime), for a sweep to
+    run next; ``None``: ``best`` is inside the grid or at the ladder's cap, and is chosen."""
+    wider = widened(grid, best, ladder)
+    if wider is not None:
+        log(f"{who} best at the edge {best:.1e} of its grid: adding {wider:.1e}")
+        grid.append(wider)
+    return wider
+
+
 class RunJournal:
     """Finished runs, one JSON line each after a header naming the settings every run shares, so that a benchmark cut
     short (a session's time limit) resumes where it stopped; a journal of other settings is refused, never mixed in.
@@ -476,6 +488,7 @@ def run_benchmark(
     chosen: dict[str, float] = {}
     ablations = {method: source for method in methods if (source := ALL_METHODS[method].rate_of) in methods}
     grids = {method: list(learning_rates) for method in methods}
+    ladder = ladder if len(learning_rates) > 1 else ()  # one rate given: no sweep
     pending: dict[Future, Run] = {}
 
     def submit(method: str, rate: float, seed: int, phase: str) -> None:
@@ -504,10 +517,7 @@ def run_benchmark(
                 swept = [row for other, (row, _) in results.items() if other.method == run.method]
                 if run.phase == "sweep" and len(swept) == len(grids[run.method]):
                     best = choose_learning_rates(swept)[run.method]
-                    wider = widened(grids[run.method], best, ladder) if len(learning_rates) > 1 else None
-                    if wider is not None:
-                        log(f"{run.method}: best at the edge {best:.1e} of its grid, adding {wider:.1e}")
-                        grids[run.method].append(wider)
+                    if (wider := widen(grids[run.method], best, ladder, log, f"{run.method}:")) is not None:
                         submit(run.method, wider, 0, "sweep")
                         continue
                     chosen[run.method] = best

@@ -114,7 +114,7 @@ from quality import (
     run_one,
     setup_of,
     summarise,
-    widened,
+    widen,
 )
 from transformers import AutoTokenizer, set_seed
 
@@ -439,10 +439,7 @@ def run_study(
         if run.phase != "sweep" or None in swept:
             return
         best = choose_learning_rates(swept)[run.method]
-        wider = widened(grid, best, ladders[regime])
-        if wider is not None:
-            log(f"{regime:<20} {run.method:<16} best at the edge {best:.1e} of its grid: adding {wider:.1e}")
-            grid.append(wider)
+        if (wider := widen(grid, best, ladders[regime], log, f"{regime:<20} {run.method:<16}")) is not None:
             ready.append((regime, Run(run.method, wider, 0, "sweep")))
             return
         chosen[regime, run.method] = best

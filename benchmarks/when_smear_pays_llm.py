@@ -222,7 +222,7 @@ from quality import (
     paired_difference,
     result_row,
     summarise,
-    widened,
+    widen,
 )
 from speed import peak_memory
 from transformers import PreTrainedModel, get_linear_schedule_with_warmup, set_seed
@@ -1376,10 +1376,7 @@ def run_study(
             if any(row is None for row in swept):
                 return
             best = choose_learning_rates(swept)[run.method]
-            wider = widened(grid, best, preset.ladder)
-            if wider is not None:
-                log(f"{regime:<20} {run.method:<16} best at the edge {best:.0e} of its grid: adding {wider:.0e}")
-                grid.append(wider)
+            if (wider := widen(grid, best, preset.ladder, log, f"{regime:<20} {run.method:<16}")) is not None:
                 ready.append((regime, Run(run.method, wider, 0, "sweep")))
                 return
             choose(regime, run.method, best)

@@ -80,6 +80,19 @@ def test_the_learning_rate_kept_is_the_validation_argmax(outputs):
         assert [row["seed"] for row in others] == ["1"] and others[0]["learning_rate"] == best["learning_rate"]
 
 
+def test_a_grid_widens_until_the_choice_is_inside_it(quality):
+    ladder = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
+    assert quality.widened([1e-3, 3e-3, 1e-2], 3e-3, ladder) is None  # inside: chosen
+    assert quality.widened([1e-3, 3e-3, 1e-2], 1e-2, ladder) == 3e-2
+    assert quality.widened([1e-3, 3e-3, 1e-2, 3e-2], 1e-3, ladder) == 3e-4
+    assert quality.widened([3e-4, 1e-3, 3e-3], 3e-4, ladder) is None  # the cap
+    assert quality.widened([3e-2, 1e-1], 1e-1, ladder) is None
+    grid, lines = [1e-3, 3e-3], []
+    assert quality.widen(grid, 3e-3, ladder, lines.append, "smear:") == 1e-2 and grid == [1e-3, 3e-3, 1e-2]
+    assert lines == ["smear: best at the edge 3.0e-03 of its grid: adding 1.0e-02"]
+    assert quality.widen(grid, 3e-3, ladder, lines.append, "smear:") is None and grid == [1e-3, 3e-3, 1e-2]
+
+
 def test_a_best_rate_at_the_top_of_the_grid_sweeps_the_next_rung_and_only_then(outputs):
     _, _, rows, _ = outputs
     widened = []

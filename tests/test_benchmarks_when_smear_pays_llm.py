@@ -273,13 +273,8 @@ def test_the_regimes_are_the_pre_registered_ones(study):
     assert own.count(("negative", "positive")) == 2  # only rt_fresh and tweets_sent share their own answers
 
 
-def test_a_grid_widens_until_the_choice_is_inside_it(study):
-    ladder = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
-    assert study.widened([1e-3, 3e-3, 1e-2], 3e-3, ladder) is None  # inside: chosen
-    assert study.widened([1e-3, 3e-3, 1e-2], 1e-2, ladder) == 3e-2
-    assert study.widened([1e-3, 3e-3, 1e-2, 3e-2], 1e-3, ladder) == 3e-4
-    assert study.widened([3e-4, 1e-3, 3e-3], 3e-4, ladder) is None  # the cap
-    assert study.widened([3e-2, 1e-1], 1e-1, ladder) is None
+def test_a_regimes_grid_centres_on_its_sources_choice(study):
+    ladder = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)  # widening itself: quality.widened, tests/test_benchmarks_quality.py
     assert study.centred(3e-3, ladder) == (1e-3, 3e-3, 1e-2)
     assert study.centred(1e-1, ladder) == (3e-2, 1e-1)  # at the cap: one neighbour
     assert study.curve_steps(96, 4) == (24, 48, 72, 96) and study.curve_steps(4, 2) == (2, 4)
