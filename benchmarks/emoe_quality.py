@@ -153,7 +153,6 @@ def run_benchmark(
     results: dict[Run, tuple[list[dict[str, Any]], RoutingReport | None]] = {}
     chosen: dict[str, float] = {}
     grids = {method: list(learning_rates) for method in methods}
-    ladder = ladder if len(learning_rates) > 1 else ()  # one rate given: no sweep
     pending: dict[Future, Run] = {}
 
     def submit(method: str, rate: float, seed: int, phase: str) -> None:

@@ -421,8 +421,8 @@ def choose_learning_rates(rows: Iterable[dict[str, Any]]) -> dict[str, float]:
 
 def widened(grid: Sequence[float], best: float, ladder: Sequence[float]) -> float | None:
     """The rate to add to ``grid`` when its ``best`` rate lies at an edge: the next rate of ``ladder`` beyond that
-    edge; ``None`` when ``best`` is inside the grid, or at an end of the ladder (the cap)."""
-    if min(grid) < best < max(grid):
+    edge; ``None`` when ``best`` is inside the grid, at an end of the ladder (the cap), or the only rate (no sweep)."""
+    if len(grid) < 2 or min(grid) < best < max(grid):
         return None
     if best == max(grid):
         return min((rate for rate in ladder if rate > best * 1.0001), default=None)
@@ -488,7 +488,6 @@ def run_benchmark(
     chosen: dict[str, float] = {}
     ablations = {method: source for method in methods if (source := ALL_METHODS[method].rate_of) in methods}
     grids = {method: list(learning_rates) for method in methods}
-    ladder = ladder if len(learning_rates) > 1 else ()  # one rate given: no sweep
     pending: dict[Future, Run] = {}
 
     def submit(method: str, rate: float, seed: int, phase: str) -> None:

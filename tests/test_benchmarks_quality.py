@@ -87,6 +87,7 @@ def test_a_grid_widens_until_the_choice_is_inside_it(quality):
     assert quality.widened([1e-3, 3e-3, 1e-2, 3e-2], 1e-3, ladder) == 3e-4
     assert quality.widened([3e-4, 1e-3, 3e-3], 3e-4, ladder) is None  # the cap
     assert quality.widened([3e-2, 1e-1], 1e-1, ladder) is None
+    assert quality.widened([1e-2], 1e-2, ladder) is None  # one rate given: no sweep to widen
     grid, lines = [1e-3, 3e-3], []
     assert quality.widen(grid, 3e-3, ladder, lines.append, "smear:") == 1e-2 and grid == [1e-3, 3e-3, 1e-2]
     assert lines == ["smear: best at the edge 3.0e-03 of its grid: adding 1.0e-02"]
