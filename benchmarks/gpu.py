@@ -53,7 +53,6 @@ import sys
 import tempfile
 import time
 import traceback
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -193,7 +192,7 @@ def adapted(method: str, base: torch.nn.Module) -> torch.nn.Module:
 
     torch.manual_seed(0)
     common = {"r": 8, "lora_alpha": 16, "target_modules": TARGET_MODULES, "task_type": "CAUSAL_LM"}
-    config = LoraConfig(**common) if method == "lora" else SmearConfig(num_experts=8, **common)  # SMEAR or its row
+    config = LoraConfig(**common) if method == "lora" else SmearConfig(num_experts=8, **common)  # any other: SMEAR
     return get_peft_model(base, config)
 
 
@@ -291,9 +290,7 @@ def part_profile(device: str, scale: Scale) -> dict:
     SMEAR's step less its step is what routing costs on this GPU, which fused routing kernels could at best remove."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
-    from work_counts import ROUTING_FIXED
-
-    import peft_smear
+    from work_counts import ROUTING_FIXED, hold_fixed_routing
 
     reference, batches = dtypes_model(device, scale, 3)
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.startswith("cuda") else [])]
@@ -301,12 +298,12 @@ def part_profile(device: str, scale: Scale) -> dict:
     for dtype in ("float32", "bfloat16"):
         for method in ("lora", "smear", ROUTING_FIXED):
             model = adapted(method, copy.deepcopy(reference).to(getattr(torch, dtype)))
+            if method == ROUTING_FIXED:
+                hold_fixed_routing(model, batches[:1])
             optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-            routing = peft_smear.fixed_routing(model, batches[:1]) if method == ROUTING_FIXED else nullcontext()
-            with routing:
-                _, step, _ = train(model, batches, device, optimizer)  # the fastest after the first, unprofiled
-                with profile(activities=activities) as profiled:  # one more step, its optimizer's state made already
-                    train(model, batches[:1], device, optimizer)
+            _, step, _ = train(model, batches, device, optimizer)  # the fastest after the first, unprofiled
+            with profile(activities=activities) as profiled:  # one more step, its optimizer's state made already
+                train(model, batches[:1], device, optimizer)
             # The host's operations, each with the device time of the kernels it launched; and those kernels.
             operations, kernels = [], []
             for event in profiled.key_averages():

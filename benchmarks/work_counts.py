@@ -154,10 +154,16 @@ def build(method: str, layers: int, dtype: torch.dtype, device: str, model: dict
     routing = "smear" if method == ROUTING_FIXED else method
     adapted = get_peft_model(base, peft_smear.SmearConfig(r=8, lora_alpha=8, routing=routing, **num_experts, **common))
     if method == ROUTING_FIXED:
-        fixing = peft_smear.fixed_routing(adapted, [batch(device)])
-        fixing.__enter__()
-        adapted.routing_fixed_by = fixing  # held by the model: collected, the context would end and routing return
+        hold_fixed_routing(adapted, [batch(device)])
     return adapted
+
+
+def hold_fixed_routing(adapted: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) -> None:
+    """Fix ``adapted``'s routing at ``batches``' mean routing (``peft_smear.fixed_routing``) for the model's life: the
+    model holds the context, which, collected, would end and bring routing back."""
+    fixing = peft_smear.fixed_routing(adapted, batches)
+    fixing.__enter__()
+    adapted.routing_fixed_by = fixing
 
 
 def batch(device: str, size: tuple[int, int] = (BATCH, SEQUENCE)) -> dict[str, torch.Tensor]:
@@ -343,10 +349,7 @@ def measure(
             log(
                 f"{dtype_name} {method}: ops per layer {row.ops_per_layer}, host reads per call "
                 f"{row.host_reads_per_call}, package calls per wrapped module {row.calls_per_module:.1f}"
-                + (
-                    f", compiled graph nodes per layer {row.compiled_nodes_per_layer}"
-                    * bool(row.compiled_nodes_per_layer)
-                )
+                + (f", compiled graph nodes per layer {row.compiled_nodes_per_layer}" if device == "cpu" else "")
             )
             rows.append(row)
             progress(rows)

@@ -207,6 +207,25 @@ def test_a_run_writes_its_table_and_targets(tmp_path):
     assert "median of 2 interleaved steps" in text
 
 
+def test_a_gpu_run_counts_no_compiled_graph_nodes(monkeypatch):
+    """Off the CPU no compiled graph is traced (two thirds of a row's time; the CPU's section counts them): measured
+    as on a GPU (the models and batch built on the CPU), the row's other counts are there and its nodes are not."""
+    build, batch = work_counts.build, work_counts.batch
+
+    def refuse(model, inputs):
+        raise AssertionError("a compiled graph traced off the CPU")
+
+    monkeypatch.setattr(
+        work_counts, "build", lambda method, layers, dtype, device: build(method, layers, dtype, "cpu")
+    )
+    monkeypatch.setattr(work_counts, "batch", lambda device: batch("cpu"))
+    monkeypatch.setattr(work_counts, "compiled_nodes", refuse)
+    lines = []
+    (row,) = work_counts.measure(("lora",), ("bf16",), "cuda", lines.append)
+    assert row.ops_per_layer["train"] > 0 and row.calls_per_module > 0 and row.compiled_nodes_per_layer == 0
+    assert "compiled graph nodes" not in lines[0]
+
+
 def test_rows_counted_on_a_gpu_leave_the_compiled_graph_columns_empty():
     """A GPU run counts no compiled graph nodes (the CPU's section does): its cells say so, and the table keeps its
     columns."""
