@@ -618,15 +618,21 @@ def markdown_table(summaries: dict[str, Summary], tasks: Sequence[TaskInfo]) -> 
     return "\n".join(lines)
 
 
-def sweep_table(rows: list[dict[str, Any]]) -> str:
-    """Each swept method's seed-0 validation and test average (×100) at every rate it swept, the chosen rate in bold:
-    how much the choice mattered, and whether the validation set picked the rate the test set would have."""
-    learning_rates = sorted({row["learning_rate"] for row in rows if row["phase"] == "sweep"})
+def sweep_table(
+    rows: list[dict[str, Any]],
+    label: Callable[[str], str] = lambda method: ALL_METHODS[method].label,
+    learning_rates: Sequence[float] | None = None,
+) -> str:
+    """Each swept method's seed-0 validation and test average (×100) at every rate it swept (``learning_rates``:
+    every rate any method swept), the chosen rate in bold: how much the choice mattered, and whether the validation
+    set picked the rate the test set would have. The studies call it with their own method names (``label``)."""
+    if learning_rates is None:
+        learning_rates = sorted({row["learning_rate"] for row in rows if row["phase"] == "sweep"})
     header = ["method", *[f"lr {rate:.1e}: validation / test" for rate in learning_rates]]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for method in dict.fromkeys(row["method"] for row in rows if row["phase"] == "sweep"):
         by_rate = {row["learning_rate"]: row for row in rows if row["method"] == method and row["phase"] == "sweep"}
-        cells = [ALL_METHODS[method].label]
+        cells = [label(method)]
         for rate in learning_rates:
             row = by_rate.get(rate)
             cell = "–" if row is None else f"{100 * row['validation_average']:.1f} / {100 * row['test_average']:.1f}"

@@ -80,6 +80,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import asdict, dataclass, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,7 @@ from quality import (
     run_one,
     setup_of,
     summarise,
+    sweep_table,
     widen,
 )
 from transformers import AutoTokenizer, set_seed
@@ -492,7 +494,7 @@ class Outcome:
     regime: Regime
     tasks: list[TaskInfo]
     summaries: dict[str, Summary]
-    grids: dict[str, list[float]]  # each method's swept rates
+    sweep: list[dict[str, Any]]  # the seed-0 runs of every rate each method swept
     small_metric: str
     small_size: int
     steps: int
@@ -501,6 +503,14 @@ class Outcome:
     small_best: str | None
     small_gain: tuple[float, float] | None
     bank_vs_lora: tuple[str, float, float] | None  # the best LoRA, bank − it, paired
+
+    @cached_property
+    def grids(self) -> dict[str, list[float]]:
+        """Each method's swept rates, in order."""
+        grids: dict[str, list[float]] = {}
+        for row in self.sweep:
+            grids.setdefault(row["method"], []).append(row["learning_rate"])
+        return {method: sorted(rates) for method, rates in grids.items()}
 
 
 def outcome(regime: Regime, setup: Setup, rows: list[dict[str, Any]]) -> Outcome:
@@ -518,15 +528,11 @@ def outcome(regime: Regime, setup: Setup, rows: list[dict[str, Any]]) -> Outcome
     if BANK in summaries and loras:
         lora = max(loras, key=lambda m: summaries[m].mean())
         bank_vs_lora = (lora, *paired_difference(summaries[BANK], summaries[lora]))
-    grids: dict[str, list[float]] = {}
-    for row in rows:
-        if row["phase"] == "sweep":
-            grids.setdefault(row["method"], []).append(row["learning_rate"])
     return Outcome(
         regime,
         setup.tasks,
         summaries,
-        {method: sorted(rates) for method, rates in grids.items()},
+        [row for row in rows if row["phase"] == "sweep"],
         small_metric,
         small_size,
         setup.preset.steps,
@@ -708,6 +714,10 @@ def report_body(outcomes: Sequence[Outcome], preset: Preset, seeds: int, figure:
             regime_table(o),
             "",
             "Rates chosen at an edge of the rates swept (the ladder's cap): " + (", ".join(edges) or "none") + ".",
+            "",
+            "Learning-rate sweep (seed 0):",
+            "",
+            sweep_table(o.sweep, LABELS.__getitem__),
         ]
     return "\n".join(lines) + "\n"
 

@@ -222,6 +222,7 @@ from quality import (
     paired_difference,
     result_row,
     summarise,
+    sweep_table,
     widen,
 )
 from speed import peak_memory
@@ -1744,21 +1745,6 @@ def regime_table(o: Outcome, infos: list[TaskInfo]) -> str:
     return "\n".join(lines)
 
 
-def sweep_table(rows: list[dict[str, Any]], rates: Sequence[float]) -> str:
-    """Each method's seed-0 validation / test average at every rate of the sweep, the chosen rate in bold."""
-    header = ["method", *[f"lr {rate:.0e}: validation / test" for rate in rates]]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for method in dict.fromkeys(row["method"] for row in rows if row["phase"] == "sweep"):
-        by_rate = {row["learning_rate"]: row for row in rows if row["method"] == method and row["phase"] == "sweep"}
-        cells = [label(method)]
-        for rate in rates:
-            row = by_rate.get(rate)
-            cell = "–" if row is None else f"{100 * row['validation_average']:.1f} / {100 * row['test_average']:.1f}"
-            cells.append(f"**{cell}**" if row is not None and row["chosen"] else cell)
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def cost_table(by_regime: dict[str, list[dict[str, Any]]]) -> str:
     """Per method, over its runs in every regime: the median training seconds per step and peak memory, each with
     its ratio to LoRA 1× compute's median over the same regimes, and its trainable parameters."""
@@ -1970,7 +1956,7 @@ def report_body(
         if routing:
             lines += ["", routing]
         if o.sweeps and o.name in by_regime:
-            lines += ["", "Learning-rate sweep (seed 0):", "", sweep_table(by_regime[o.name], o.rates)]
+            lines += ["", "Learning-rate sweep (seed 0):", "", sweep_table(by_regime[o.name], label, o.rates)]
             edges = edge_rates(by_regime[o.name])
             lines += ["", "Rates chosen at an edge of the grid: " + (", ".join(edges) if edges else "none") + "."]
         curve = curve_table(by_regime.get(o.name, []))

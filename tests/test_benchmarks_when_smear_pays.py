@@ -165,7 +165,7 @@ def test_the_bank_takes_the_same_steps(study):
 
 
 def test_table_figure_and_results_section(study, outputs):
-    root, _, _, _ = outputs
+    root, _, rows, _ = outputs
     text = (root / "out" / "study.md").read_text()
     summary = [line for line in text.split("###")[0].splitlines() if line.startswith("| `")]
     assert [line.split("|")[1].strip() for line in summary] == [f"`{r.name}`" for r in study.STUDY_REGIMES["tiny"]]
@@ -173,9 +173,26 @@ def test_table_figure_and_results_section(study, outputs):
         cells = [cell.strip() for cell in line.strip("|").split("|")]
         assert cells[8] in ("**win**", "**tie**", "**lose**") and cells[10] in ("**win**", "**tie**", "**lose**")
     for regime in study.STUDY_REGIMES["tiny"]:
-        section = text.split(f"### `{regime.name}`")[1].split("###")[0]
+        section, sweep = text.split(f"### `{regime.name}`")[1].split("###")[0].split("Learning-rate sweep (seed 0):")
         table = [line for line in section.splitlines() if line.startswith("|")]
         assert [line.split("|")[1].strip() for line in table[2:]] == [study.LABELS[m] for m in study.METHODS]
+        # The sweep behind each choice, read back against the runs' CSV: every swept rate's seed-0 validation / test.
+        runs = [row for row in rows if row["regime"] == regime.name and row["phase"] == "sweep"]
+        swept = sorted({float(row["learning_rate"]) for row in runs})
+        sweep_lines = [line for line in sweep.splitlines() if line.startswith("|")]
+        assert sweep_lines[0].count("lr ") == len(swept)
+        for method, line in zip(study.METHODS, sweep_lines[2:], strict=True):
+            label, *cells = (cell.strip() for cell in line.strip("|").split("|"))
+            by_rate = {float(row["learning_rate"]): row for row in runs if row["method"] == method}
+            assert label == study.LABELS[method]
+            for rate, cell in zip(swept, cells, strict=True):
+                row = by_rate.get(rate)
+                assert (cell == "–") == (row is None), (regime.name, method, rate)
+                if row is not None:
+                    validation, test = (float(x) for x in cell.strip("*").split(" / "))
+                    assert validation == pytest.approx(100 * float(row["validation_average"]), abs=0.051)
+                    assert test == pytest.approx(100 * float(row["test_average"]), abs=0.051)
+                    assert cell.startswith("**") == (row["chosen"] == "True"), (regime.name, method, rate)
     assert (root / "figure.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     results = (root / "RESULTS.md").read_text()
     assert "## When SMEAR pays: a controlled study, preset `tiny`, " in results
