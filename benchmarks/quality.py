@@ -441,6 +441,10 @@ def widen(
     return wider
 
 
+# Digits of a journalled routing report (routers × tasks × experts numbers a run): a heatmap needs no more.
+JOURNAL_DECIMALS = 5
+
+
 class RunJournal:
     """Finished runs, one JSON line each after a header naming the settings every run shares, so that a benchmark cut
     short (a session's time limit) resumes where it stopped; a journal of other settings is refused, never mixed in.
@@ -482,7 +486,8 @@ def run_benchmark(
     processes never wait for the slowest method's sweep); an ablation (``Method.rate_of``) runs all its seeds at its
     method's rate once that is chosen. Returns every run's row (in method, phase, rate, seed order), the chosen rates,
     and each routed method's routing report from its seed-0 run at the chosen rate. ``journal`` records each finished
-    run and replays the runs an interrupted benchmark already finished (those have no routing report)."""
+    run, with the routing report of a seed-0 run (:data:`JOURNAL_DECIMALS`), and replays the runs an interrupted
+    benchmark already finished."""
     executor = RunPool(setup, jobs, threads)
     results: dict[Run, tuple[dict[str, Any], RoutingReport | None]] = {}
     chosen: dict[str, float] = {}
@@ -493,8 +498,10 @@ def run_benchmark(
     def submit(method: str, rate: float, seed: int, phase: str) -> None:
         run = Run(method, rate, seed, phase)
         if journal is not None and run in journal.finished:
+            row = dict(journal.finished[run])
+            routing = row.pop("routing", None)
             future: Future = Future()
-            future.set_result((journal.finished[run], None))
+            future.set_result((row, None if routing is None else RoutingReport.from_dict(routing)))
         else:
             future = executor.submit(run_one, run)
         pending[future] = run
@@ -511,7 +518,9 @@ def run_benchmark(
                 results[run] = future.result()
                 replayed = journal is not None and run in journal.finished
                 if journal is not None and not replayed:
-                    journal.record(results[run][0])
+                    row, report = results[run]
+                    kept = report is not None and run.seed == 0  # a heatmap's run
+                    journal.record({**row, "routing": report.to_dict(JOURNAL_DECIMALS)} if kept else row)
                 log(_progress(results[run][0]) + (" (from the journal)" if replayed else ""))
                 swept = [row for other, (row, _) in results.items() if other.method == run.method]
                 if run.phase == "sweep" and len(swept) == len(grids[run.method]):
@@ -772,12 +781,17 @@ def report_body(
     ]
     if len(learning_rates) > 1:
         lines += ["", "### Learning-rate sweep (seed 0)", "", sweep_table(rows)]
-    if figures:
+    routed = [method for method in summaries if ALL_METHODS[method].routed]
+    if routed:
         lines += [
             "",
             "### Routing heatmaps (seed 0, chosen rate, test examples)",
             "",
-            *[f"- {ALL_METHODS[m].label}: `{path.as_posix()}`" for m, path in figures.items()],
+            *[
+                f"- {ALL_METHODS[m].label}: "
+                + (f"`{figures[m].as_posix()}`" if m in figures else "none (replayed from a journal without routing)")
+                for m in routed
+            ],
         ]
     return "\n".join(lines) + "\n"
 
@@ -796,7 +810,7 @@ def results_section(
     load_text = load_description(load, "slowed the run")
     reused = (
         f" {replayed} of the runs were replayed from the journal of an earlier command with the same settings "
-        "(`--resume`): their time is in the CPU-minutes, not in the wall time, and they drew no routing heatmap."
+        "(`--resume`): their time is in the CPU-minutes, not in the wall time."
         if replayed
         else ""
     )

@@ -1792,12 +1792,7 @@ def routing_heatmaps(
         )
         if row is None or len(row["routing"]["tasks"]) < 2:
             continue
-        data = row["routing"]
-        tasks, routers = data["tasks"], data["routers"]
-        mean = np.array([[data["mean_routing"][t][k] for k in routers] for t in tasks])
-        report = peft_smear.RoutingReport(
-            tasks, routers, [data["examples"][t] for t in tasks], mean, np.array([data["entropy"][t] for t in tasks])
-        )
+        report = peft_smear.RoutingReport.from_dict(row["routing"])
         figures_dir.mkdir(parents=True, exist_ok=True)
         path = figures_dir / f"{stem}_{regime.name}_smear_routing.png"
         report.save_heatmaps(path)

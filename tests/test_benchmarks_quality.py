@@ -193,6 +193,40 @@ def test_an_interrupted_benchmark_resumes_from_its_journal(quality, outputs, tmp
         run_script_main(quality, resumed)
 
 
+def test_a_benchmark_replayed_from_its_journal_draws_every_heatmap(quality, outputs, tmp_path):
+    """The journal keeps each seed-0 run's routing report, so a study resumed after its sweeps still draws every
+    routed method's heatmap; a journal without them says which are missing."""
+    root, _, rows, argv = outputs
+    header, *lines = (root / "out" / "runs.jsonl").read_text().splitlines()
+    routed = [method for method in METHODS if quality.ALL_METHODS[method].routed]
+    for row in map(json.loads, lines):
+        assert ("routing" in row) == (row["method"] in routed and row["seed"] == 0), (row["method"], row["seed"])
+        if "routing" in row:  # the run's own report: the figures computed from it when the run ended
+            report = RoutingReport.from_dict(row["routing"])
+            assert quality._normalised_entropy(report) == pytest.approx(row["routing_entropy"], abs=1e-4)
+            assert quality._mean_task_similarity(report) == pytest.approx(row["routing_similarity"], abs=1e-4)
+
+    def replay(journal_lines, name):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "runs.jsonl").write_text("\n".join(journal_lines) + "\n")
+        log = []
+        out = ["--output-dir", tmp_path / name, "--figures-dir", tmp_path / name / "figures", "--resume"]
+        run_script_main(quality, [*argv, *out], log.append)
+        assert sum("(from the journal)" in line for line in log) == len(rows)  # nothing trained
+        return (tmp_path / name / "quality.md").read_text(), tmp_path / name / "figures"
+
+    body, figures = replay([header, *lines], "kept")
+    assert sorted(path.name for path in figures.iterdir()) == sorted(f"{method}_routing.png" for method in routed)
+    for method in routed:
+        assert f"- {quality.ALL_METHODS[method].label}: `{(figures / f'{method}_routing.png').as_posix()}`" in body
+
+    older = [json.dumps({k: v for k, v in json.loads(line).items() if k != "routing"}) for line in lines]
+    body, figures = replay([header, *older], "older")
+    assert not figures.exists() or not any(figures.iterdir())
+    for method in routed:
+        assert f"- {quality.ALL_METHODS[method].label}: none (replayed from a journal without routing)" in body
+
+
 def test_a_widened_rate_grid_and_more_seeds_reuse_the_journal_and_say_so(quality, outputs, tmp_path):
     root, _, rows, argv = outputs
     (tmp_path / "out").mkdir()

@@ -20,6 +20,7 @@ from peft_smear.cli import main
 from peft_smear.core.routers import merged
 from peft_smear.multitask import training
 from peft_smear.multitask.model import UNUSED_CLASS_LOGIT, MultiTaskModel
+from peft_smear.multitask.report import RoutingReport
 from peft_smear.multitask.tasks import BENCHMARK_TASKS, TaskInfo
 from peft_smear.multitask.training import load_run
 
@@ -121,6 +122,23 @@ def test_routing_report_has_one_distribution_per_task_and_router(run):
             assert len(distribution) == EXPERTS
             assert min(distribution) >= 0 and sum(distribution) == pytest.approx(1, abs=1e-5), (task, router)
     assert report["similarity"]["topic"]["topic"] == pytest.approx(1)
+
+
+def test_a_routing_report_is_read_back_from_its_json_and_rounds_on_request(run):
+    run_dir, _ = run
+    data = json.loads((run_dir / "routing.json").read_text())
+    report = RoutingReport.from_dict(data)
+    again = report.to_dict()
+    similarity = again.pop("similarity")  # recomputed in float64 from the file's float32 routing
+    assert again == {key: value for key, value in data.items() if key != "similarity"}  # every number, in its order
+    for task, row in data["similarity"].items():
+        assert similarity[task] == pytest.approx(row, abs=1e-6)
+    rounded = report.to_dict(decimals=3)
+    for task in data["tasks"]:
+        for router, distribution in data["mean_routing"][task].items():
+            assert rounded["mean_routing"][task][router] == [round(weight, 3) for weight in distribution]
+        assert rounded["entropy"][task] == round(data["entropy"][task], 3)
+    assert rounded != data
 
 
 def test_reloaded_run_gives_the_trained_models_logits(run):

@@ -383,14 +383,8 @@ def _is_adapter_parameter(name: str, adapter_name: str) -> bool:
 
 def _report_variables(report: dict[str, Any], heatmap: bool) -> dict[str, Any]:
     """The card's view of a ``routing.json`` written by :class:`peft_smear.training.report.RoutingReport`."""
-    tasks, routers = report["tasks"], report["routers"]
-    routing = RoutingReport(
-        tasks,
-        routers,
-        [report["examples"][task] for task in tasks],
-        np.array([[report["mean_routing"][task][router] for router in routers] for task in tasks]),
-        np.array([report["entropy"][task] for task in tasks]),
-    )
+    routing = RoutingReport.from_dict(report)
+    tasks, routers = routing.tasks, routing.routers
     n = routing.num_experts
     return {
         "routers": len(routers),

@@ -62,6 +62,18 @@ class RoutingReport:
             entropies.append(entropy_total / count)
         return cls(tasks, list(routers), examples, np.stack(means), np.array(entropies))
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RoutingReport:
+        """The report :meth:`to_dict` wrote (a run's ``routing.json``, or a benchmark journal's run)."""
+        tasks, routers = list(data["tasks"]), list(data["routers"])
+        return cls(
+            tasks,
+            routers,
+            [data["examples"][task] for task in tasks],
+            np.array([[data["mean_routing"][task][router] for router in routers] for task in tasks]),
+            np.array([data["entropy"][task] for task in tasks]),
+        )
+
     @property
     def num_experts(self) -> int:
         return self.mean_routing.shape[-1]
@@ -73,18 +85,23 @@ class RoutingReport:
         distance = 0.5 * np.abs(means[:, None] - means[None, :]).sum(axis=-1)  # [tasks, tasks, routers]
         return 1.0 - distance.mean(axis=-1)
 
-    def to_dict(self) -> dict[str, Any]:
-        similarity = self.similarity()
+    def to_dict(self, decimals: int | None = None) -> dict[str, Any]:
+        """The report as JSON-ready values; ``decimals`` rounds its numbers (a benchmark journal keeps a report per
+        run, and a heatmap needs no more than a few digits)."""
+        mean_routing, entropy, similarity = (
+            values if decimals is None else values.astype(np.float64).round(decimals)
+            for values in (self.mean_routing, self.entropy, self.similarity())
+        )
         return {
             "num_experts": self.num_experts,
             "tasks": self.tasks,
             "routers": self.routers,
             "examples": dict(zip(self.tasks, self.examples, strict=True)),
             "mean_routing": {
-                task: {router: self.mean_routing[t, k].tolist() for k, router in enumerate(self.routers)}
+                task: {router: mean_routing[t, k].tolist() for k, router in enumerate(self.routers)}
                 for t, task in enumerate(self.tasks)
             },
-            "entropy": dict(zip(self.tasks, self.entropy.tolist(), strict=True)),
+            "entropy": dict(zip(self.tasks, entropy.tolist(), strict=True)),
             "uniform_entropy": math.log(self.num_experts),
             "similarity": {
                 task: dict(zip(self.tasks, row.tolist(), strict=True))
