@@ -180,8 +180,8 @@ PRESETS = {
         "example (not 64), 120 validation and 120 test examples per task (not 250); the routing heatmaps use 32 "
         "test examples per task.",
     ),
-    # Long enough for routing to matter (the router-collapse issue asks for at least 500 steps of batch 32): about 5
-    # minutes a run on one idle core. Two rates, not three, to fit seven methods in about 90 minutes of 2 cores.
+    # Long enough for routing to matter (the router-collapse issue asks for at least 500 steps of batch 32): 6 to 13
+    # CPU-minutes a run, by machine. Two rates, not three, to fit seven methods in a few hours of 2 cores.
     "long": Preset(
         steps=500,
         batch_size=32,
