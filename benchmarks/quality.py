@@ -465,9 +465,17 @@ class RunJournal:
         else:
             path.write_text(header + "\n")
 
-    def record(self, row: dict[str, Any]) -> None:
+    def record(self, row: dict[str, Any], report: RoutingReport | None = None) -> None:
+        """Append ``row``, with ``report`` (a heatmap's run) rounded to :data:`JOURNAL_DECIMALS`."""
+        kept = row if report is None else {**row, "routing": report.to_dict(JOURNAL_DECIMALS)}
         with open(self.path, "a") as handle:
-            handle.write(json.dumps(row) + "\n")
+            handle.write(json.dumps(kept) + "\n")
+
+    def replay(self, run: Run) -> tuple[dict[str, Any], RoutingReport | None]:
+        """A finished run's row and, where it was kept, its routing report."""
+        row = dict(self.finished[run])
+        routing = row.pop("routing", None)
+        return row, None if routing is None else RoutingReport.from_dict(routing)
 
 
 def run_benchmark(
@@ -498,10 +506,8 @@ def run_benchmark(
     def submit(method: str, rate: float, seed: int, phase: str) -> None:
         run = Run(method, rate, seed, phase)
         if journal is not None and run in journal.finished:
-            row = dict(journal.finished[run])
-            routing = row.pop("routing", None)
             future: Future = Future()
-            future.set_result((row, None if routing is None else RoutingReport.from_dict(routing)))
+            future.set_result(journal.replay(run))
         else:
             future = executor.submit(run_one, run)
         pending[future] = run
@@ -519,8 +525,7 @@ def run_benchmark(
                 replayed = journal is not None and run in journal.finished
                 if journal is not None and not replayed:
                     row, report = results[run]
-                    kept = report is not None and run.seed == 0  # a heatmap's run
-                    journal.record({**row, "routing": report.to_dict(JOURNAL_DECIMALS)} if kept else row)
+                    journal.record(row, report if run.seed == 0 else None)  # seed 0 at the chosen rate: a heatmap
                 log(_progress(results[run][0]) + (" (from the journal)" if replayed else ""))
                 swept = [row for other, (row, _) in results.items() if other.method == run.method]
                 if run.phase == "sweep" and len(swept) == len(grids[run.method]):
