@@ -214,6 +214,7 @@ from common import (
 )
 from peft import LoraConfig, get_peft_model
 from quality import (
+    JOURNAL_DECIMALS,
     Run,
     RunClock,
     RunJournal,
@@ -1092,7 +1093,7 @@ def finish_row(
     row["step_seconds"] = statistics.median(step_seconds) if step_seconds else None
     row["peak_memory_mb"] = memory
     if report is not None:
-        row["routing"] = report.to_dict()
+        row["routing"] = report.to_dict(JOURNAL_DECIMALS)  # journalled with every routed run: a heatmap's digits
     return row
 
 

@@ -512,6 +512,9 @@ def test_a_study_cut_off_resumes_from_its_journals(study, outputs, tmp_path):
     journal = (root / "out" / regime / "runs.jsonl").read_text().splitlines()
     assert len(journal) == 1 + sum(row["regime"] == regime for row in rows)
     methods = [json.loads(line)["method"] for line in journal[1:]]
+    reports = [row["routing"] for row in map(json.loads, journal[1:]) if "routing" in row]
+    probabilities = [p for r in reports for task in r["mean_routing"].values() for e in task.values() for p in e]
+    assert probabilities and all(p == round(p, 5) for p in probabilities)  # a heatmap's digits, not float32's noise
     cut = methods.index("arrow")  # keep the bank's row, not Arrow's: the bank's run must be trained again
     (tmp_path / "out" / regime).mkdir(parents=True)
     (tmp_path / "out" / regime / "runs.jsonl").write_text("\n".join(journal[: cut + 1]) + "\n")
