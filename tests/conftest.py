@@ -3,6 +3,7 @@ support), the benchmark scripts as modules, and the training and export helpers 
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -44,6 +45,14 @@ def pytest_configure(config) -> None:
         threads = max(1, cores // workers)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
+
+
+def pytest_collection_finish(session) -> None:
+    """Every test module is imported: freeze the ~570,000 objects torch, transformers and the rest made, so that a
+    full garbage collection scans only what the tests make. ``Trainer.train`` runs one each time (accelerate's
+    ``free_memory``): 0.7 s a call on the whole heap; freezing took a tiny study's regime from 43 s to 13 s."""
+    gc.collect()
+    gc.freeze()
 
 
 VOCAB = 96
