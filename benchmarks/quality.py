@@ -525,7 +525,7 @@ def run_benchmark(
                 replayed = journal is not None and run in journal.finished
                 if journal is not None and not replayed:
                     row, report = results[run]
-                    journal.record(row, report if run.seed == 0 else None)  # seed 0 at the chosen rate: a heatmap
+                    journal.record(row, report if run.seed == 0 else None)  # the chosen rate's seed 0 is the heatmap
                 log(_progress(results[run][0]) + (" (from the journal)" if replayed else ""))
                 swept = [row for other, (row, _) in results.items() if other.method == run.method]
                 if run.phase == "sweep" and len(swept) == len(grids[run.method]):

@@ -1093,7 +1093,7 @@ def finish_row(
     row["step_seconds"] = statistics.median(step_seconds) if step_seconds else None
     row["peak_memory_mb"] = memory
     if report is not None:
-        row["routing"] = report.to_dict(JOURNAL_DECIMALS)  # journalled with every routed run: a heatmap's digits
+        row["routing"] = report.to_dict(JOURNAL_DECIMALS)  # in every routed row and journal line
     return row
 
 
